@@ -1,0 +1,46 @@
+/* error.c — the shared error space: descriptions and the status object. */
+#define _GNU_SOURCE
+#include "hapi.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+const char *hapi_strerror(int code)
+{
+    switch (code) {
+    case 0: return "success";
+    case HAPI_EDECODE: return "image could not be decoded";
+    case HAPI_EFORMAT: return "not a JPEG or PNG image";
+    case HAPI_ETOOBIG: return "image is over the pixel limit";
+    case HAPI_EMODEL: return "model error";
+    case HAPI_ENOTSTAGED: return "not a staged hapifs model archive";
+    case HAPI_EOOM: return "out of memory while running the model";
+    case HAPI_ECACHE: return "feature cache error";
+    case HAPI_ECORRUPT: return "stored data is corrupt or foreign";
+    case HAPI_EINVAL: return "invalid argument";
+    default: break;
+    }
+    if (code < 0 && code > HAPI_ERRNO_BASE)
+        return strerrordesc_np(-code) ? strerrordesc_np(-code) : "unknown error";
+    return "unknown error";
+}
+
+int hapi_error_set(hapi_error *err, int code, const char *fmt, ...)
+{
+    if (err) {
+        va_list ap;
+        err->code = code;
+        va_start(ap, fmt);
+        vsnprintf(err->message, sizeof(err->message), fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+uint64_t hapi_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}

@@ -1,0 +1,61 @@
+/* hapi.h — what every hapifs module shares: the error space, the error status object, timing. */
+#ifndef HAPI_H
+#define HAPI_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * Error codes. Functions return 0 (or a count) on success and a negative
+ * number on failure: either a negated errno value (-ENOMEM, -ENOENT, ...) or
+ * one of the hapifs codes below, which live in a reserved range far from any
+ * errno. hapi_strerror() describes both. "Not found" is a result, not an
+ * error: functions that look things up say how they report it.
+ */
+enum {
+    HAPI_ERRNO_BASE = -30000,
+    HAPI_EDECODE = -30000,    /* the image could not be decoded */
+    HAPI_EFORMAT = -30001,    /* not a format we read (neither JPEG nor PNG) */
+    HAPI_ETOOBIG = -30002,    /* image over the pixel limit, refused before decoding */
+    HAPI_EMODEL = -30003,     /* the model failed to load or to run */
+    HAPI_ENOTSTAGED = -30004, /* the model file is not a staged hapifs archive */
+    HAPI_EOOM = -30005,       /* out of memory while running the model */
+    HAPI_ECACHE = -30006,     /* the cache store failed */
+    HAPI_ECORRUPT = -30007,   /* stored data is corrupt or foreign */
+    HAPI_EINVAL = -30008,     /* a bad argument or option value */
+    HAPI_ERRNO_LAST = -30008
+};
+
+/*
+ * A status object owned by the caller, filled by a failing call with its
+ * code and a one-line message naming what failed. May be NULL wherever a
+ * function takes one; functions never read it, they only write on failure.
+ */
+typedef struct hapi_error {
+    int code;
+    char message[256];
+} hapi_error;
+
+/* Describes a hapifs code or a negated errno. The string is static. */
+const char *hapi_strerror(int code);
+
+/*
+ * Fills err (if not NULL) with code and a printf-style message, and returns
+ * code so a caller can write `return hapi_error_set(err, -EIO, ...)`.
+ */
+int hapi_error_set(hapi_error *err, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Monotonic clock in nanoseconds. */
+uint64_t hapi_now_ns(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,231 @@
+/* extractor.h — turns image files into feature tensors: decode, preprocess, run the frozen stages. */
+#ifndef HAPI_EXTRACTOR_H
+#define HAPI_EXTRACTOR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hapi.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------ images */
+
+/*
+ * A decoded image: 8-bit RGB, rows of width * 3 bytes, no padding.
+ * pixels is owned by the image; release it with hapi_image_release().
+ */
+typedef struct hapi_image {
+    int width;
+    int height;
+    uint8_t *pixels;
+} hapi_image;
+
+/* Per-thread decoding state (a TurboJPEG handle). Not thread-safe: one per thread. */
+typedef struct hapi_decoder hapi_decoder;
+
+/* Creates a decoder. Returns 0, or -ENOMEM / HAPI_EDECODE; *out is NULL on failure. */
+int hapi_decoder_new(hapi_decoder **out);
+
+/* Frees a decoder. Accepts NULL. */
+void hapi_decoder_free(hapi_decoder *dec);
+
+enum hapi_preprocess_mode {
+    HAPI_PREPROCESS_EXACT = 0, /* full decode, PIL-equal resampling */
+    HAPI_PREPROCESS_FAST = 1   /* DCT-domain downscale first, then the same resampling */
+};
+
+/*
+ * torchvision's Resize(resize) -> CenterCrop(crop) -> ToTensor -> Normalize(mean, std).
+ * max_pixels refuses images whose header says width * height > max_pixels
+ * (0: no limit), before anything is allocated for decoding.
+ */
+typedef struct hapi_preprocess {
+    int resize;
+    int crop;
+    float mean[3];
+    float std[3];
+    int mode;
+    uint64_t max_pixels;
+} hapi_preprocess;
+
+/*
+ * Decodes JPEG or PNG bytes to RGB like PIL's Image.open(p).convert("RGB")
+ * (grayscale, CMYK/YCCK, palette, alpha, 16-bit are converted as PIL does;
+ * alpha is dropped). min_short_side > 0 allows a JPEG to be decoded at a
+ * reduced DCT scale whose short side is still >= min_short_side (fast mode);
+ * 0 decodes at full size.
+ * Returns 0, HAPI_EFORMAT, HAPI_EDECODE (truncated or corrupt; message says
+ * why), HAPI_ETOOBIG, or -ENOMEM. On failure out->pixels is NULL.
+ */
+int hapi_image_decode(hapi_decoder *dec, const void *data, size_t size,
+                      uint64_t max_pixels, int min_short_side,
+                      hapi_image *out, hapi_error *err);
+
+/* Frees img->pixels and zeroes the image. Accepts NULL and an empty image. */
+void hapi_image_release(hapi_image *img);
+
+/*
+ * Resizes (PIL bilinear with antialiasing, short side to pp->resize, long
+ * side truncated), centre-crops to pp->crop x pp->crop, scales to [0, 1]
+ * and normalizes, writing 3 * crop * crop floats in CHW order to out.
+ * Returns 0, HAPI_EINVAL (bad parameters) or -ENOMEM. Thread-safe.
+ */
+int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
+                          float *out, hapi_error *err);
+
+/* hapi_image_decode then hapi_image_preprocess, per pp->mode. Same returns. */
+int hapi_image_load(hapi_decoder *dec, const void *data, size_t size,
+                    const hapi_preprocess *pp, float *out, hapi_error *err);
+
+/* True if name ends in an image extension we serve (.jpg .jpeg .png, any case). */
+int hapi_image_name_is_image(const char *name);
+
+/* ------------------------------------------------------------------- model */
+
+/*
+ * The C face of the libtorch shim (model.cpp). A staged model is a
+ * TorchScript archive whose top module's direct children are the stages, in
+ * execution order, with metadata in the extra file "hapifs.json".
+ * Every function catches every C++ exception and reports through err.
+ */
+typedef struct hapi_model hapi_model;
+
+enum hapi_dtype { HAPI_DTYPE_FP32 = 0, HAPI_DTYPE_FP16 = 1 };
+
+#define HAPI_MAX_DIMS 8
+#define HAPI_STAGE_NAME_MAX 64
+
+/* One stage: its name and the shape of its output for one sample (no batch dimension). */
+typedef struct hapi_stage_info {
+    char name[HAPI_STAGE_NAME_MAX];
+    int ndim;
+    int64_t shape[HAPI_MAX_DIMS];
+} hapi_stage_info;
+
+typedef struct hapi_model_options {
+    const char *device;  /* "cpu" (default when NULL) or "cuda[:N]" */
+    int threads;         /* intra-op threads; 0 = leave libtorch's choice */
+    int optimize;        /* nonzero: freeze and optimize_for_inference */
+} hapi_model_options;
+
+/*
+ * Loads a staged model archive. Checks that it is staged (children are
+ * modules, hapifs.json present) but runs nothing.
+ * Returns 0, -ENOENT/-EACCES (unreadable file), HAPI_ENOTSTAGED, HAPI_EMODEL.
+ * *out is NULL on failure; free with hapi_model_free().
+ */
+int hapi_model_load(const char *path, const hapi_model_options *opt,
+                    hapi_model **out, hapi_error *err);
+
+/* Frees a model. Accepts NULL. */
+void hapi_model_free(hapi_model *m);
+
+/* The archive's hapifs.json text; lives as long as m. */
+const char *hapi_model_metadata(const hapi_model *m);
+
+/* Number of stages. */
+int hapi_model_num_stages(const hapi_model *m);
+
+/*
+ * Runs one zero sample of shape (channels, height, width) through every stage
+ * to learn each stage's output shape. Must be called once before
+ * hapi_model_stage() reports shapes and before hapi_model_run().
+ * Returns 0, HAPI_EMODEL (a stage failed: the message names it), HAPI_EOOM.
+ */
+int hapi_model_probe(hapi_model *m, int channels, int height, int width, hapi_error *err);
+
+/*
+ * Describes stage index (0-based). Names are known after load; shapes after
+ * hapi_model_probe() (ndim is 0 before). Returns 0 or HAPI_EINVAL.
+ */
+int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info);
+
+/*
+ * Runs stages [0, split) on batch samples of the probed input shape (CHW
+ * fp32, contiguous, batch-major) and writes the output of stage split - 1
+ * to output as dtype, batch-major, contiguous. output_size must be at least
+ * batch * (elements per sample) * (2 or 4) bytes.
+ * Thread-safe: several threads may run one model at once.
+ * Returns 0, HAPI_EINVAL, HAPI_EOOM (out of memory: a smaller batch may
+ * succeed), HAPI_EMODEL.
+ */
+int hapi_model_run(hapi_model *m, int split, const float *input, int batch,
+                   int dtype, void *output, size_t output_size, hapi_error *err);
+
+/* --------------------------------------------------------------- extractor */
+
+/* Where a mount's features come from: a model, a split, a dtype, a preprocessing. */
+typedef struct hapi_extractor_config {
+    const char *model_path;
+    const char *split;      /* "auto", a stage count N (runs [0, N)), or a stage name (runs through it) */
+    const char *freeze;     /* NULL/"" = the model's default; N or NAME as split */
+    int dtype;              /* enum hapi_dtype */
+    int mode;               /* enum hapi_preprocess_mode */
+    uint64_t max_pixels;    /* 0 = no limit */
+    int threads;            /* libtorch intra-op threads, 0 = default */
+    const char *device;     /* NULL = "cpu" */
+} hapi_extractor_config;
+
+typedef struct hapi_extractor hapi_extractor;
+
+/* The model's metadata (hapifs.json), parsed. */
+typedef struct hapi_model_meta {
+    char arch[64];
+    int input_size;       /* crop size */
+    int resize_size;      /* Resize() target */
+    float mean[3];
+    float std[3];
+    int freeze;           /* default freeze index: stages [0, freeze) are frozen */
+} hapi_model_meta;
+
+/*
+ * Loads and probes the model, parses its metadata, resolves split and freeze
+ * and digests the model file. Returns 0, -errno for an unreadable file,
+ * HAPI_ENOTSTAGED, HAPI_EMODEL, HAPI_EINVAL (bad split/freeze: the message
+ * names the stages that exist). *out is NULL on failure; free with
+ * hapi_extractor_close().
+ */
+int hapi_extractor_open(const hapi_extractor_config *cfg, hapi_extractor **out,
+                        hapi_error *err);
+
+/* Frees an extractor. Accepts NULL. */
+void hapi_extractor_close(hapi_extractor *ex);
+
+/*
+ * Parses a split or freeze word ("N" or a stage name) against ex's model:
+ * returns the stage count in 1..num_stages, or HAPI_EINVAL with a message.
+ */
+int hapi_extractor_parse_split(const hapi_extractor *ex, const char *word, hapi_error *err);
+
+/* Accessors; pointers live as long as ex. */
+const hapi_model_meta *hapi_extractor_meta(const hapi_extractor *ex);
+hapi_model *hapi_extractor_model(const hapi_extractor *ex);
+const hapi_preprocess *hapi_extractor_preprocess(const hapi_extractor *ex);
+int hapi_extractor_split(const hapi_extractor *ex);   /* stages run: [0, split) */
+int hapi_extractor_freeze(const hapi_extractor *ex);
+int hapi_extractor_dtype(const hapi_extractor *ex);
+/* Output stage of the split (shape per sample). */
+const hapi_stage_info *hapi_extractor_output(const hapi_extractor *ex);
+/* Bytes of one sample's features: elements * (2 or 4). */
+size_t hapi_extractor_sample_bytes(const hapi_extractor *ex);
+/* XXH3-128 of the model file's bytes. */
+const uint8_t *hapi_extractor_model_digest(const hapi_extractor *ex);
+
+/*
+ * Decodes, preprocesses and runs one image's bytes, writing
+ * hapi_extractor_sample_bytes() bytes to out. dec is the calling thread's
+ * decoder. Thread-safe given one decoder per thread.
+ * Returns 0 or an error from decode, preprocess or model run.
+ */
+int hapi_extractor_compute(hapi_extractor *ex, hapi_decoder *dec,
+                           const void *data, size_t size, void *out,
+                           hapi_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
