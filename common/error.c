@@ -1,5 +1,4 @@
 /* error.c — the shared error space: descriptions and the status object. */
-#define _GNU_SOURCE
 #include "hapi.h"
 
 #include <stdio.h>

@@ -1,0 +1,1070 @@
+/* fs.c — the FUSE low-level operations: the mirrored source tree, .feat files, passthrough files, the control directory. */
+#include "fusefs-int.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+/*
+ * Node ids. The kernel names every file by a 64-bit id we choose. Ids are
+ * derived from the source's inode so that they are stable across remounts
+ * (an NFS re-export needs that), in three disjoint ranges:
+ *   1                      the root (FUSE_ROOT_ID)
+ *   ino << 1 | is_feat     a source file or directory on the root's device, ino < 2^61
+ *   2^62 | hash << 1 | f   anything else (another device, a huge inode number)
+ *   2^63 | n               the control directory and its files
+ */
+#define CTL_BASE (1ull << 63)
+#define CTL_DIR_ID (CTL_BASE | 1)
+#define CTL_FILE_ID(i) (CTL_BASE | (2 + (uint64_t)(i)))
+#define HASHED_BASE (1ull << 62)
+
+/* How long the kernel may trust names and attributes we return. */
+#define ENTRY_TIMEOUT 1.0
+#define ATTR_TIMEOUT 1.0
+
+const char *const hapi_ctl_files[] = { "config", "stats", "errors", NULL };
+
+/* ------------------------------------------------------------ node table */
+
+/*
+ * What the kernel has looked up and not yet forgotten: id -> (kind, path).
+ * The path is the latest one the id was looked up by (a rename in the
+ * source, or a hard link, changes it); for a .feat node it is the source
+ * image's path. Paths are relative to the source root, "" for the root.
+ */
+struct node {
+    uint64_t id;
+    uint64_t nlookup;
+    int kind;
+    char *path;
+    struct node *next;
+};
+
+struct node_table {
+    pthread_mutex_t lock;
+    struct node **buckets;
+    size_t nbuckets;
+    size_t count;
+};
+
+static struct node_table *node_table_new(void)
+{
+    struct node_table *t = calloc(1, sizeof(*t));
+    if (!t)
+        return NULL;
+    t->nbuckets = 1 << 16;
+    t->buckets = calloc(t->nbuckets, sizeof(*t->buckets));
+    if (!t->buckets) {
+        free(t);
+        return NULL;
+    }
+    pthread_mutex_init(&t->lock, NULL);
+    return t;
+}
+
+static void node_table_free(struct node_table *t)
+{
+    if (!t)
+        return;
+    for (size_t i = 0; i < t->nbuckets; i++) {
+        for (struct node *n = t->buckets[i], *next; n; n = next) {
+            next = n->next;
+            free(n->path);
+            free(n);
+        }
+    }
+    pthread_mutex_destroy(&t->lock);
+    free(t->buckets);
+    free(t);
+}
+
+static size_t node_bucket(const struct node_table *t, uint64_t id)
+{
+    return (size_t)(XXH3_64bits(&id, sizeof(id)) & (t->nbuckets - 1));
+}
+
+/* Counts one more lookup of id, creating the node or updating its path. Returns 0 or -ENOMEM. */
+static int node_ref(struct node_table *t, uint64_t id, int kind, const char *path)
+{
+    char *copy = strdup(path);
+    if (!copy)
+        return -ENOMEM;
+    pthread_mutex_lock(&t->lock);
+    size_t b = node_bucket(t, id);
+    struct node *n = t->buckets[b];
+    while (n && n->id != id)
+        n = n->next;
+    if (!n) {
+        n = calloc(1, sizeof(*n));
+        if (!n) {
+            pthread_mutex_unlock(&t->lock);
+            free(copy);
+            return -ENOMEM;
+        }
+        n->id = id;
+        n->next = t->buckets[b];
+        t->buckets[b] = n;
+        t->count++;
+    }
+    n->nlookup++;
+    n->kind = kind;
+    free(n->path);
+    n->path = copy;
+    pthread_mutex_unlock(&t->lock);
+    return 0;
+}
+
+static void node_unref(struct node_table *t, uint64_t id, uint64_t count)
+{
+    pthread_mutex_lock(&t->lock);
+    struct node **link = &t->buckets[node_bucket(t, id)];
+    while (*link && (*link)->id != id)
+        link = &(*link)->next;
+    struct node *n = *link;
+    if (n) {
+        n->nlookup = n->nlookup > count ? n->nlookup - count : 0;
+        if (n->nlookup == 0) {
+            *link = n->next;
+            t->count--;
+            free(n->path);
+            free(n);
+        }
+    }
+    pthread_mutex_unlock(&t->lock);
+}
+
+/* Copies id's kind and path (malloc'd into *path). Returns 0, -ENOENT (stale id) or -ENOMEM. */
+static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path)
+{
+    if (id == FUSE_ROOT_ID) {
+        *kind = HAPI_NODE_DIR;
+        *path = strdup("");
+        return *path ? 0 : -ENOMEM;
+    }
+    struct node_table *t = fs->nodes;
+    int rc = -ENOENT;
+    pthread_mutex_lock(&t->lock);
+    for (struct node *n = t->buckets[node_bucket(t, id)]; n; n = n->next) {
+        if (n->id == id) {
+            *kind = n->kind;
+            *path = strdup(n->path);
+            rc = *path ? 0 : -ENOMEM;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&t->lock);
+    return rc;
+}
+
+/* ------------------------------------------------------- the source tree */
+
+int hapi_fs_open_beneath(int root_fd, const char *path, int flags)
+{
+    struct open_how how = {
+        .flags = (uint64_t)(flags | O_CLOEXEC),
+        .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS,
+    };
+    /* glibc 2.36 has no openat2() wrapper. */
+    long fd = syscall(SYS_openat2, root_fd, *path ? path : ".", &how, sizeof(how));
+    if (fd < 0)
+        return errno == EXDEV ? -ENOENT : -errno;
+    return (int)fd;
+}
+
+/* stat() of a path beneath the root, following symlinks that stay beneath it. */
+static int stat_beneath(int root_fd, const char *path, struct stat *st)
+{
+    int fd = hapi_fs_open_beneath(root_fd, path, O_PATH);
+    if (fd < 0)
+        return fd;
+    int rc = fstat(fd, st) < 0 ? -errno : 0;
+    close(fd);
+    return rc;
+}
+
+static uint64_t node_id_for(const hapi_fs *fs, const struct stat *st, int feat)
+{
+    if (st->st_dev == fs->source_dev && st->st_ino < (1ull << 61))
+        return (uint64_t)st->st_ino << 1 | (uint64_t)!!feat;
+    uint64_t key[2] = { (uint64_t)st->st_dev, (uint64_t)st->st_ino };
+    uint64_t h = XXH3_64bits(key, sizeof(key)) & ((1ull << 61) - 1);
+    return HASHED_BASE | h << 1 | (uint64_t)!!feat;
+}
+
+static char *join_path(const char *dir, const char *name)
+{
+    char *p = NULL;
+    if (asprintf(&p, "%s%s%s", dir, *dir ? "/" : "", name) < 0)
+        return NULL;
+    return p;
+}
+
+/* If name is "<image>.feat", returns the length of "<image>", else 0. */
+static size_t feat_stem_len(const char *name)
+{
+    size_t len = strlen(name);
+    if (len <= 5 || strcmp(name + len - 5, ".feat") != 0)
+        return 0;
+    char stem[NAME_MAX + 1];
+    if (len - 5 > NAME_MAX)
+        return 0;
+    memcpy(stem, name, len - 5);
+    stem[len - 5] = '\0';
+    return hapi_image_name_is_image(stem) ? len - 5 : 0;
+}
+
+/* Attributes the mount shows for a source file or directory: the source's, read-only. */
+static void source_attr(const hapi_fs *fs, const struct stat *src, uint64_t id, struct stat *st)
+{
+    (void)fs;
+    *st = *src;
+    st->st_ino = id;
+    st->st_mode &= ~(mode_t)0222;
+}
+
+/* Attributes of x.jpg.feat: exact size without computing anything; times of the source. */
+static void feat_attr(const hapi_fs *fs, const struct stat *src, uint64_t id, struct stat *st)
+{
+    *st = *src;
+    st->st_ino = id;
+    st->st_mode = S_IFREG | (src->st_mode & 0444);
+    st->st_nlink = 1;
+    st->st_size = (off_t)fs->feat_size;
+    st->st_blocks = (blkcnt_t)((fs->feat_size + 511) / 512);
+}
+
+static void ctl_dir_attr(const hapi_fs *fs, struct stat *st)
+{
+    memset(st, 0, sizeof(*st));
+    st->st_ino = CTL_DIR_ID;
+    st->st_mode = S_IFDIR | 0555;
+    st->st_nlink = 2;
+    st->st_mtim.tv_sec = (time_t)(fs->started_realtime);
+    st->st_ctim = st->st_atim = st->st_mtim;
+}
+
+static int ctl_index(const char *name)
+{
+    for (int i = 0; hapi_ctl_files[i]; i++)
+        if (strcmp(name, hapi_ctl_files[i]) == 0)
+            return i;
+    return -1;
+}
+
+/* A control file's size is that of its content now; reads use direct I/O anyway. */
+static void ctl_file_attr(hapi_fs *fs, int index, struct stat *st)
+{
+    char *text = hapi_ctl_render(fs, hapi_ctl_files[index]);
+    memset(st, 0, sizeof(*st));
+    st->st_ino = CTL_FILE_ID(index);
+    st->st_mode = S_IFREG | 0444;
+    st->st_nlink = 1;
+    st->st_size = text ? (off_t)strlen(text) : 0;
+    st->st_mtim.tv_sec = time(NULL);
+    st->st_ctim = st->st_atim = st->st_mtim;
+    free(text);
+}
+
+/*
+ * Maps a module code to the errno the kernel gets; only this file does that.
+ * Every hapifs code (an undecodable image, a model failure, even running out
+ * of memory inside the model) is EIO on the file: the log says the rest.
+ */
+static int to_errno(int code)
+{
+    if (code >= 0)
+        return 0;
+    if (code > HAPI_ERRNO_BASE)
+        return -code;
+    return EIO;
+}
+
+/* ----------------------------------------------------------- operations */
+
+static void op_init(void *userdata, struct fuse_conn_info *conn)
+{
+    hapi_fs *fs = userdata;
+    /* The kernel drops cached pages of a file whose size or mtime changed. */
+    if (conn->capable & FUSE_CAP_AUTO_INVAL_DATA)
+        conn->want |= FUSE_CAP_AUTO_INVAL_DATA;
+    if (conn->capable & FUSE_CAP_SPLICE_WRITE)
+        conn->want |= FUSE_CAP_SPLICE_WRITE;
+    /* Many DataLoader workers read at once: let the kernel keep many requests in flight. */
+    conn->max_background = 256;
+    conn->congestion_threshold = 192;
+    hapi_log(HAPI_LOG_INFO, "mounted %s on %s (model %s, split %d, namespace %s)",
+             fs->opt->source, fs->opt->mountpoint, fs->opt->model, hapi_extractor_split(fs->ex),
+             fs->ns_hex);
+}
+
+/* Resolves name in directory parent_path; fills e and returns 0 or a negative errno. */
+static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const char *name,
+                   struct fuse_entry_param *e, int *kind, char **path)
+{
+    struct stat src;
+    int rc;
+
+    memset(e, 0, sizeof(*e));
+    e->attr_timeout = ATTR_TIMEOUT;
+    e->entry_timeout = ENTRY_TIMEOUT;
+    *path = NULL;
+
+    if (parent == FUSE_ROOT_ID && strcmp(name, ".hapifs") == 0) {
+        *kind = HAPI_NODE_CTL_DIR;
+        e->ino = CTL_DIR_ID;
+        ctl_dir_attr(fs, &e->attr);
+        return 0;
+    }
+    if (strlen(name) > NAME_MAX)
+        return -ENAMETOOLONG;
+
+    size_t stem = feat_stem_len(name);
+    if (stem) {
+        char *image_name = strndup(name, stem);
+        char *image = image_name ? join_path(parent_path, image_name) : NULL;
+        free(image_name);
+        if (!image)
+            return -ENOMEM;
+        rc = stat_beneath(fs->source_fd, image, &src);
+        if (rc == 0 && S_ISREG(src.st_mode)) {
+            *kind = HAPI_NODE_FEAT;
+            e->ino = node_id_for(fs, &src, 1);
+            feat_attr(fs, &src, e->ino, &e->attr);
+            *path = image;
+            return 0;
+        }
+        free(image);
+        /* Not a feature of an image: maybe a real file of that name. */
+    }
+
+    char *child = join_path(parent_path, name);
+    if (!child)
+        return -ENOMEM;
+    rc = stat_beneath(fs->source_fd, child, &src);
+    if (rc < 0)
+        goto fail;
+    if (S_ISDIR(src.st_mode)) {
+        *kind = HAPI_NODE_DIR;
+    } else if (S_ISREG(src.st_mode) && (fs->opt->show_raw || !hapi_image_name_is_image(name))) {
+        *kind = HAPI_NODE_FILE;
+    } else {
+        rc = -ENOENT; /* hidden images, devices, sockets, fifos */
+        goto fail;
+    }
+    e->ino = node_id_for(fs, &src, 0);
+    source_attr(fs, &src, e->ino, &e->attr);
+    *path = child;
+    return 0;
+fail:
+    free(child);
+    return rc;
+}
+
+static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    hapi_fs *fs = fuse_req_userdata(req);
+    struct fuse_entry_param e;
+    char *parent_path = NULL, *path = NULL;
+    int kind, rc;
+
+    if (parent == CTL_DIR_ID) {
+        int i = ctl_index(name);
+        if (i < 0) {
+            fuse_reply_err(req, ENOENT);
+            return;
+        }
+        memset(&e, 0, sizeof(e));
+        e.ino = CTL_FILE_ID(i);
+        ctl_file_attr(fs, i, &e.attr);
+        fuse_reply_entry(req, &e);
+        return;
+    }
+    if ((rc = node_get(fs, parent, &kind, &parent_path)) < 0)
+        goto out;
+    if (kind != HAPI_NODE_DIR) {
+        rc = -ENOTDIR;
+        goto out;
+    }
+    if ((rc = resolve(fs, parent, parent_path, name, &e, &kind, &path)) < 0)
+        goto out;
+    if (path && (rc = node_ref(fs->nodes, e.ino, kind, path)) < 0)
+        goto out;
+    fuse_reply_entry(req, &e);
+out:
+    if (rc < 0)
+        fuse_reply_err(req, -rc);
+    free(parent_path);
+    free(path);
+}
+
+static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
+{
+    hapi_fs *fs = fuse_req_userdata(req);
+    if (ino != FUSE_ROOT_ID && !(ino & CTL_BASE))
+        node_unref(fs->nodes, ino, nlookup);
+    fuse_reply_none(req);
+}
+
+static void op_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_data *forgets)
+{
+    hapi_fs *fs = fuse_req_userdata(req);
+    for (size_t i = 0; i < count; i++)
+        if (forgets[i].ino != FUSE_ROOT_ID && !(forgets[i].ino & CTL_BASE))
+            node_unref(fs->nodes, forgets[i].ino, forgets[i].nlookup);
+    fuse_reply_none(req);
+}
+
+static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    hapi_fs *fs = fuse_req_userdata(req);
+    struct stat st, src;
+    char *path = NULL;
+    int kind, rc;
+    (void)fi;
+
+    if (ino == CTL_DIR_ID) {
+        ctl_dir_attr(fs, &st);
+        fuse_reply_attr(req, &st, ATTR_TIMEOUT);
+        return;
+    }
+    if (ino & CTL_BASE) {
+        int i = (int)((ino & ~CTL_BASE) - 2);
+        if (i < 0 || i >= (int)(sizeof(hapi_ctl_files) / sizeof(*hapi_ctl_files)) - 1) {
+            fuse_reply_err(req, ENOENT);
+            return;
+        }
+        ctl_file_attr(fs, i, &st);
+        fuse_reply_attr(req, &st, 0);
+        return;
+    }
+    if ((rc = node_get(fs, ino, &kind, &path)) < 0 ||
+        (rc = stat_beneath(fs->source_fd, path, &src)) < 0) {
+        fuse_reply_err(req, -rc);
+        free(path);
+        return;
+    }
+    if (kind == HAPI_NODE_FEAT)
+        feat_attr(fs, &src, ino, &st);
+    else
+        source_attr(fs, &src, ino, &st);
+    fuse_reply_attr(req, &st, ATTR_TIMEOUT);
+    free(path);
+}
+
+/* A directory listing, read whole at opendir so offsets stay valid across readdir calls. */
+struct dir_entry {
+    char *name;
+    uint64_t ino;
+    mode_t type;
+};
+
+struct dir_handle {
+    size_t count, cap;
+    struct dir_entry *entries;
+};
+
+static int dir_add(struct dir_handle *d, const char *name, const char *suffix, uint64_t ino,
+                   mode_t type)
+{
+    if (d->count == d->cap) {
+        size_t cap = d->cap ? d->cap * 2 : 64;
+        struct dir_entry *e = realloc(d->entries, cap * sizeof(*e));
+        if (!e)
+            return -ENOMEM;
+        d->entries = e;
+        d->cap = cap;
+    }
+    char *n = NULL;
+    if (asprintf(&n, "%s%s", name, suffix) < 0)
+        return -ENOMEM;
+    d->entries[d->count++] = (struct dir_entry){ n, ino, type };
+    return 0;
+}
+
+static void dir_free(struct dir_handle *d)
+{
+    if (!d)
+        return;
+    for (size_t i = 0; i < d->count; i++)
+        free(d->entries[i].name);
+    free(d->entries);
+    free(d);
+}
+
+/* Lists the source directory path as the mount shows it. */
+static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct dir_handle *d)
+{
+    int rc = 0;
+    int fd = hapi_fs_open_beneath(fs->source_fd, path, O_RDONLY | O_DIRECTORY);
+    if (fd < 0)
+        return fd;
+    DIR *dir = fdopendir(fd);
+    if (!dir) {
+        rc = -errno;
+        close(fd);
+        return rc;
+    }
+    if ((rc = dir_add(d, ".", "", self, S_IFDIR)) < 0 || (rc = dir_add(d, "..", "", 1, S_IFDIR)) < 0)
+        goto out;
+    for (;;) {
+        errno = 0;
+        struct dirent *de = readdir(dir);
+        if (!de) {
+            rc = errno ? -errno : 0;
+            break;
+        }
+        const char *name = de->d_name;
+        if (strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
+            continue;
+        if (!*path && strcmp(name, ".hapifs") == 0)
+            continue; /* shadowed by the control directory */
+        /* A symlink counts as what it leads to, if that is beneath the root. */
+        struct stat st;
+        char *child = join_path(path, name);
+        if (!child) {
+            rc = -ENOMEM;
+            break;
+        }
+        int src = stat_beneath(fs->source_fd, child, &st);
+        free(child);
+        if (src < 0)
+            continue;
+        if (S_ISDIR(st.st_mode)) {
+            rc = dir_add(d, name, "", node_id_for(fs, &st, 0), S_IFDIR);
+        } else if (S_ISREG(st.st_mode)) {
+            if (hapi_image_name_is_image(name)) {
+                rc = dir_add(d, name, ".feat", node_id_for(fs, &st, 1), S_IFREG);
+                if (rc == 0 && fs->opt->show_raw)
+                    rc = dir_add(d, name, "", node_id_for(fs, &st, 0), S_IFREG);
+            } else {
+                rc = dir_add(d, name, "", node_id_for(fs, &st, 0), S_IFREG);
+            }
+        }
+        if (rc < 0)
+            break;
+    }
+out:
+    closedir(dir);
+    return rc;
+}
+
+static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    hapi_fs *fs = fuse_req_userdata(req);
+    struct dir_handle *d = calloc(1, sizeof(*d));
+    char *path = NULL;
+    int kind, rc;
+
+    if (!d) {
+        rc = -ENOMEM;
+        goto fail;
+    }
+    if (ino == CTL_DIR_ID) {
+        rc = dir_add(d, ".", "", CTL_DIR_ID, S_IFDIR);
+        if (rc == 0)
+            rc = dir_add(d, "..", "", FUSE_ROOT_ID, S_IFDIR);
+        for (int i = 0; rc == 0 && hapi_ctl_files[i]; i++)
+            rc = dir_add(d, hapi_ctl_files[i], "", CTL_FILE_ID(i), S_IFREG);
+        if (rc < 0)
+            goto fail;
+    } else {
+        if ((rc = node_get(fs, ino, &kind, &path)) < 0)
+            goto fail;
+        if (kind != HAPI_NODE_DIR) {
+            rc = -ENOTDIR;
+            goto fail;
+        }
+        if ((rc = list_source_dir(fs, path, ino, d)) < 0)
+            goto fail;
+    }
+    free(path);
+    fi->fh = (uint64_t)(uintptr_t)d;
+    fi->cache_readdir = 0;
+    fuse_reply_open(req, fi);
+    return;
+fail:
+    free(path);
+    dir_free(d);
+    fuse_reply_err(req, -rc);
+}
+
+static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                       struct fuse_file_info *fi)
+{
+    struct dir_handle *d = (struct dir_handle *)(uintptr_t)fi->fh;
+    (void)ino;
+    char *buf = malloc(size);
+    if (!buf) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    size_t used = 0;
+    for (size_t i = (size_t)off; i < d->count; i++) {
+        struct stat st = { .st_ino = d->entries[i].ino, .st_mode = d->entries[i].type };
+        size_t need = fuse_add_direntry(req, buf + used, size - used, d->entries[i].name, &st,
+                                        (off_t)(i + 1));
+        if (need > size - used)
+            break;
+        used += need;
+    }
+    fuse_reply_buf(req, buf, used);
+    free(buf);
+}
+
+static void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)ino;
+    dir_free((struct dir_handle *)(uintptr_t)fi->fh);
+    fuse_reply_err(req, 0);
+}
+
+/* An open file: a passthrough fd, a .feat's source, or a control file's content. */
+struct open_file {
+    int kind;
+    int fd;
+    char *path;            /* the source image (FEAT) */
+    hapi_source_id id;     /* its identity when opened */
+    char *text;            /* control file content */
+    size_t text_len;
+};
+
+static void open_file_free(struct open_file *h)
+{
+    if (!h)
+        return;
+    if (h->fd >= 0)
+        close(h->fd);
+    free(h->path);
+    free(h->text);
+    free(h);
+}
+
+static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    hapi_fs *fs = fuse_req_userdata(req);
+    struct open_file *h = NULL;
+    char *path = NULL;
+    int kind, rc;
+
+    if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC)) {
+        fuse_reply_err(req, EROFS);
+        return;
+    }
+    h = calloc(1, sizeof(*h));
+    if (!h) {
+        rc = -ENOMEM;
+        goto fail;
+    }
+    h->fd = -1;
+    if (ino & CTL_BASE) {
+        int i = (int)((ino & ~CTL_BASE) - 2);
+        if (ino == CTL_DIR_ID) {
+            rc = -EISDIR;
+            goto fail;
+        }
+        if (i < 0 || i >= (int)(sizeof(hapi_ctl_files) / sizeof(*hapi_ctl_files)) - 1) {
+            rc = -ENOENT;
+            goto fail;
+        }
+        h->kind = HAPI_NODE_CTL_FILE;
+        h->text = hapi_ctl_render(fs, hapi_ctl_files[i]);
+        if (!h->text) {
+            rc = -ENOMEM;
+            goto fail;
+        }
+        h->text_len = strlen(h->text);
+        fi->direct_io = 1; /* the content is made at open; its size is not known before */
+        goto done;
+    }
+    if ((rc = node_get(fs, ino, &kind, &path)) < 0)
+        goto fail;
+    if (kind == HAPI_NODE_DIR) {
+        rc = -EISDIR;
+        goto fail;
+    }
+    h->kind = kind;
+    rc = hapi_fs_open_beneath(fs->source_fd, path, O_RDONLY);
+    if (rc < 0)
+        goto fail;
+    h->fd = rc;
+    if (kind == HAPI_NODE_FEAT) {
+        struct stat st;
+        if (fstat(h->fd, &st) < 0) {
+            rc = -errno;
+            goto fail;
+        }
+        h->id = (hapi_source_id){
+            .size = (uint64_t)st.st_size,
+            .mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec,
+            .ctime_ns = (int64_t)st.st_ctim.tv_sec * 1000000000 + st.st_ctim.tv_nsec,
+            .ino = (uint64_t)st.st_ino,
+        };
+        h->path = path;
+        path = NULL;
+        /* Features are immutable for a given source identity and namespace. */
+        fi->keep_cache = 1;
+    }
+done:
+    free(path);
+    fi->fh = (uint64_t)(uintptr_t)h;
+    fuse_reply_open(req, fi);
+    return;
+fail:
+    free(path);
+    open_file_free(h);
+    fuse_reply_err(req, -rc);
+}
+
+/* Replies bytes [off, off + size) of the .feat made of header + data. */
+static void reply_feat(fuse_req_t req, hapi_fs *fs, const void *data, size_t size, off_t off)
+{
+    struct iovec iov[2];
+    int n = 0;
+    size_t pos = (size_t)off;
+    size_t end = pos + size;
+    if (end > fs->feat_size)
+        end = (size_t)fs->feat_size;
+    if (pos < fs->npy_header_len && pos < end) {
+        size_t stop = end < fs->npy_header_len ? end : fs->npy_header_len;
+        iov[n++] = (struct iovec){ fs->npy_header + pos, stop - pos };
+        pos = stop;
+    }
+    if (pos < end) {
+        size_t doff = pos - fs->npy_header_len;
+        iov[n++] = (struct iovec){ (char *)data + doff, end - pos };
+    }
+    atomic_fetch_add(&fs->stats.feat_bytes, (uint64_t)(off < (off_t)fs->feat_size ? end - (size_t)off : 0));
+    if (n == 0)
+        fuse_reply_buf(req, NULL, 0);
+    else
+        fuse_reply_iov(req, iov, n);
+}
+
+static hapi_decoder *thread_decoder(hapi_fs *fs)
+{
+    hapi_decoder *dec = pthread_getspecific(fs->decoder_key);
+    if (!dec && hapi_decoder_new(&dec) == 0)
+        pthread_setspecific(fs->decoder_key, dec);
+    return dec;
+}
+
+/* Reads the whole source file into a malloc'd buffer. */
+static int read_source(int fd, uint64_t expected, void **out, size_t *len)
+{
+    size_t cap = (size_t)expected + 1, used = 0;
+    char *buf = malloc(cap);
+    if (!buf)
+        return -ENOMEM;
+    for (;;) {
+        if (used == cap) {
+            char *bigger = realloc(buf, cap * 2);
+            if (!bigger) {
+                free(buf);
+                return -ENOMEM;
+            }
+            buf = bigger;
+            cap *= 2;
+        }
+        ssize_t r = pread(fd, buf + used, cap - used, (off_t)used);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            int e = -errno;
+            free(buf);
+            return e;
+        }
+        if (r == 0)
+            break;
+        used += (size_t)r;
+    }
+    *out = buf;
+    *len = used;
+    return 0;
+}
+
+/* Looks the features up; on a hit replies from the store's memory and returns 1. */
+static int try_cache(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off)
+{
+    hapi_cache_value val;
+    uint64_t t0 = hapi_now_ns();
+    int rc = hapi_cache_get(fs->cache, &fs->ns, h->path, &h->id, &val);
+    if (rc == 1) {
+        if (val.size == fs->sample_bytes) {
+            reply_feat(req, fs, val.data, size, off);
+            hapi_cache_release(fs->cache, &val);
+            atomic_fetch_add(&fs->stats.hits, 1);
+            atomic_fetch_add(&fs->stats.hit_ns, hapi_now_ns() - t0);
+            return 1;
+        }
+        hapi_cache_release(fs->cache, &val);
+        hapi_log(HAPI_LOG_WARNING, "%s: cached features have %zu bytes, expected %zu; recomputing",
+                 h->path, val.size, fs->sample_bytes);
+    } else if (rc < 0) {
+        hapi_log(HAPI_LOG_WARNING, "%s: cache lookup failed: %s", h->path, hapi_strerror(rc));
+    }
+    return 0;
+}
+
+static void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off)
+{
+    hapi_error err = { 0 };
+    void *data = NULL, *out = NULL;
+    size_t len = 0;
+    int rc;
+
+    atomic_fetch_add(&fs->stats.feat_reads, 1);
+    if ((uint64_t)off >= fs->feat_size) {
+        fuse_reply_buf(req, NULL, 0);
+        return;
+    }
+    if (try_cache(req, fs, h, size, off))
+        return;
+
+    /*
+     * A miss. Inference runs one sample at a time under model_lock: libtorch
+     * already uses every core for one sample, and a second thread that wanted
+     * the same file finds it in the cache once it gets the lock.
+     */
+    uint64_t t0 = hapi_now_ns();
+    if ((rc = read_source(h->fd, h->id.size, &data, &len)) < 0) {
+        hapi_error_set(&err, rc, "cannot read the source: %s", hapi_strerror(rc));
+        goto fail;
+    }
+    out = malloc(fs->sample_bytes);
+    hapi_decoder *dec = thread_decoder(fs);
+    if (!out || !dec) {
+        rc = hapi_error_set(&err, -ENOMEM, "out of memory");
+        goto fail;
+    }
+    pthread_mutex_lock(&fs->model_lock);
+    if (try_cache(req, fs, h, size, off)) {
+        pthread_mutex_unlock(&fs->model_lock);
+        goto done;
+    }
+    atomic_fetch_add(&fs->stats.misses, 1);
+    rc = hapi_extractor_compute(fs->ex, dec, data, len, out, &err);
+    uint64_t t1 = hapi_now_ns();
+    if (rc == 0) {
+        hapi_cache_item item = { h->path, h->id, out, fs->sample_bytes };
+        hapi_error perr = { 0 };
+        if (hapi_cache_put(fs->cache, &fs->ns, &item, 1, &perr) < 0) {
+            atomic_fetch_add(&fs->stats.cache_put_failures, 1);
+            hapi_log(HAPI_LOG_WARNING, "%s: features not cached: %s", h->path, perr.message);
+        }
+    }
+    pthread_mutex_unlock(&fs->model_lock);
+    atomic_fetch_add(&fs->stats.inference_ns, t1 - t0);
+    if (rc < 0)
+        goto fail;
+    atomic_fetch_add(&fs->stats.computed, 1);
+    reply_feat(req, fs, out, size, off);
+    goto done;
+fail:
+    atomic_fetch_add(&fs->stats.errors, 1);
+    hapi_error_ring_add(fs->errors, h->path, rc, err.message[0] ? err.message : hapi_strerror(rc));
+    fuse_reply_err(req, to_errno(rc));
+done:
+    free(data);
+    free(out);
+}
+
+static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                    struct fuse_file_info *fi)
+{
+    hapi_fs *fs = fuse_req_userdata(req);
+    struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
+    (void)ino;
+
+    switch (h->kind) {
+    case HAPI_NODE_FEAT:
+        read_feat(req, fs, h, size, off);
+        return;
+    case HAPI_NODE_CTL_FILE:
+        if ((size_t)off >= h->text_len)
+            fuse_reply_buf(req, NULL, 0);
+        else
+            fuse_reply_buf(req, h->text + off,
+                           h->text_len - (size_t)off < size ? h->text_len - (size_t)off : size);
+        return;
+    default: {
+        /* Passthrough: let the kernel splice from the source file where it can. */
+        struct fuse_bufvec buf = FUSE_BUFVEC_INIT(size);
+        buf.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK;
+        buf.buf[0].fd = h->fd;
+        buf.buf[0].pos = off;
+        atomic_fetch_add(&fs->stats.passthrough_bytes, size);
+        fuse_reply_data(req, &buf, FUSE_BUF_SPLICE_MOVE);
+        return;
+    }
+    }
+}
+
+static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)ino;
+    open_file_free((struct open_file *)(uintptr_t)fi->fh);
+    fuse_reply_err(req, 0);
+}
+
+static void op_statfs(fuse_req_t req, fuse_ino_t ino)
+{
+    hapi_fs *fs = fuse_req_userdata(req);
+    struct statvfs sv;
+    (void)ino;
+    if (fstatvfs(fs->source_fd, &sv) < 0) {
+        fuse_reply_err(req, errno);
+        return;
+    }
+    sv.f_flag |= ST_RDONLY;
+    fuse_reply_statfs(req, &sv);
+}
+
+/* The mount is read-only; the kernel refuses most writes itself (MS_RDONLY), these cover the rest. */
+static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set,
+                       struct fuse_file_info *fi)
+{
+    (void)ino, (void)attr, (void)to_set, (void)fi;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
+                     struct fuse_file_info *fi)
+{
+    (void)ino, (void)buf, (void)size, (void)off, (void)fi;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode,
+                      struct fuse_file_info *fi)
+{
+    (void)parent, (void)name, (void)mode, (void)fi;
+    fuse_reply_err(req, EROFS);
+}
+
+const struct fuse_lowlevel_ops hapi_fs_ops = {
+    .init = op_init,
+    .lookup = op_lookup,
+    .forget = op_forget,
+    .forget_multi = op_forget_multi,
+    .getattr = op_getattr,
+    .setattr = op_setattr,
+    .opendir = op_opendir,
+    .readdir = op_readdir,
+    .releasedir = op_releasedir,
+    .open = op_open,
+    .read = op_read,
+    .write = op_write,
+    .create = op_create,
+    .release = op_release,
+    .statfs = op_statfs,
+};
+
+/* ------------------------------------------------------------- set-up */
+
+static void decoder_destroy(void *p)
+{
+    hapi_decoder_free(p);
+}
+
+int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
+{
+    struct stat st;
+    int rc;
+
+    memset(fs, 0, sizeof(*fs));
+    fs->opt = opt;
+    fs->source_fd = -1;
+    fs->started_ns = hapi_now_ns();
+    fs->started_realtime = time(NULL);
+    pthread_mutex_init(&fs->model_lock, NULL);
+    if (pthread_key_create(&fs->decoder_key, decoder_destroy) != 0) {
+        pthread_mutex_destroy(&fs->model_lock);
+        return hapi_error_set(err, -EAGAIN, "cannot create a thread key");
+    }
+
+    fs->source_fd = open(opt->source, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (fs->source_fd < 0 || fstat(fs->source_fd, &st) < 0) {
+        rc = hapi_error_set(err, -errno, "source %s: %s", opt->source, strerror(errno));
+        goto fail;
+    }
+    fs->source_dev = st.st_dev;
+
+    hapi_extractor_config cfg = {
+        .model_path = opt->model,
+        .split = opt->split,
+        .freeze = opt->freeze,
+        .dtype = opt->dtype,
+        .mode = opt->mode,
+        .max_pixels = opt->max_pixels,
+        .threads = opt->torch_threads,
+        .device = opt->device,
+    };
+    if ((rc = hapi_extractor_open(&cfg, &fs->ex, err)) < 0)
+        goto fail;
+
+    hapi_cache_options copt = { .max_bytes = opt->cache_size };
+    if ((rc = hapi_cache_open(opt->cache_dir, &copt, &fs->cache, err)) < 0)
+        goto fail;
+
+    /* The namespace covers everything that changes the bytes of a feature. */
+    const hapi_preprocess *pp = hapi_extractor_preprocess(fs->ex);
+    char desc[256];
+    snprintf(desc, sizeof(desc),
+             "mode=%d resize=%d crop=%d mean=%.9g,%.9g,%.9g std=%.9g,%.9g,%.9g", pp->mode,
+             pp->resize, pp->crop, pp->mean[0], pp->mean[1], pp->mean[2], pp->std[0], pp->std[1],
+             pp->std[2]);
+    hapi_cache_namespace_make(hapi_extractor_model_digest(fs->ex), hapi_extractor_split(fs->ex),
+                              opt->dtype, desc, &fs->ns);
+    hapi_cache_namespace_hex(&fs->ns, fs->ns_hex);
+
+    const hapi_stage_info *out = hapi_extractor_output(fs->ex);
+    rc = hapi_npy_header(fs->npy_header, opt->dtype, out->shape, out->ndim);
+    if (rc < 0) {
+        hapi_error_set(err, rc, "cannot describe the output of stage %s as .npy", out->name);
+        goto fail;
+    }
+    fs->npy_header_len = (size_t)rc;
+    fs->sample_bytes = hapi_extractor_sample_bytes(fs->ex);
+    fs->feat_size = fs->npy_header_len + fs->sample_bytes;
+
+    fs->nodes = node_table_new();
+    fs->errors = hapi_error_ring_new();
+    if (!fs->nodes || !fs->errors) {
+        rc = hapi_error_set(err, -ENOMEM, "out of memory");
+        goto fail;
+    }
+    return 0;
+fail:
+    hapi_fs_destroy(fs);
+    return rc;
+}
+
+void hapi_fs_destroy(hapi_fs *fs)
+{
+    if (!fs->opt)
+        return; /* never set up, or destroyed already */
+    node_table_free(fs->nodes);
+    hapi_error_ring_free(fs->errors);
+    hapi_cache_close(fs->cache);
+    hapi_extractor_close(fs->ex);
+    if (fs->source_fd >= 0)
+        close(fs->source_fd);
+    pthread_key_delete(fs->decoder_key);
+    pthread_mutex_destroy(&fs->model_lock);
+    fs->nodes = NULL;
+    fs->errors = NULL;
+    fs->cache = NULL;
+    fs->ex = NULL;
+    fs->source_fd = -1;
+    fs->opt = NULL;
+}

@@ -1,0 +1,169 @@
+/* fusefs-int.h — the daemon's insides, shared by its files and its unit tests. */
+#ifndef HAPI_FUSEFS_INT_H
+#define HAPI_FUSEFS_INT_H
+
+#define FUSE_USE_VERSION 314
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <fuse_lowlevel.h>
+
+#include "cache.h"
+#include "extractor.h"
+#include "fusefs.h"
+#include "hapi.h"
+
+/* ----------------------------------------------------------------- options */
+
+/* Everything the command line says, validated. Strings are owned (malloc). */
+typedef struct hapi_fs_options {
+    char *source;          /* absolute, resolved */
+    char *mountpoint;      /* absolute, resolved */
+    char *model;           /* absolute, resolved */
+    char *split;           /* "auto", N or NAME */
+    char *freeze;          /* NULL = the model's default */
+    char *cache_dir;       /* absolute */
+    char *log_path;        /* NULL = stderr in the foreground, syslog otherwise */
+    char *device;          /* "cpu" or "cuda[:N]" */
+    int dtype;             /* enum hapi_dtype */
+    int mode;              /* enum hapi_preprocess_mode */
+    uint64_t max_pixels;
+    uint64_t cache_size;   /* bytes */
+    int threads;           /* FUSE worker threads (max) */
+    int torch_threads;     /* libtorch intra-op threads */
+    int show_raw;
+    int foreground;
+    int debug;
+    int fake;              /* mount helper called with -f: do nothing */
+    int show_help;
+    int show_version;
+    struct fuse_args fuse_args; /* what goes to fuse_session_new() */
+} hapi_fs_options;
+
+/*
+ * Parses and validates argv (hapifs SOURCE MOUNTPOINT [-o opts] [-f] [-d], or
+ * the mount helper's SOURCE MOUNTPOINT [-sfnv] [-o opts]; helper is nonzero
+ * when called as mount.hapifs). Checks that SOURCE and MOUNTPOINT are
+ * directories and the model file is readable, but loads nothing.
+ * Returns 0, or HAPI_EINVAL / -errno with a one-line message in err.
+ * Free with hapi_fs_options_free() either way.
+ */
+int hapi_fs_options_parse(int argc, char **argv, int helper, hapi_fs_options *o,
+                          hapi_error *err);
+
+/* Frees what the options own. Accepts a zeroed struct. */
+void hapi_fs_options_free(hapi_fs_options *o);
+
+/* Parses "123", "64K", "1.5G", "2GiB", "512MB" (powers of 1024) into bytes. Returns 0 or HAPI_EINVAL. */
+int hapi_fs_parse_size(const char *text, uint64_t *out);
+
+/* Prints the usage text. */
+void hapi_fs_usage(const char *prog);
+
+/* --------------------------------------------------------------------- npy */
+
+#define HAPI_NPY_HEADER_MAX 256
+
+/*
+ * Writes a .npy v1.0 header for a C-order array of dtype and shape into buf
+ * (at least HAPI_NPY_HEADER_MAX bytes), padded with spaces so that the data
+ * starts at a multiple of 64 bytes. Returns the header length, or HAPI_EINVAL.
+ */
+int hapi_npy_header(char *buf, int dtype, const int64_t *shape, int ndim);
+
+/* ---------------------------------------------------------------------- log */
+
+enum hapi_log_level { HAPI_LOG_ERROR, HAPI_LOG_WARNING, HAPI_LOG_INFO, HAPI_LOG_DEBUG };
+
+/* Sends the log to path (appending), or stderr when path is NULL and to_stderr, else syslog. */
+int hapi_log_open(const char *path, int to_stderr, int debug);
+void hapi_log_close(void);
+void hapi_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* The most recent errors, kept for .hapifs/errors. Thread-safe. */
+#define HAPI_ERRORS_KEPT 256
+typedef struct hapi_error_ring hapi_error_ring;
+hapi_error_ring *hapi_error_ring_new(void);
+void hapi_error_ring_free(hapi_error_ring *r);
+/* Records that path failed with code and message, and logs it. */
+void hapi_error_ring_add(hapi_error_ring *r, const char *path, int code, const char *message);
+/* A JSON text {"count": N, "errors": [...]} (malloc'd, caller frees), or NULL. */
+char *hapi_error_ring_json(hapi_error_ring *r);
+
+/* --------------------------------------------------------------- filesystem */
+
+enum hapi_node_kind {
+    HAPI_NODE_DIR,
+    HAPI_NODE_FILE,     /* a regular source file passed through */
+    HAPI_NODE_FEAT,     /* x.jpg.feat, computed */
+    HAPI_NODE_CTL_DIR,  /* .hapifs */
+    HAPI_NODE_CTL_FILE  /* .hapifs/<name> */
+};
+
+/* Counters for .hapifs/stats; all atomic. */
+typedef struct hapi_fs_stats {
+    atomic_uint_fast64_t feat_reads;      /* read requests on .feat files */
+    atomic_uint_fast64_t feat_bytes;      /* bytes replied from .feat files */
+    atomic_uint_fast64_t hits;            /* cache hits */
+    atomic_uint_fast64_t misses;          /* cache misses */
+    atomic_uint_fast64_t computed;        /* samples computed */
+    atomic_uint_fast64_t errors;          /* samples that failed */
+    atomic_uint_fast64_t cache_put_failures;
+    atomic_uint_fast64_t decode_ns;       /* time reading + decoding + preprocessing */
+    atomic_uint_fast64_t inference_ns;    /* time in the model */
+    atomic_uint_fast64_t hit_ns;          /* time in cache lookups that hit */
+    atomic_uint_fast64_t passthrough_bytes;
+} hapi_fs_stats;
+
+/* The mounted filesystem: one per daemon, passed to every handler as userdata. */
+typedef struct hapi_fs {
+    hapi_fs_options *opt;
+    int source_fd;               /* O_PATH of the source root */
+    dev_t source_dev;
+    hapi_extractor *ex;
+    hapi_cache *cache;
+    hapi_cache_namespace ns;
+    char ns_hex[33];
+    char npy_header[HAPI_NPY_HEADER_MAX];
+    size_t npy_header_len;
+    size_t sample_bytes;
+    uint64_t feat_size;          /* header + data */
+    pthread_mutex_t model_lock;  /* one inference at a time, see fs.c */
+    pthread_key_t decoder_key;   /* each FUSE thread's hapi_decoder */
+    struct node_table *nodes;
+    hapi_error_ring *errors;
+    hapi_fs_stats stats;
+    uint64_t started_ns;
+    time_t started_realtime;
+    struct fuse_session *se;
+} hapi_fs;
+
+/* The low-level operations, with userdata a hapi_fs. */
+extern const struct fuse_lowlevel_ops hapi_fs_ops;
+
+/*
+ * Sets up fs from validated options: opens the source root, loads the model,
+ * opens the cache, computes the namespace. Runs in the daemon (after the fork).
+ * Returns 0 or a negative code with the message in err; on failure fs is
+ * cleaned up.
+ */
+int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err);
+void hapi_fs_destroy(hapi_fs *fs);
+
+/* Returns the content of control file name ("config", "stats", "errors") as malloc'd JSON, or NULL. */
+char *hapi_ctl_render(hapi_fs *fs, const char *name);
+
+/* Names of the control files, NULL-terminated. */
+extern const char *const hapi_ctl_files[];
+
+/*
+ * Opens path (relative to the source root, "" for the root) beneath the root:
+ * symlinks may not leave it, magic links are refused. flags as for openat.
+ * Returns an fd or -errno (-EXDEV for an escaping path, mapped to -ENOENT).
+ */
+int hapi_fs_open_beneath(int root_fd, const char *path, int flags);
+
+#endif

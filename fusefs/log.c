@@ -1,0 +1,153 @@
+/* log.c — the daemon's log (a file, stderr or syslog) and the ring of recent errors behind .hapifs/errors. */
+#include "fusefs-int.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <syslog.h>
+#include <time.h>
+
+/* The log is process-wide: the daemon has one, and its threads all write to it. */
+static FILE *log_file;
+static int log_to_stderr;
+static int log_debug;
+static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int hapi_log_open(const char *path, int to_stderr, int debug)
+{
+    log_debug = debug;
+    log_to_stderr = 0;
+    if (path) {
+        FILE *f = fopen(path, "ae");
+        if (!f)
+            return -errno;
+        setvbuf(f, NULL, _IOLBF, 0);
+        log_file = f;
+    } else if (to_stderr) {
+        log_to_stderr = 1;
+    } else {
+        openlog("hapifs", LOG_PID, LOG_DAEMON);
+    }
+    return 0;
+}
+
+void hapi_log_close(void)
+{
+    if (log_file)
+        fclose(log_file);
+    log_file = NULL;
+}
+
+void hapi_log(int level, const char *fmt, ...)
+{
+    static const char *const names[] = { "error", "warning", "info", "debug" };
+    static const int priorities[] = { LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG };
+    char line[1024];
+    va_list ap;
+
+    if (level == HAPI_LOG_DEBUG && !log_debug)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+
+    if (!log_file && !log_to_stderr) {
+        syslog(priorities[level], "%s", line);
+        return;
+    }
+    struct timespec ts;
+    struct tm tm;
+    char stamp[32];
+    clock_gettime(CLOCK_REALTIME, &ts);
+    localtime_r(&ts.tv_sec, &tm);
+    strftime(stamp, sizeof(stamp), "%Y-%m-%d %H:%M:%S", &tm);
+    pthread_mutex_lock(&log_lock);
+    fprintf(log_file ? log_file : stderr, "%s.%03ld hapifs %s: %s\n", stamp,
+            ts.tv_nsec / 1000000, names[level], line);
+    pthread_mutex_unlock(&log_lock);
+}
+
+/* A fixed ring: the newest HAPI_ERRORS_KEPT errors, plus a count of all. */
+struct hapi_error_ring {
+    pthread_mutex_t lock;
+    uint64_t count;
+    struct {
+        time_t when;
+        int code;
+        char *path;
+        char *message;
+    } slot[HAPI_ERRORS_KEPT];
+};
+
+hapi_error_ring *hapi_error_ring_new(void)
+{
+    hapi_error_ring *r = calloc(1, sizeof(*r));
+    if (r)
+        pthread_mutex_init(&r->lock, NULL);
+    return r;
+}
+
+void hapi_error_ring_free(hapi_error_ring *r)
+{
+    if (!r)
+        return;
+    for (int i = 0; i < HAPI_ERRORS_KEPT; i++) {
+        free(r->slot[i].path);
+        free(r->slot[i].message);
+    }
+    pthread_mutex_destroy(&r->lock);
+    free(r);
+}
+
+void hapi_error_ring_add(hapi_error_ring *r, const char *path, int code, const char *message)
+{
+    hapi_log(HAPI_LOG_ERROR, "%s: %s", path, message);
+    if (!r)
+        return;
+    char *p = strdup(path);
+    char *m = strdup(message);
+    pthread_mutex_lock(&r->lock);
+    int i = (int)(r->count % HAPI_ERRORS_KEPT);
+    free(r->slot[i].path);
+    free(r->slot[i].message);
+    r->slot[i].when = time(NULL);
+    r->slot[i].code = code;
+    r->slot[i].path = p;
+    r->slot[i].message = m;
+    r->count++;
+    pthread_mutex_unlock(&r->lock);
+}
+
+char *hapi_error_ring_json(hapi_error_ring *r)
+{
+    json_t *list = json_array();
+    json_t *root = json_object();
+    char *text = NULL;
+
+    if (!list || !root)
+        goto out;
+    pthread_mutex_lock(&r->lock);
+    uint64_t kept = r->count < HAPI_ERRORS_KEPT ? r->count : HAPI_ERRORS_KEPT;
+    for (uint64_t k = r->count - kept; k < r->count; k++) {
+        int i = (int)(k % HAPI_ERRORS_KEPT);
+        char when[32];
+        struct tm tm;
+        gmtime_r(&r->slot[i].when, &tm);
+        strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", &tm);
+        json_array_append_new(list, json_pack("{s:s, s:s?, s:s?, s:s}", "time", when,
+                                              "path", r->slot[i].path, "error",
+                                              r->slot[i].message, "kind",
+                                              hapi_strerror(r->slot[i].code)));
+    }
+    json_object_set_new(root, "count", json_integer((json_int_t)r->count));
+    pthread_mutex_unlock(&r->lock);
+    json_object_set(root, "errors", list);
+    text = json_dumps(root, JSON_INDENT(2));
+out:
+    json_decref(list);
+    json_decref(root);
+    return text;
+}

@@ -1,0 +1,446 @@
+/* options.c — the command line and -o options of hapifs and mount.hapifs, parsed and validated before anything loads. */
+#include "fusefs-int.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#define HAPI_DEFAULT_CACHE_DIR "/var/cache/hapifs"
+#define HAPI_DEFAULT_MAX_PIXELS 100000000ull
+
+/* Option values as written; validated into hapi_fs_options afterwards. */
+struct raw_options {
+    char *model, *split, *freeze, *dtype, *preprocess, *cache, *cache_size;
+    char *threads, *torch_threads, *show_raw, *max_pixels, *device, *log;
+    char *nonopt[3];
+    int nonopts;
+    int helper;
+    int foreground, debug, fake, help, version;
+    char *bad_option;
+    char *kernel_opts;  /* kernel mount options to pass on, comma-separated */
+};
+
+enum { KEY_FOREGROUND, KEY_DEBUG, KEY_HELP, KEY_VERSION, KEY_HELPER_FLAG, KEY_IGNORE, KEY_FUSE };
+
+#define RAW(t, field) { t, offsetof(struct raw_options, field), 0 }
+
+static const struct fuse_opt option_table[] = {
+    RAW("model=%s", model),
+    RAW("split=%s", split),
+    RAW("freeze=%s", freeze),
+    RAW("dtype=%s", dtype),
+    RAW("preprocess=%s", preprocess),
+    RAW("cache=%s", cache),
+    RAW("cache_size=%s", cache_size),
+    RAW("threads=%s", threads),
+    RAW("torch_threads=%s", torch_threads),
+    RAW("show_raw=%s", show_raw),
+    RAW("max_pixels=%s", max_pixels),
+    RAW("device=%s", device),
+    RAW("log=%s", log),
+    FUSE_OPT_KEY("-f", KEY_FOREGROUND),
+    FUSE_OPT_KEY("-d", KEY_DEBUG),
+    FUSE_OPT_KEY("debug", KEY_DEBUG),
+    FUSE_OPT_KEY("-h", KEY_HELP),
+    FUSE_OPT_KEY("--help", KEY_HELP),
+    FUSE_OPT_KEY("-V", KEY_VERSION),
+    FUSE_OPT_KEY("--version", KEY_VERSION),
+    /* mount(8) calls helpers with -s (sloppy), -n (no mtab), -v (verbose). */
+    FUSE_OPT_KEY("-s", KEY_HELPER_FLAG),
+    FUSE_OPT_KEY("-n", KEY_HELPER_FLAG),
+    FUSE_OPT_KEY("-v", KEY_HELPER_FLAG),
+    /* Words meant for mount(8), fstab or systemd, not for us. */
+    FUSE_OPT_KEY("rw", KEY_IGNORE),
+    FUSE_OPT_KEY("ro", KEY_IGNORE),
+    FUSE_OPT_KEY("defaults", KEY_IGNORE),
+    FUSE_OPT_KEY("auto", KEY_IGNORE),
+    FUSE_OPT_KEY("noauto", KEY_IGNORE),
+    FUSE_OPT_KEY("user", KEY_IGNORE),
+    FUSE_OPT_KEY("nouser", KEY_IGNORE),
+    FUSE_OPT_KEY("users", KEY_IGNORE),
+    FUSE_OPT_KEY("_netdev", KEY_IGNORE),
+    FUSE_OPT_KEY("nofail", KEY_IGNORE),
+    FUSE_OPT_KEY("comment=", KEY_IGNORE),
+    FUSE_OPT_KEY("async", KEY_IGNORE),
+    FUSE_OPT_KEY("relatime", KEY_IGNORE),
+    FUSE_OPT_KEY("nodiratime", KEY_IGNORE),
+    /* Kernel mount options that keep their meaning. */
+    FUSE_OPT_KEY("allow_other", KEY_FUSE),
+    FUSE_OPT_KEY("default_permissions", KEY_FUSE),
+    FUSE_OPT_KEY("nosuid", KEY_FUSE),
+    FUSE_OPT_KEY("suid", KEY_FUSE),
+    FUSE_OPT_KEY("nodev", KEY_FUSE),
+    FUSE_OPT_KEY("dev", KEY_FUSE),
+    FUSE_OPT_KEY("noexec", KEY_FUSE),
+    FUSE_OPT_KEY("exec", KEY_FUSE),
+    FUSE_OPT_KEY("noatime", KEY_FUSE),
+    FUSE_OPT_KEY("atime", KEY_FUSE),
+    FUSE_OPT_END
+};
+
+static int option_proc(void *data, const char *arg, int key, struct fuse_args *outargs)
+{
+    struct raw_options *raw = data;
+    (void)outargs;
+
+    switch (key) {
+    case FUSE_OPT_KEY_NONOPT:
+        if (raw->nonopts >= 2) {
+            if (!raw->bad_option)
+                raw->bad_option = strdup(arg);
+            return 0;
+        }
+        raw->nonopt[raw->nonopts++] = strdup(arg);
+        return 0;
+    case KEY_FOREGROUND:
+        /* For a mount helper, -f is mount(8)'s "fake": do everything but mount. */
+        if (raw->helper)
+            raw->fake = 1;
+        else
+            raw->foreground = 1;
+        return 0;
+    case KEY_DEBUG:
+        raw->debug = 1;
+        raw->foreground = 1;
+        return 0;
+    case KEY_HELP:
+        raw->help = 1;
+        return 0;
+    case KEY_VERSION:
+        raw->version = 1;
+        return 0;
+    case KEY_HELPER_FLAG:
+    case KEY_IGNORE:
+        return 0;
+    case KEY_FUSE:
+        return fuse_opt_add_opt(&raw->kernel_opts, arg) < 0 ? -1 : 0;
+    default:
+        /* x-systemd.automount, x-gvfs-show, ...: for other programs. */
+        if (strncmp(arg, "x-", 2) == 0)
+            return 0;
+        /* An option nobody knows: refuse it rather than mount something unexpected. */
+        if (!raw->bad_option)
+            raw->bad_option = strdup(arg);
+        return 0;
+    }
+}
+
+void hapi_fs_usage(const char *prog)
+{
+    printf("usage: %s SOURCE MOUNTPOINT -o model=PATH[,OPTIONS] [-f] [-d]\n"
+           "\n"
+           "Shows every image x.jpg under SOURCE as x.jpg.feat, a .npy array of the\n"
+           "features a frozen model prefix computes from it, cached in LMDB.\n"
+           "\n"
+           "options:\n"
+           "    model=PATH           staged model archive (hapifs-export-model); required\n"
+           "    split=auto|N|NAME    run stages [0, N) or through stage NAME (auto: the freeze point)\n"
+           "    freeze=N|NAME        stages before this are frozen (default: from the model)\n"
+           "    dtype=fp16|fp32      feature type (default fp16)\n"
+           "    preprocess=exact|fast  torchvision-exact decode, or DCT-scaled decode (default exact)\n"
+           "    cache=DIR            feature cache directory (default " HAPI_DEFAULT_CACHE_DIR ")\n"
+           "    cache_size=SIZE      bound on the cache, e.g. 20G (default: 1/4 of free space)\n"
+           "    threads=N            FUSE worker threads (default 32)\n"
+           "    torch_threads=N      libtorch intra-op threads (default: cores)\n"
+           "    device=cpu|cuda[:N]  where the model runs (default cpu)\n"
+           "    max_pixels=N         refuse larger images (default 100000000)\n"
+           "    show_raw=0|1         also show the images themselves (default 0)\n"
+           "    log=PATH             log to PATH (default: syslog, stderr with -f)\n"
+           "    allow_other, default_permissions, nosuid, nodev, noexec: as for any FUSE mount\n"
+           "    -f                   stay in the foreground\n"
+           "    -d                   debug output (implies -f)\n"
+           "    -h, -V               help, version\n",
+           prog);
+}
+
+int hapi_fs_parse_size(const char *text, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    if (!text || !*text || !(isdigit((unsigned char)*text) || *text == '.'))
+        return HAPI_EINVAL;
+    double v = strtod(text, &end);
+    if (errno || end == text || v < 0)
+        return HAPI_EINVAL;
+    double mult = 1;
+    switch (toupper((unsigned char)*end)) {
+    case '\0': break;
+    case 'K': mult = 1024.0; end++; break;
+    case 'M': mult = 1024.0 * 1024; end++; break;
+    case 'G': mult = 1024.0 * 1024 * 1024; end++; break;
+    case 'T': mult = 1024.0 * 1024 * 1024 * 1024; end++; break;
+    case 'B': break;
+    default: return HAPI_EINVAL;
+    }
+    if (mult > 1 && (*end == 'i' || *end == 'I'))
+        end++;
+    if (*end == 'B' || *end == 'b')
+        end++;
+    if (*end)
+        return HAPI_EINVAL;
+    v *= mult;
+    if (v >= 18446744073709551615.0)
+        return HAPI_EINVAL;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* Parses a decimal integer in [lo, hi]. */
+static int parse_int(const char *text, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (errno || end == text || *end || v < lo || v > hi)
+        return HAPI_EINVAL;
+    *out = v;
+    return 0;
+}
+
+/* Resolves path and checks it is a directory; owned result in *out. */
+static int resolve_dir(const char *what, const char *path, char **out, hapi_error *err)
+{
+    struct stat st;
+    char *real = realpath(path, NULL);
+    if (!real)
+        return hapi_error_set(err, -errno, "%s %s: %s", what, path, strerror(errno));
+    if (stat(real, &st) < 0 || !S_ISDIR(st.st_mode)) {
+        free(real);
+        return hapi_error_set(err, -ENOTDIR, "%s %s: not a directory", what, path);
+    }
+    *out = real;
+    return 0;
+}
+
+/*
+ * Makes sure the cache directory exists and is writable; creates it (one
+ * level, or the whole default path) if missing.
+ */
+static int prepare_cache_dir(const char *path, int is_default, char **out, hapi_error *err)
+{
+    struct stat st;
+    struct statvfs sv;
+
+    if (stat(path, &st) < 0) {
+        if (errno != ENOENT)
+            return hapi_error_set(err, -errno, "cache directory %s: %s", path, strerror(errno));
+        if (is_default && mkdir("/var/cache", 0755) < 0 && errno != EEXIST)
+            return hapi_error_set(err, -errno, "cache directory %s: %s", path, strerror(errno));
+        if (mkdir(path, 0755) < 0)
+            return hapi_error_set(err, -errno, "cache directory %s: cannot create: %s", path,
+                                  strerror(errno));
+    } else if (!S_ISDIR(st.st_mode)) {
+        return hapi_error_set(err, -ENOTDIR, "cache directory %s: not a directory", path);
+    }
+    if (statvfs(path, &sv) == 0 && (sv.f_flag & ST_RDONLY))
+        return hapi_error_set(err, -EROFS, "cache directory %s: read-only file system", path);
+    if (access(path, R_OK | W_OK | X_OK) < 0)
+        return hapi_error_set(err, -errno, "cache directory %s: %s", path, strerror(errno));
+    char *real = realpath(path, NULL);
+    if (!real)
+        return hapi_error_set(err, -errno, "cache directory %s: %s", path, strerror(errno));
+    *out = real;
+    return 0;
+}
+
+/* Default cache bound: a quarter of the free space, between 64 MiB and 256 GiB. */
+static uint64_t default_cache_size(const char *dir)
+{
+    struct statvfs sv;
+    uint64_t size = 1ull << 30;
+    if (statvfs(dir, &sv) == 0)
+        size = (uint64_t)sv.f_bavail * sv.f_frsize / 4;
+    if (size < (64ull << 20))
+        size = 64ull << 20;
+    if (size > (256ull << 30))
+        size = 256ull << 30;
+    return size;
+}
+
+static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    long v;
+    int rc;
+
+    if (raw->bad_option)
+        return hapi_error_set(err, HAPI_EINVAL, "unknown option or argument '%s'", raw->bad_option);
+    if (raw->nonopts < 2)
+        return hapi_error_set(err, HAPI_EINVAL, "usage: hapifs SOURCE MOUNTPOINT -o model=PATH[,...]");
+    if ((rc = resolve_dir("source", raw->nonopt[0], &o->source, err)) < 0)
+        return rc;
+    if ((rc = resolve_dir("mount point", raw->nonopt[1], &o->mountpoint, err)) < 0)
+        return rc;
+
+    if (!raw->model)
+        return hapi_error_set(err, HAPI_EINVAL, "option model=PATH is required");
+    o->model = realpath(raw->model, NULL);
+    if (!o->model)
+        return hapi_error_set(err, -errno, "model %s: %s", raw->model, strerror(errno));
+    int fd = open(o->model, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return hapi_error_set(err, -errno, "model %s: %s", raw->model, strerror(errno));
+    struct stat st;
+    rc = fstat(fd, &st);
+    close(fd);
+    if (rc < 0 || !S_ISREG(st.st_mode))
+        return hapi_error_set(err, HAPI_EINVAL, "model %s: not a regular file", raw->model);
+
+    o->split = strdup(raw->split ? raw->split : "auto");
+    o->freeze = raw->freeze ? strdup(raw->freeze) : NULL;
+    o->device = strdup(raw->device ? raw->device : "cpu");
+    if (!o->split || !o->device || (raw->freeze && !o->freeze))
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    if (!*o->split || (raw->freeze && !*o->freeze))
+        return hapi_error_set(err, HAPI_EINVAL, "split= and freeze= need a stage number or name");
+    if (strcmp(o->device, "cpu") != 0 && strncmp(o->device, "cuda", 4) != 0)
+        return hapi_error_set(err, HAPI_EINVAL, "device=%s: expected cpu or cuda[:N]", o->device);
+
+    o->dtype = HAPI_DTYPE_FP16;
+    if (raw->dtype) {
+        if (strcmp(raw->dtype, "fp32") == 0 || strcmp(raw->dtype, "float32") == 0)
+            o->dtype = HAPI_DTYPE_FP32;
+        else if (strcmp(raw->dtype, "fp16") != 0 && strcmp(raw->dtype, "float16") != 0)
+            return hapi_error_set(err, HAPI_EINVAL, "dtype=%s: expected fp16 or fp32", raw->dtype);
+    }
+    o->mode = HAPI_PREPROCESS_EXACT;
+    if (raw->preprocess) {
+        if (strcmp(raw->preprocess, "fast") == 0)
+            o->mode = HAPI_PREPROCESS_FAST;
+        else if (strcmp(raw->preprocess, "exact") != 0)
+            return hapi_error_set(err, HAPI_EINVAL, "preprocess=%s: expected exact or fast",
+                                  raw->preprocess);
+    }
+
+    o->threads = 32;
+    if (raw->threads) {
+        if (parse_int(raw->threads, 1, 1024, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "threads=%s: expected 1..1024", raw->threads);
+        o->threads = (int)v;
+    }
+    o->torch_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (o->torch_threads < 1)
+        o->torch_threads = 1;
+    if (raw->torch_threads) {
+        if (parse_int(raw->torch_threads, 1, 1024, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "torch_threads=%s: expected 1..1024",
+                                  raw->torch_threads);
+        o->torch_threads = (int)v;
+    }
+    if (raw->show_raw) {
+        if (parse_int(raw->show_raw, 0, 1, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "show_raw=%s: expected 0 or 1", raw->show_raw);
+        o->show_raw = (int)v;
+    }
+    o->max_pixels = HAPI_DEFAULT_MAX_PIXELS;
+    if (raw->max_pixels && (hapi_fs_parse_size(raw->max_pixels, &o->max_pixels) < 0 ||
+                            o->max_pixels == 0))
+        return hapi_error_set(err, HAPI_EINVAL, "max_pixels=%s: expected a positive number",
+                              raw->max_pixels);
+
+    const char *cache = raw->cache ? raw->cache : HAPI_DEFAULT_CACHE_DIR;
+    if ((rc = prepare_cache_dir(cache, !raw->cache, &o->cache_dir, err)) < 0)
+        return rc;
+    if (raw->cache_size) {
+        if (hapi_fs_parse_size(raw->cache_size, &o->cache_size) < 0 ||
+            o->cache_size < (1ull << 20))
+            return hapi_error_set(err, HAPI_EINVAL,
+                                  "cache_size=%s: expected a size of at least 1M, e.g. 20G",
+                                  raw->cache_size);
+    } else {
+        o->cache_size = default_cache_size(o->cache_dir);
+    }
+    if (raw->log) {
+        o->log_path = strdup(raw->log);
+        if (!o->log_path)
+            return hapi_error_set(err, -ENOMEM, "out of memory");
+    }
+    return 0;
+}
+
+int hapi_fs_options_parse(int argc, char **argv, int helper, hapi_fs_options *o,
+                          hapi_error *err)
+{
+    struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
+    struct raw_options raw = { 0 };
+    char *mount_opts = NULL;
+    char *fsname = NULL;
+    int rc;
+
+    memset(o, 0, sizeof(*o));
+    raw.helper = helper;
+    if (fuse_opt_parse(&args, &raw, option_table, option_proc) < 0) {
+        rc = hapi_error_set(err, HAPI_EINVAL, "cannot parse the command line");
+        goto out;
+    }
+    o->foreground = raw.foreground;
+    o->debug = raw.debug;
+    o->fake = raw.fake;
+    o->show_help = raw.help;
+    o->show_version = raw.version;
+    if (raw.help || raw.version) {
+        rc = 0;
+        goto out;
+    }
+    if ((rc = validate(&raw, o, err)) < 0)
+        goto out;
+
+    /* What libfuse gets: a read-only mount named after its source (commas escaped). */
+    if (asprintf(&fsname, "fsname=%s", o->source) < 0) {
+        fsname = NULL;
+        rc = hapi_error_set(err, -ENOMEM, "out of memory");
+        goto out;
+    }
+    struct fuse_args *fa = &o->fuse_args;
+    if (fuse_opt_add_opt(&mount_opts, "ro,subtype=hapifs") < 0 ||
+        fuse_opt_add_opt_escaped(&mount_opts, fsname) < 0 ||
+        (raw.kernel_opts && fuse_opt_add_opt(&mount_opts, raw.kernel_opts) < 0) ||
+        fuse_opt_add_arg(fa, argv[0]) < 0 || fuse_opt_add_arg(fa, "-o") < 0 ||
+        fuse_opt_add_arg(fa, mount_opts) < 0 || (o->debug && fuse_opt_add_arg(fa, "-d") < 0)) {
+        rc = hapi_error_set(err, -ENOMEM, "out of memory");
+        goto out;
+    }
+    rc = 0;
+out:
+    free(fsname);
+    free(mount_opts);
+    fuse_opt_free_args(&args);
+    free(raw.model);
+    free(raw.split);
+    free(raw.freeze);
+    free(raw.dtype);
+    free(raw.preprocess);
+    free(raw.cache);
+    free(raw.cache_size);
+    free(raw.threads);
+    free(raw.torch_threads);
+    free(raw.show_raw);
+    free(raw.max_pixels);
+    free(raw.device);
+    free(raw.log);
+    free(raw.bad_option);
+    free(raw.kernel_opts);
+    for (int i = 0; i < raw.nonopts; i++)
+        free(raw.nonopt[i]);
+    return rc;
+}
+
+void hapi_fs_options_free(hapi_fs_options *o)
+{
+    free(o->source);
+    free(o->mountpoint);
+    free(o->model);
+    free(o->split);
+    free(o->freeze);
+    free(o->cache_dir);
+    free(o->log_path);
+    free(o->device);
+    fuse_opt_free_args(&o->fuse_args);
+    memset(o, 0, sizeof(*o));
+}

@@ -1,0 +1,287 @@
+/* test-fusefs.c — unit tests of the daemon's option parsing and .npy headers. */
+#include <check.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fusefs-int.h"
+
+static char tmp[] = "/tmp/hapi-test-fusefs-XXXXXX";
+static char src[512], mnt[512], model[512], cache[512];
+
+static void setup(void)
+{
+    if (!mkdtemp(tmp)) {
+        perror("mkdtemp");
+        exit(EXIT_FAILURE);
+    }
+    snprintf(src, sizeof(src), "%s/src", tmp);
+    snprintf(mnt, sizeof(mnt), "%s/mnt", tmp);
+    snprintf(model, sizeof(model), "%s/model.pt", tmp);
+    snprintf(cache, sizeof(cache), "%s/cache", tmp);
+    int fd = -1;
+    if (mkdir(src, 0755) < 0 || mkdir(mnt, 0755) < 0 ||
+        (fd = open(model, O_CREAT | O_WRONLY, 0644)) < 0) {
+        perror(tmp);
+        exit(EXIT_FAILURE);
+    }
+    close(fd);
+}
+
+/* Parses "hapifs SRC MNT -o <opts>" and returns the code; err gets the message. */
+static int parse(const char *opts, hapi_fs_options *o, hapi_error *err)
+{
+    char *argv[] = { "hapifs", src, mnt, "-o", (char *)opts, NULL };
+    return hapi_fs_options_parse(5, argv, 0, o, err);
+}
+
+static char *with_base(const char *fmt)
+{
+    static char buf[2048];
+    snprintf(buf, sizeof(buf), fmt, model, cache);
+    return buf;
+}
+
+START_TEST(test_options_defaults)
+{
+    hapi_fs_options o;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(parse(with_base("model=%s,cache=%s"), &o, &err), 0);
+    ck_assert_str_eq(o.split, "auto");
+    ck_assert_ptr_null(o.freeze);
+    ck_assert_int_eq(o.dtype, HAPI_DTYPE_FP16);
+    ck_assert_int_eq(o.mode, HAPI_PREPROCESS_EXACT);
+    ck_assert_int_eq(o.max_pixels, 100000000);
+    ck_assert_int_eq(o.show_raw, 0);
+    ck_assert_int_gt(o.cache_size, 0);
+    ck_assert_str_eq(o.cache_dir, cache);
+    /* the cache directory was created */
+    struct stat st;
+    ck_assert_int_eq(stat(cache, &st), 0);
+    ck_assert(S_ISDIR(st.st_mode));
+    /* libfuse gets a read-only mount named after the source */
+    int seen = 0;
+    for (int i = 0; i < o.fuse_args.argc; i++)
+        if (strstr(o.fuse_args.argv[i], "ro,subtype=hapifs,fsname=") == o.fuse_args.argv[i])
+            seen = 1;
+    ck_assert(seen);
+    hapi_fs_options_free(&o);
+}
+END_TEST
+
+START_TEST(test_options_values)
+{
+    hapi_fs_options o;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(parse(with_base("model=%s,cache=%s,split=layer3,freeze=5,dtype=fp32,"
+                                     "preprocess=fast,threads=7,show_raw=1,max_pixels=5M,"
+                                     "cache_size=2G,allow_other,_netdev,nofail,noauto,rw,"
+                                     "x-systemd.automount"),
+                           &o, &err),
+                     0);
+    ck_assert_str_eq(o.split, "layer3");
+    ck_assert_str_eq(o.freeze, "5");
+    ck_assert_int_eq(o.dtype, HAPI_DTYPE_FP32);
+    ck_assert_int_eq(o.mode, HAPI_PREPROCESS_FAST);
+    ck_assert_int_eq(o.threads, 7);
+    ck_assert_int_eq(o.show_raw, 1);
+    ck_assert_int_eq(o.max_pixels, 5ull << 20);
+    ck_assert_int_eq(o.cache_size, 2ull << 30);
+    int allow_other = 0;
+    for (int i = 0; i < o.fuse_args.argc; i++)
+        if (strstr(o.fuse_args.argv[i], "allow_other"))
+            allow_other = 1;
+    ck_assert(allow_other);
+    hapi_fs_options_free(&o);
+}
+END_TEST
+
+/* Each bad option fails with a message that names it. */
+START_TEST(test_options_errors)
+{
+    static const struct {
+        const char *opts;
+        const char *needle;
+    } cases[] = {
+        { "model=%s,cache=%s,dtype=int8", "dtype=int8" },
+        { "model=%s,cache=%s,preprocess=slow", "preprocess=slow" },
+        { "model=%s,cache=%s,threads=0", "threads=0" },
+        { "model=%s,cache=%s,threads=lots", "threads=lots" },
+        { "model=%s,cache=%s,show_raw=2", "show_raw=2" },
+        { "model=%s,cache=%s,cache_size=huge", "cache_size=huge" },
+        { "model=%s,cache=%s,max_pixels=-3", "max_pixels=-3" },
+        { "model=%s,cache=%s,bogus=1", "bogus=1" },
+        { "model=%s,cache=%s,device=tpu", "device=tpu" },
+        { "model=%s,cache=%s,split=", "split=" },
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
+        hapi_fs_options o;
+        hapi_error err = { 0 };
+        int rc = parse(with_base(cases[i].opts), &o, &err);
+        ck_assert_msg(rc < 0, "%s accepted", cases[i].opts);
+        ck_assert_msg(strstr(err.message, cases[i].needle), "%s: message '%s'", cases[i].opts,
+                      err.message);
+        hapi_fs_options_free(&o);
+    }
+}
+END_TEST
+
+START_TEST(test_options_paths)
+{
+    hapi_fs_options o;
+    hapi_error err = { 0 };
+    char opts[2048];
+
+    ck_assert_int_lt(parse("cache=/tmp", &o, &err), 0);
+    ck_assert_ptr_nonnull(strstr(err.message, "model=PATH is required"));
+    hapi_fs_options_free(&o);
+
+    snprintf(opts, sizeof(opts), "model=%s/missing.pt", tmp);
+    ck_assert_int_eq(parse(opts, &o, &err), -ENOENT);
+    ck_assert_ptr_nonnull(strstr(err.message, "missing.pt"));
+    hapi_fs_options_free(&o);
+
+    /* a cache "directory" that is a file */
+    snprintf(opts, sizeof(opts), "model=%s,cache=%s", model, model);
+    ck_assert_int_eq(parse(opts, &o, &err), -ENOTDIR);
+    ck_assert_ptr_nonnull(strstr(err.message, "not a directory"));
+    hapi_fs_options_free(&o);
+
+    /* a cache directory whose parent does not exist */
+    snprintf(opts, sizeof(opts), "model=%s,cache=%s/no/such", model, tmp);
+    ck_assert_int_eq(parse(opts, &o, &err), -ENOENT);
+    ck_assert_ptr_nonnull(strstr(err.message, "cannot create"));
+    hapi_fs_options_free(&o);
+
+    /* a source that is not a directory */
+    char *argv[] = { "hapifs", model, mnt, "-o", opts, NULL };
+    snprintf(opts, sizeof(opts), "model=%s,cache=%s", model, cache);
+    ck_assert_int_eq(hapi_fs_options_parse(5, argv, 0, &o, &err), -ENOTDIR);
+    ck_assert_ptr_nonnull(strstr(err.message, "source"));
+    hapi_fs_options_free(&o);
+}
+END_TEST
+
+/* As a mount helper, -f means "fake" (mount -f) and -s -n -v are accepted. */
+START_TEST(test_options_helper)
+{
+    hapi_fs_options o;
+    hapi_error err = { 0 };
+    char opts[2048];
+    snprintf(opts, sizeof(opts), "rw,model=%s,cache=%s", model, cache);
+    char *argv[] = { "mount.hapifs", src, mnt, "-n", "-s", "-v", "-f", "-o", opts, NULL };
+    ck_assert_int_eq(hapi_fs_options_parse(9, argv, 1, &o, &err), 0);
+    ck_assert_int_eq(o.fake, 1);
+    ck_assert_int_eq(o.foreground, 0);
+    hapi_fs_options_free(&o);
+    char *argv2[] = { "hapifs", src, mnt, "-f", "-o", opts, NULL };
+    ck_assert_int_eq(hapi_fs_options_parse(6, argv2, 0, &o, &err), 0);
+    ck_assert_int_eq(o.fake, 0);
+    ck_assert_int_eq(o.foreground, 1);
+    hapi_fs_options_free(&o);
+}
+END_TEST
+
+START_TEST(test_parse_size)
+{
+    uint64_t v;
+    ck_assert_int_eq(hapi_fs_parse_size("123", &v), 0);
+    ck_assert_int_eq(v, 123);
+    ck_assert_int_eq(hapi_fs_parse_size("64K", &v), 0);
+    ck_assert_int_eq(v, 65536);
+    ck_assert_int_eq(hapi_fs_parse_size("1.5G", &v), 0);
+    ck_assert_int_eq(v, 3ull << 29);
+    ck_assert_int_eq(hapi_fs_parse_size("2GiB", &v), 0);
+    ck_assert_int_eq(v, 2ull << 30);
+    ck_assert_int_eq(hapi_fs_parse_size("512MB", &v), 0);
+    ck_assert_int_eq(v, 512ull << 20);
+    ck_assert_int_eq(hapi_fs_parse_size("", &v), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_fs_parse_size("G", &v), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_fs_parse_size("10X", &v), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_fs_parse_size("-1", &v), HAPI_EINVAL);
+}
+END_TEST
+
+/* Headers byte-for-byte as numpy parses them: checked against numpy in the mount tests too. */
+START_TEST(test_npy_header)
+{
+    char buf[HAPI_NPY_HEADER_MAX];
+    int64_t one[] = { 512 };
+    int len = hapi_npy_header(buf, HAPI_DTYPE_FP16, one, 1);
+    ck_assert_int_eq(len % 64, 0);
+    ck_assert_int_eq(memcmp(buf, "\x93NUMPY\x01\x00", 8), 0);
+    ck_assert_int_eq((unsigned char)buf[8] | (unsigned char)buf[9] << 8, len - 10);
+    ck_assert_int_eq(buf[len - 1], '\n');
+    ck_assert_ptr_nonnull(strstr(buf + 10, "{'descr': '<f2', 'fortran_order': False, 'shape': (512,), }"));
+
+    int64_t three[] = { 256, 4, 4 };
+    len = hapi_npy_header(buf, HAPI_DTYPE_FP32, three, 3);
+    ck_assert_int_eq(len % 64, 0);
+    ck_assert_ptr_nonnull(strstr(buf + 10, "'descr': '<f4'"));
+    ck_assert_ptr_nonnull(strstr(buf + 10, "'shape': (256, 4, 4), }"));
+
+    len = hapi_npy_header(buf, HAPI_DTYPE_FP32, NULL, 0);
+    ck_assert_ptr_nonnull(strstr(buf + 10, "'shape': (), }"));
+
+    ck_assert_int_eq(hapi_npy_header(buf, 7, one, 1), HAPI_EINVAL);
+    int64_t neg[] = { -1 };
+    ck_assert_int_eq(hapi_npy_header(buf, HAPI_DTYPE_FP32, neg, 1), HAPI_EINVAL);
+}
+END_TEST
+
+START_TEST(test_error_ring)
+{
+    hapi_error_ring *r = hapi_error_ring_new();
+    ck_assert_ptr_nonnull(r);
+    for (int i = 0; i < HAPI_ERRORS_KEPT + 10; i++) {
+        char path[32];
+        snprintf(path, sizeof(path), "img%d.jpg", i);
+        hapi_error_ring_add(r, path, HAPI_EDECODE, "truncated");
+    }
+    char *json = hapi_error_ring_json(r);
+    ck_assert_ptr_nonnull(json);
+    ck_assert_ptr_nonnull(strstr(json, "\"count\": 266"));
+    ck_assert_ptr_null(strstr(json, "\"img9.jpg\""));     /* pushed out */
+    ck_assert_ptr_nonnull(strstr(json, "\"img265.jpg\"")); /* newest kept */
+    free(json);
+    hapi_error_ring_free(r);
+}
+END_TEST
+
+int main(void)
+{
+    hapi_log_open("/dev/null", 0, 0);
+    setup();
+    Suite *s = suite_create("fusefs");
+    struct {
+        const char *name;
+        const TTest *test;
+    } cases[] = {
+        { "options_defaults", test_options_defaults },
+        { "options_values", test_options_values },
+        { "options_errors", test_options_errors },
+        { "options_paths", test_options_paths },
+        { "options_helper", test_options_helper },
+        { "parse_size", test_parse_size },
+        { "npy_header", test_npy_header },
+        { "error_ring", test_error_ring },
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
+        TCase *tc = tcase_create(cases[i].name);
+        tcase_add_test(tc, cases[i].test);
+        suite_add_tcase(s, tc);
+    }
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmp);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", tmp);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

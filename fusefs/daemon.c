@@ -1,0 +1,200 @@
+/* daemon.c — the daemon's life: validate, fork, load, mount, report to the waiting parent, serve, unmount. */
+#include "fusefs-int.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/*
+ * Start-up runs in two processes unless -f is given. The parent validates the
+ * options (so that a bad option fails at once), forks, and waits on a pipe.
+ * The child creates the libtorch runtime and the LMDB environment (neither
+ * survives a fork), mounts, and only then writes "OK" or the error to the
+ * pipe. So `mount` returns when the mount is live, and prints what failed.
+ */
+
+static void report(int fd, const char *prog, int code, const char *message)
+{
+    if (fd < 0) {
+        if (code < 0)
+            fprintf(stderr, "%s: %s\n", prog, message);
+        return;
+    }
+    char line[512];
+    int len = code < 0 ? snprintf(line, sizeof(line), "ERROR %s\n", message)
+                       : snprintf(line, sizeof(line), "OK\n");
+    if (len > (int)sizeof(line) - 1)
+        len = (int)sizeof(line) - 1;
+    ssize_t w = write(fd, line, (size_t)len);
+    (void)w;
+}
+
+/* In the parent: waits for the child's word and turns it into an exit status. */
+static int wait_for_child(int fd, pid_t child, const char *prog)
+{
+    char line[512];
+    size_t used = 0;
+    while (used < sizeof(line) - 1) {
+        ssize_t r = read(fd, line + used, sizeof(line) - 1 - used);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        used += (size_t)r;
+        if (memchr(line, '\n', used))
+            break;
+    }
+    line[used] = '\0';
+    close(fd);
+    if (strncmp(line, "OK", 2) == 0)
+        return 0;
+    if (strncmp(line, "ERROR ", 6) == 0) {
+        char *nl = strchr(line, '\n');
+        if (nl)
+            *nl = '\0';
+        fprintf(stderr, "%s: %s\n", prog, line + 6);
+    } else {
+        int status = 0;
+        waitpid(child, &status, 0);
+        if (WIFSIGNALED(status))
+            fprintf(stderr, "%s: the daemon died during start-up (signal %d)\n", prog,
+                    WTERMSIG(status));
+        else
+            fprintf(stderr, "%s: the daemon exited during start-up\n", prog);
+    }
+    waitpid(child, NULL, WNOHANG);
+    return 1;
+}
+
+static void detach_stdio(void)
+{
+    int fd = open("/dev/null", O_RDWR);
+    if (fd >= 0) {
+        dup2(fd, STDIN_FILENO);
+        dup2(fd, STDOUT_FILENO);
+        dup2(fd, STDERR_FILENO);
+        if (fd > STDERR_FILENO)
+            close(fd);
+    }
+    if (chdir("/") < 0)
+        hapi_log(HAPI_LOG_WARNING, "chdir /: %s", strerror(errno));
+}
+
+int hapi_fs_main(int argc, char *argv[], int helper)
+{
+    const char *prog = helper ? "mount.hapifs" : "hapifs";
+    hapi_fs_options opt;
+    hapi_error err = { 0 };
+    hapi_fs fs = { 0 };
+    struct fuse_session *se = NULL;
+    struct fuse_loop_config *loop = NULL;
+    int status_fd = -1;
+    int exit_code = 1;
+    int rc;
+
+    rc = hapi_fs_options_parse(argc, argv, helper, &opt, &err);
+    if (rc < 0) {
+        fprintf(stderr, "%s: %s\n", prog, err.message);
+        goto out;
+    }
+    if (opt.show_help) {
+        hapi_fs_usage(prog);
+        exit_code = 0;
+        goto out;
+    }
+    if (opt.show_version) {
+        printf("hapifs %s (libfuse %s)\n", HAPI_VERSION, fuse_pkgversion());
+        exit_code = 0;
+        goto out;
+    }
+    if (opt.fake) {
+        exit_code = 0;
+        goto out;
+    }
+
+    if (!opt.foreground) {
+        int pipefd[2];
+        if (pipe2(pipefd, O_CLOEXEC) < 0) {
+            fprintf(stderr, "%s: pipe: %s\n", prog, strerror(errno));
+            goto out;
+        }
+        pid_t pid = fork();
+        if (pid < 0) {
+            fprintf(stderr, "%s: fork: %s\n", prog, strerror(errno));
+            close(pipefd[0]);
+            close(pipefd[1]);
+            goto out;
+        }
+        if (pid > 0) {
+            close(pipefd[1]);
+            exit_code = wait_for_child(pipefd[0], pid, prog);
+            goto out;
+        }
+        close(pipefd[0]);
+        status_fd = pipefd[1];
+        setsid();
+    }
+
+    if ((rc = hapi_log_open(opt.log_path, opt.foreground, opt.debug)) < 0) {
+        hapi_error_set(&err, rc, "log %s: %s", opt.log_path, strerror(-rc));
+        report(status_fd, prog, rc, err.message);
+        goto out;
+    }
+    if ((rc = hapi_fs_init(&fs, &opt, &err)) < 0) {
+        hapi_log(HAPI_LOG_ERROR, "%s", err.message);
+        report(status_fd, prog, rc, err.message);
+        goto out;
+    }
+    se = fuse_session_new(&opt.fuse_args, &hapi_fs_ops, sizeof(hapi_fs_ops), &fs);
+    if (!se) {
+        report(status_fd, prog, -EINVAL, "cannot create the FUSE session (bad FUSE option?)");
+        goto out;
+    }
+    fs.se = se;
+    if (fuse_set_signal_handlers(se) < 0) {
+        report(status_fd, prog, -EINVAL, "cannot install signal handlers");
+        goto out;
+    }
+    if (fuse_session_mount(se, opt.mountpoint) < 0) {
+        char msg[PATH_MAX + 64];
+        snprintf(msg, sizeof(msg), "cannot mount on %s (is /dev/fuse usable?)", opt.mountpoint);
+        report(status_fd, prog, -EIO, msg);
+        fuse_remove_signal_handlers(se);
+        goto out;
+    }
+    report(status_fd, prog, 0, NULL);
+    if (status_fd >= 0) {
+        close(status_fd);
+        status_fd = -1;
+        detach_stdio();
+    }
+
+    loop = fuse_loop_cfg_create();
+    if (!loop) {
+        hapi_log(HAPI_LOG_ERROR, "out of memory");
+    } else {
+        fuse_loop_cfg_set_clone_fd(loop, 0);
+        fuse_loop_cfg_set_max_threads(loop, (unsigned)opt.threads);
+        fuse_loop_cfg_set_idle_threads(loop, (unsigned)(opt.threads > 4 ? opt.threads / 4 : 1));
+        rc = fuse_session_loop_mt(se, loop);
+        exit_code = rc == 0 ? 0 : 1;
+        hapi_log(HAPI_LOG_INFO, "unmounting %s", opt.mountpoint);
+    }
+    fuse_session_unmount(se);
+    fuse_remove_signal_handlers(se);
+out:
+    if (status_fd >= 0)
+        close(status_fd);
+    fuse_loop_cfg_destroy(loop);
+    if (se)
+        fuse_session_destroy(se);
+    hapi_fs_destroy(&fs);
+    hapi_fs_options_free(&opt);
+    hapi_log_close();
+    return exit_code;
+}
