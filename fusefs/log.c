@@ -77,6 +77,7 @@ struct hapi_error_ring {
     struct {
         time_t when;
         int code;
+        uint64_t repeats;
         char *path;
         char *message;
     } slot[HAPI_ERRORS_KEPT];
@@ -104,17 +105,37 @@ void hapi_error_ring_free(hapi_error_ring *r)
 
 void hapi_error_ring_add(hapi_error_ring *r, const char *path, int code, const char *message)
 {
-    hapi_log(HAPI_LOG_ERROR, "%s: %s", path, message);
-    if (!r)
+    if (!r) {
+        hapi_log(HAPI_LOG_ERROR, "%s: %s", path, message);
         return;
+    }
+    /*
+     * The kernel retries a page read that failed, and readers retry too: the
+     * same failure of the same file within a few seconds is one error, counted
+     * as repeated, not a new line in the log.
+     */
+    time_t now = time(NULL);
+    pthread_mutex_lock(&r->lock);
+    if (r->count > 0) {
+        int last = (int)((r->count - 1) % HAPI_ERRORS_KEPT);
+        if (r->slot[last].path && strcmp(r->slot[last].path, path) == 0 &&
+            strcmp(r->slot[last].message, message) == 0 && now - r->slot[last].when <= 5) {
+            r->slot[last].repeats++;
+            pthread_mutex_unlock(&r->lock);
+            return;
+        }
+    }
+    pthread_mutex_unlock(&r->lock);
+    hapi_log(HAPI_LOG_ERROR, "%s: %s", path, message);
     char *p = strdup(path);
     char *m = strdup(message);
     pthread_mutex_lock(&r->lock);
     int i = (int)(r->count % HAPI_ERRORS_KEPT);
     free(r->slot[i].path);
     free(r->slot[i].message);
-    r->slot[i].when = time(NULL);
+    r->slot[i].when = now;
     r->slot[i].code = code;
+    r->slot[i].repeats = 0;
     r->slot[i].path = p;
     r->slot[i].message = m;
     r->count++;
@@ -137,10 +158,11 @@ char *hapi_error_ring_json(hapi_error_ring *r)
         struct tm tm;
         gmtime_r(&r->slot[i].when, &tm);
         strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", &tm);
-        json_array_append_new(list, json_pack("{s:s, s:s?, s:s?, s:s}", "time", when,
+        json_array_append_new(list, json_pack("{s:s, s:s?, s:s?, s:s, s:I}", "time", when,
                                               "path", r->slot[i].path, "error",
                                               r->slot[i].message, "kind",
-                                              hapi_strerror(r->slot[i].code)));
+                                              hapi_strerror(r->slot[i].code), "repeats",
+                                              (json_int_t)r->slot[i].repeats));
     }
     json_object_set_new(root, "count", json_integer((json_int_t)r->count));
     pthread_mutex_unlock(&r->lock);

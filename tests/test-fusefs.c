@@ -242,8 +242,11 @@ START_TEST(test_error_ring)
         snprintf(path, sizeof(path), "img%d.jpg", i);
         hapi_error_ring_add(r, path, HAPI_EDECODE, "truncated");
     }
+    /* the same failure again at once is a repeat, not a new error */
+    hapi_error_ring_add(r, "img265.jpg", HAPI_EDECODE, "truncated");
     char *json = hapi_error_ring_json(r);
     ck_assert_ptr_nonnull(json);
+    ck_assert_ptr_nonnull(strstr(json, "\"repeats\": 1"));
     ck_assert_ptr_nonnull(strstr(json, "\"count\": 266"));
     ck_assert_ptr_null(strstr(json, "\"img9.jpg\""));     /* pushed out */
     ck_assert_ptr_nonnull(strstr(json, "\"img265.jpg\"")); /* newest kept */

@@ -1,0 +1,232 @@
+"""Shared fixtures of the Python tests: where the build is, staged models, image trees, real mounts."""
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SOURCE_ROOT = Path(os.environ.get("HAPI_SOURCE_ROOT", Path(__file__).resolve().parent.parent))
+BUILD_ROOT = Path(os.environ.get("HAPI_BUILD_ROOT", SOURCE_ROOT / "build"))
+HAPIFS = BUILD_ROOT / "fusefs" / "hapifs"
+EXPORTER = SOURCE_ROOT / "tools" / "hapifs-export-model"
+PYTHON = "/usr/bin/python3"
+
+
+def need_hapifs():
+    if not HAPIFS.exists():
+        pytest.skip(f"{HAPIFS} is not built (set HAPI_BUILD_ROOT)")
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("mount tests need /dev/fuse and root")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """export(arch, size) -> path of a staged archive, exported once per session."""
+    cache = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def export(arch="resnet18", size=64, seed=0):
+        key = (arch, size, seed)
+        if key not in cache:
+            out = root / f"{arch}-{size}-{seed}.pt"
+            subprocess.run([PYTHON, str(EXPORTER), arch, "-o", str(out), "--input-size",
+                            str(size), "--seed", str(seed)], check=True,
+                           stdout=subprocess.DEVNULL)
+            cache[key] = out
+        return cache[key]
+
+    return export
+
+
+def _smooth(h, w, rng):
+    """A photo-like image: smooth gradients, a few blobs, a little noise."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.zeros((h, w, 3), np.float32)
+    for c in range(3):
+        a, b, p = rng.uniform(-1, 1, 3)
+        img[..., c] = 128 + 90 * np.sin(a * x / 17 + b * y / 23 + p)
+    for _ in range(3):
+        cy, cx, r = rng.uniform(0, h), rng.uniform(0, w), rng.uniform(5, max(6, min(h, w) / 3))
+        mask = (y - cy) ** 2 + (x - cx) ** 2 < r * r
+        img[mask] = rng.uniform(0, 255, 3)
+    img += rng.normal(0, 6, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def write_png16(path, arr16):
+    """A 16-bit RGB PNG written by hand (Pillow cannot write 16-bit RGB)."""
+    import struct
+    import zlib
+    h, w, _ = arr16.shape
+    raw = b"".join(b"\x00" + arr16[r].astype(">u2").tobytes() for r in range(h))
+
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    Path(path).write_bytes(png)
+
+
+def make_image_kinds(root, seed=0):
+    """Writes one image of every kind hapifs must read; returns {relative path: kind}."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    root = Path(root)
+    made = {}
+
+    def save(rel, img, **kw):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        img.save(p, **kw)
+        made[rel] = rel
+
+    rgb = lambda h, w: Image.fromarray(_smooth(h, w, rng))  # noqa: E731
+    save("jpeg/baseline444.jpg", rgb(120, 160), quality=90, subsampling=0)
+    save("jpeg/baseline422.jpg", rgb(97, 131), quality=85, subsampling=1)
+    save("jpeg/baseline420.jpg", rgb(150, 113), quality=80, subsampling=2)
+    save("jpeg/progressive.jpg", rgb(128, 171), quality=88, progressive=True)
+    save("jpeg/gray.jpg", rgb(100, 140).convert("L"), quality=90)
+    save("jpeg/cmyk.jpg", rgb(90, 120).convert("CMYK"), quality=92)
+    save("jpeg/small.jpg", rgb(40, 30), quality=90)
+    save("jpeg/wide.JPEG", rgb(17, 300), quality=90)
+    save("png/rgb.png", rgb(99, 77))
+    save("png/rgba.png", Image.fromarray(np.dstack([_smooth(80, 96, rng),
+                                                    rng.integers(0, 256, (80, 96), np.uint8)])))
+    save("png/la.png", rgb(70, 90).convert("LA"))
+    save("png/gray.png", rgb(66, 88).convert("L"))
+    save("png/palette.png", rgb(72, 100).convert("P", palette=Image.ADAPTIVE, colors=64))
+    pt = rgb(72, 100).convert("P", palette=Image.ADAPTIVE, colors=32)
+    pt.info["transparency"] = 3
+    save("png/palette_trns.png", pt, transparency=3)
+    save("png/gray16.png", Image.fromarray((rng.integers(0, 65536, (64, 80))).astype(np.uint16)))
+    save("png/bilevel.png", rgb(61, 83).convert("1"))
+    p16 = root / "png/rgb16.png"
+    write_png16(p16, rng.integers(0, 65536, (70, 90, 3)).astype(np.uint16))
+    made["png/rgb16.png"] = "png/rgb16.png"
+    return made
+
+
+def reference_features(archive, image_path, split, meta=None):
+    """torchvision + PIL preprocessing, then the staged model's stages [0, split), in fp32."""
+    import torch
+    import torchvision.transforms as T
+    from PIL import Image
+    extra = {"hapifs.json": ""}
+    model = torch.jit.load(str(archive), map_location="cpu", _extra_files=extra)
+    meta = json.loads(extra["hapifs.json"])
+    tf = T.Compose([T.Resize(meta["resize_size"]), T.CenterCrop(meta["input_size"]),
+                    T.ToTensor(), T.Normalize(meta["mean"], meta["std"])])
+    x = tf(Image.open(image_path).convert("RGB")).unsqueeze(0)
+    with torch.no_grad():
+        for i, (_, stage) in enumerate(model.named_children()):
+            if i >= split:
+                break
+            x = stage(x)
+    return x[0].numpy()
+
+
+class Mount:
+    """A real hapifs mount, started as a daemon like mount(8) would, torn down cleanly."""
+
+    def __init__(self, source, mountpoint, options, binary=HAPIFS):
+        self.source = Path(source)
+        self.path = Path(mountpoint)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.options = options
+        self.log = self.path.parent / (self.path.name + ".log")
+        opts = ",".join(f"{k}={v}" for k, v in options.items())
+        cmd = [str(binary), str(source), str(mountpoint), "-o", f"{opts},log={self.log}"]
+        self.proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"mount failed: {self.proc.stderr.strip()}")
+        self.pid = self.daemon_pid()
+
+    def daemon_pid(self):
+        return daemon_pid(self.path)
+
+    def ctl(self, name):
+        return json.loads((self.path / ".hapifs" / name).read_text())
+
+    def unmount(self):
+        if is_mounted(self.path):
+            subprocess.run(["fusermount3", "-u", str(self.path)], check=False)
+        wait_gone(self.pid)
+
+    def log_text(self):
+        return self.log.read_text() if self.log.exists() else ""
+
+
+def daemon_pid(mountpoint):
+    """The pid of the hapifs process serving mountpoint, from /proc/*/cmdline."""
+    want = os.path.realpath(mountpoint)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 2 and os.path.basename(argv[0]).decode() in ("hapifs", "mount.hapifs") \
+                and os.path.realpath(argv[2].decode()) == want:
+            return int(d.name)
+    return None
+
+
+def is_mounted(path):
+    path = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == path for line in f)
+
+
+def wait_gone(pid, timeout=20):
+    if not pid:
+        return True
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie whose parent has not reaped it yet has exited too
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def mounter(tmp_path):
+    """mount(source, **options) -> Mount; every mount is unmounted at the end of the test."""
+    need_hapifs()
+    mounts = []
+
+    def mount(source, mountpoint=None, **options):
+        options.setdefault("cache", str(tmp_path / "cache"))
+        Path(options["cache"]).mkdir(parents=True, exist_ok=True)
+        mp = mountpoint or tmp_path / f"mnt{len(mounts)}"
+        m = Mount(source, mp, options)
+        mounts.append(m)
+        return m
+
+    yield mount
+    for m in mounts:
+        m.unmount()
+    for m in mounts:
+        assert not is_mounted(m.path), f"{m.path} still mounted"
+        assert wait_gone(m.pid), f"daemon {m.pid} still running"
+
+
+def npy_bytes(arr):
+    b = io.BytesIO()
+    np.save(b, arr)
+    return b.getvalue()
