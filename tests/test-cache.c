@@ -1,0 +1,973 @@
+/* test-cache.c — unit tests of the LMDB feature store (cache/), each in a fresh temporary directory. */
+#include <check.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "cache.h"
+#include "cache-int.h"
+
+static char tmp[PATH_MAX];
+
+static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb; (void)flag; (void)ftw;
+    return remove(p);
+}
+
+static void setup(void)
+{
+    snprintf(tmp, sizeof(tmp), "/tmp/hapi-test-cache-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(tmp));
+}
+
+static void teardown(void)
+{
+    nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* Deterministic bytes for (path, generation): a splitmix64 stream. */
+static void fill(void *buf, size_t n, const char *path, uint64_t gen)
+{
+    uint64_t s = 1469598103934665603u ^ gen;
+    for (const char *p = path; *p; p++)
+        s = (s ^ (uint8_t)*p) * 1099511628211u;
+    uint8_t *b = buf;
+    for (size_t i = 0; i < n; i++) {
+        if (i % 8 == 0) {
+            s += 0x9E3779B97F4A7C15u;
+        }
+        uint64_t z = s;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9u;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBu;
+        b[i] = (uint8_t)((z ^ (z >> 31)) >> (8 * (i % 8)));
+    }
+}
+
+static hapi_cache_namespace make_ns(int split)
+{
+    uint8_t digest[16];
+    hapi_cache_namespace ns;
+    for (int i = 0; i < 16; i++)
+        digest[i] = (uint8_t)(i * 17 + 1);
+    hapi_cache_namespace_make(digest, split, 1, "exact 256 224 mean=0.485,0.456,0.406", &ns);
+    return ns;
+}
+
+static hapi_cache *open_ok(const char *dir, uint64_t max_bytes)
+{
+    hapi_cache_options opt = { .max_bytes = max_bytes };
+    hapi_cache *c = NULL;
+    hapi_error err = { 0 };
+    int rc = hapi_cache_open(dir, &opt, &c, &err);
+    ck_assert_msg(rc == 0, "open %s: %d %s", dir, rc, err.message);
+    ck_assert_ptr_nonnull(c);
+    return c;
+}
+
+static void put_one(hapi_cache *c, const hapi_cache_namespace *ns, const char *path,
+                    hapi_source_id id, const void *data, size_t size)
+{
+    hapi_cache_item it = { .path = path, .id = id, .data = data, .size = size };
+    hapi_error err = { 0 };
+    int rc = hapi_cache_put(c, ns, &it, 1, &err);
+    ck_assert_msg(rc == 0, "put %s: %d %s", path, rc, err.message);
+}
+
+/* Asserts a hit on exactly size bytes equal to want. */
+static void expect_hit(hapi_cache *c, const hapi_cache_namespace *ns, const char *path,
+                       hapi_source_id id, const void *want, size_t size)
+{
+    hapi_cache_value v;
+    int rc = hapi_cache_get(c, ns, path, &id, &v);
+    ck_assert_msg(rc == 1, "get %.40s: expected a hit, got %d", path, rc);
+    ck_assert_uint_eq(v.size, size);
+    ck_assert_ptr_nonnull(v.data);
+    ck_assert_msg(memcmp(v.data, want, size) == 0, "get %.40s: bytes differ", path);
+    hapi_cache_release(c, &v);
+    ck_assert_ptr_null(v.data);
+    ck_assert_ptr_null(v.txn_);
+}
+
+static void expect_miss(hapi_cache *c, const hapi_cache_namespace *ns, const char *path,
+                        hapi_source_id id)
+{
+    hapi_cache_value v;
+    int rc = hapi_cache_get(c, ns, path, &id, &v);
+    ck_assert_msg(rc == 0, "get %.40s: expected a miss, got %d", path, rc);
+    ck_assert_ptr_null(v.data);
+    ck_assert_uint_eq(v.size, 0);
+    ck_assert_ptr_null(v.txn_);
+}
+
+static const hapi_source_id ID = { .size = 110000, .mtime_ns = 1700000000123456789,
+                                   .ctime_ns = 1700000000987654321, .ino = 424242 };
+
+/* ---- namespaces ---- */
+
+START_TEST(namespace_determinism)
+{
+    uint8_t d[16] = { 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16 };
+    hapi_cache_namespace a, b;
+    char hex[33];
+
+    hapi_cache_namespace_make(d, 5, 1, "exact 256 224", &a);
+    hapi_cache_namespace_make(d, 5, 1, "exact 256 224", &b);
+    ck_assert_mem_eq(a.bytes, b.bytes, 16);
+
+    /* Pinned: a change of the encoding must be deliberate (and bump its version). */
+    hapi_cache_namespace_hex(&a, hex);
+    ck_assert_uint_eq(strlen(hex), 32);
+    for (int i = 0; i < 16; i++) {
+        char two[3];
+        snprintf(two, sizeof(two), "%02x", a.bytes[i]);
+        ck_assert_mem_eq(hex + 2 * i, two, 2);
+    }
+    ck_assert_str_eq(hex, "e8d9acddf3f916fe1cad0d32f7ddd346");
+}
+END_TEST
+
+START_TEST(namespace_each_input)
+{
+    uint8_t d[16] = { 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16 };
+    hapi_cache_namespace base, x;
+    hapi_cache_namespace_make(d, 5, 1, "exact 256 224", &base);
+
+    for (int i = 0; i < 16; i++) {
+        uint8_t e[16];
+        memcpy(e, d, 16);
+        e[i] ^= 0x01;
+        hapi_cache_namespace_make(e, 5, 1, "exact 256 224", &x);
+        ck_assert_msg(memcmp(x.bytes, base.bytes, 16) != 0, "digest byte %d ignored", i);
+    }
+    hapi_cache_namespace_make(d, 6, 1, "exact 256 224", &x);
+    ck_assert(memcmp(x.bytes, base.bytes, 16) != 0);
+    hapi_cache_namespace_make(d, -5, 1, "exact 256 224", &x);
+    ck_assert(memcmp(x.bytes, base.bytes, 16) != 0);
+    hapi_cache_namespace_make(d, 5, 0, "exact 256 224", &x);
+    ck_assert(memcmp(x.bytes, base.bytes, 16) != 0);
+    hapi_cache_namespace_make(d, 5, 1, "fast 256 224", &x);
+    ck_assert(memcmp(x.bytes, base.bytes, 16) != 0);
+    hapi_cache_namespace_make(d, 5, 1, "exact 256 224 ", &x);
+    ck_assert(memcmp(x.bytes, base.bytes, 16) != 0);
+    hapi_cache_namespace_make(d, 5, 1, "", &x);
+    ck_assert(memcmp(x.bytes, base.bytes, 16) != 0);
+    /* Split and dtype do not bleed into each other. */
+    hapi_cache_namespace a, b;
+    hapi_cache_namespace_make(d, 1, 0, "", &a);
+    hapi_cache_namespace_make(d, 0, 1, "", &b);
+    ck_assert(memcmp(a.bytes, b.bytes, 16) != 0);
+}
+END_TEST
+
+/* ---- put and get ---- */
+
+START_TEST(put_get_exact)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    static const size_t sizes[] = { 0, 1, 100, 2000, 4096, 8192, 20000, 1 << 20 };
+    enum { N = sizeof(sizes) / sizeof(sizes[0]) };
+    hapi_cache_item items[N];
+    char paths[N][64];
+    void *bufs[N];
+    hapi_error err = { 0 };
+
+    for (int i = 0; i < N; i++) {
+        snprintf(paths[i], sizeof(paths[i]), "train/n0144/img_%d.JPEG", i);
+        bufs[i] = malloc(sizes[i] + 1);
+        fill(bufs[i], sizes[i], paths[i], 0);
+        items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = bufs[i],
+                                      .size = sizes[i] };
+        items[i].id.ino += (uint64_t)i;
+    }
+    ck_assert_int_eq(hapi_cache_put(c, &ns, items, N, &err), 0);
+    for (int i = 0; i < N; i++)
+        expect_hit(c, &ns, paths[i], items[i].id, bufs[i], sizes[i]);
+    expect_miss(c, &ns, "train/n0144/other.JPEG", ID);
+    expect_miss(c, &ns, "", ID);
+    expect_miss(c, &ns, "train/n0144/img_1.JPE", ID); /* a prefix of a key is not a key */
+
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.entries, N);
+    ck_assert_uint_eq(st.map_size, UINT64_C(1) << 30);
+    ck_assert_uint_gt(st.bytes_used, (1 << 20) + 20000);
+    ck_assert_uint_le(st.bytes_used, st.map_size);
+
+    /* Two values held at once, from one thread, stay valid and distinct. */
+    hapi_cache_value v1, v2;
+    ck_assert_int_eq(hapi_cache_get(c, &ns, paths[4], &items[4].id, &v1), 1);
+    ck_assert_int_eq(hapi_cache_get(c, &ns, paths[5], &items[5].id, &v2), 1);
+    ck_assert_mem_eq(v1.data, bufs[4], sizes[4]);
+    ck_assert_mem_eq(v2.data, bufs[5], sizes[5]);
+    hapi_cache_release(c, &v2);
+    hapi_cache_release(c, &v1);
+
+    for (int i = 0; i < N; i++)
+        free(bufs[i]);
+    hapi_cache_close(c);
+}
+END_TEST
+
+START_TEST(identity_change_is_miss)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    uint8_t buf[4096];
+    fill(buf, sizeof(buf), "a.jpg", 0);
+    put_one(c, &ns, "a.jpg", ID, buf, sizeof(buf));
+    expect_hit(c, &ns, "a.jpg", ID, buf, sizeof(buf));
+
+    hapi_source_id id = ID;
+    id.size++;
+    expect_miss(c, &ns, "a.jpg", id);
+    id = ID;
+    id.mtime_ns++;
+    expect_miss(c, &ns, "a.jpg", id);
+    id = ID;
+    id.ctime_ns--;
+    expect_miss(c, &ns, "a.jpg", id);
+    id = ID;
+    id.ino ^= 1u << 20;
+    expect_miss(c, &ns, "a.jpg", id);
+    /* A miss leaves the entry alone. */
+    expect_hit(c, &ns, "a.jpg", ID, buf, sizeof(buf));
+    hapi_cache_close(c);
+}
+END_TEST
+
+START_TEST(other_namespace_is_miss)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3), other = make_ns(4);
+    uint8_t a[4096], b[2048];
+    fill(a, sizeof(a), "a.jpg", 3);
+    fill(b, sizeof(b), "a.jpg", 4);
+    put_one(c, &ns, "a.jpg", ID, a, sizeof(a));
+    expect_miss(c, &other, "a.jpg", ID);
+    /* Both namespaces hold their own entry for the same path. */
+    put_one(c, &other, "a.jpg", ID, b, sizeof(b));
+    expect_hit(c, &ns, "a.jpg", ID, a, sizeof(a));
+    expect_hit(c, &other, "a.jpg", ID, b, sizeof(b));
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.entries, 2);
+    hapi_cache_close(c);
+}
+END_TEST
+
+START_TEST(overwrite)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    uint8_t a[8192], b[4096], d[100];
+    fill(a, sizeof(a), "x", 1);
+    fill(b, sizeof(b), "x", 2);
+    fill(d, sizeof(d), "x", 3);
+
+    put_one(c, &ns, "x.jpg", ID, a, sizeof(a));
+    put_one(c, &ns, "x.jpg", ID, b, sizeof(b));
+    expect_hit(c, &ns, "x.jpg", ID, b, sizeof(b));
+
+    hapi_source_id id2 = ID;
+    id2.mtime_ns += 1000;
+    put_one(c, &ns, "x.jpg", id2, d, sizeof(d));
+    expect_miss(c, &ns, "x.jpg", ID);
+    expect_hit(c, &ns, "x.jpg", id2, d, sizeof(d));
+
+    /* The same path twice in one batch: the later item wins. */
+    hapi_cache_item two[2] = {
+        { .path = "y.jpg", .id = ID, .data = a, .size = sizeof(a) },
+        { .path = "y.jpg", .id = ID, .data = d, .size = sizeof(d) },
+    };
+    ck_assert_int_eq(hapi_cache_put(c, &ns, two, 2, NULL), 0);
+    expect_hit(c, &ns, "y.jpg", ID, d, sizeof(d));
+
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.entries, 2);
+    hapi_cache_close(c);
+}
+END_TEST
+
+/* Rewrites the stored value of path through LMDB: edit(value, &size) may change bytes and shorten it. */
+static void raw_edit(hapi_cache *c, const hapi_cache_namespace *ns, const char *path,
+                     void (*edit)(uint8_t *, size_t *))
+{
+    uint8_t key[HAPI_CACHE__KEY_MAX];
+    MDB_val k = { .mv_size = hapi_cache__key_make(ns, path, key), .mv_data = key }, v;
+    MDB_txn *txn;
+    ck_assert_int_eq(mdb_txn_begin(hapi_cache__env(c), NULL, 0, &txn), 0);
+    ck_assert_int_eq(mdb_get(txn, hapi_cache__features_dbi(c), &k, &v), 0);
+    size_t size = v.mv_size;
+    uint8_t *copy = malloc(size);
+    memcpy(copy, v.mv_data, size);
+    edit(copy, &size);
+    v = (MDB_val){ .mv_size = size, .mv_data = copy };
+    ck_assert_int_eq(mdb_put(txn, hapi_cache__features_dbi(c), &k, &v, 0), 0);
+    ck_assert_int_eq(mdb_txn_commit(txn), 0);
+    free(copy);
+}
+
+static void flip_data(uint8_t *v, size_t *n) { v[*n - 100] ^= 0x10; }
+static void flip_time(uint8_t *v, size_t *n) { (void)n; v[50] ^= 0x01; } /* put time: checksum only */
+static void flip_magic(uint8_t *v, size_t *n) { (void)n; v[0] ^= 0x01; }
+static void flip_version(uint8_t *v, size_t *n) { (void)n; v[4] = 99; }
+static void flip_length(uint8_t *v, size_t *n) { (void)n; v[8] ^= 0x01; }
+static void flip_checksum(uint8_t *v, size_t *n) { (void)n; v[63] ^= 0x80; }
+static void truncate_one(uint8_t *v, size_t *n) { (void)v; *n -= 1; }
+static void truncate_header(uint8_t *v, size_t *n) { (void)v; *n = 40; }
+
+START_TEST(corrupt_value_is_miss)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    static const struct { const char *path; void (*edit)(uint8_t *, size_t *); } cases[] = {
+        { "data.jpg", flip_data },         { "time.jpg", flip_time },
+        { "magic.jpg", flip_magic },       { "version.jpg", flip_version },
+        { "length.jpg", flip_length },     { "checksum.jpg", flip_checksum },
+        { "truncated.jpg", truncate_one }, { "short.jpg", truncate_header },
+    };
+    enum { N = sizeof(cases) / sizeof(cases[0]) };
+    uint8_t buf[4096];
+
+    for (int i = 0; i < N; i++) {
+        fill(buf, sizeof(buf), cases[i].path, 0);
+        put_one(c, &ns, cases[i].path, ID, buf, sizeof(buf));
+    }
+    fill(buf, sizeof(buf), "intact.jpg", 0);
+    put_one(c, &ns, "intact.jpg", ID, buf, sizeof(buf));
+
+    for (int i = 0; i < N; i++) {
+        raw_edit(c, &ns, cases[i].path, cases[i].edit);
+        expect_miss(c, &ns, cases[i].path, ID);
+    }
+    expect_hit(c, &ns, "intact.jpg", ID, buf, sizeof(buf));
+
+    /* A new put repairs a corrupt entry. */
+    fill(buf, sizeof(buf), "data.jpg", 0);
+    put_one(c, &ns, "data.jpg", ID, buf, sizeof(buf));
+    expect_hit(c, &ns, "data.jpg", ID, buf, sizeof(buf));
+    hapi_cache_close(c);
+}
+END_TEST
+
+/* ---- concurrency ---- */
+
+enum { STABLE = 200, CHURN = 50, GENERATIONS = 40, READERS = 4, READS = 20000 };
+
+struct shared {
+    hapi_cache *c;
+    hapi_cache_namespace ns;
+    atomic_int failures;
+    atomic_long stable_hits;
+    atomic_long churn_hits;
+    atomic_int writer_done;
+    int writer_rc;
+    char writer_msg[256];
+};
+
+static size_t value_size(int i) { return i % 3 == 0 ? 8192 : i % 3 == 1 ? 4096 : 700; }
+
+static void *reader_main(void *arg)
+{
+    struct shared *s = arg;
+    uint8_t want[8192];
+    unsigned seed = (unsigned)(uintptr_t)pthread_self();
+    for (int r = 0; r < READS; r++) {
+        char path[64];
+        hapi_source_id id = ID;
+        hapi_cache_value v;
+        int i;
+        uint64_t gen;
+        bool stable = rand_r(&seed) % 2;
+        if (stable) {
+            i = rand_r(&seed) % STABLE;
+            snprintf(path, sizeof(path), "stable/%d.jpg", i);
+            gen = 0;
+        } else {
+            i = rand_r(&seed) % CHURN;
+            snprintf(path, sizeof(path), "churn/%d.jpg", i);
+            gen = 1 + (uint64_t)(rand_r(&seed) % GENERATIONS);
+            id.mtime_ns = (int64_t)gen;
+        }
+        int rc = hapi_cache_get(s->c, &s->ns, path, &id, &v);
+        if (rc < 0 || (stable && rc != 1)) {
+            s->failures++;
+            continue;
+        }
+        if (rc == 1) {
+            fill(want, value_size(i), path, gen);
+            if (v.size != value_size(i) || memcmp(v.data, want, v.size) != 0)
+                s->failures++;
+            if (stable)
+                s->stable_hits++;
+            else
+                s->churn_hits++;
+            hapi_cache_release(s->c, &v);
+        }
+    }
+    return NULL;
+}
+
+static void *writer_main(void *arg)
+{
+    struct shared *s = arg;
+    static uint8_t bufs[CHURN][8192];
+    hapi_cache_item items[CHURN];
+    char paths[CHURN][64];
+    hapi_error err = { 0 };
+
+    for (uint64_t gen = 1; gen <= GENERATIONS && !s->writer_rc; gen++) {
+        for (int i = 0; i < CHURN; i++) {
+            snprintf(paths[i], sizeof(paths[i]), "churn/%d.jpg", i);
+            fill(bufs[i], value_size(i), paths[i], gen);
+            items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = bufs[i],
+                                          .size = value_size(i) };
+            items[i].id.mtime_ns = (int64_t)gen;
+        }
+        s->writer_rc = hapi_cache_put(s->c, &s->ns, items, CHURN, &err);
+        /* Rewrite some stable entries with the same bytes: readers must never miss them. */
+        for (int i = (int)gen % 10; i < STABLE && !s->writer_rc; i += 10) {
+            snprintf(paths[0], sizeof(paths[0]), "stable/%d.jpg", i);
+            fill(bufs[0], value_size(i), paths[0], 0);
+            items[0] = (hapi_cache_item){ .path = paths[0], .id = ID, .data = bufs[0],
+                                          .size = value_size(i) };
+            s->writer_rc = hapi_cache_put(s->c, &s->ns, items, 1, &err);
+        }
+    }
+    snprintf(s->writer_msg, sizeof(s->writer_msg), "%s", err.message);
+    s->writer_done = 1;
+    return NULL;
+}
+
+START_TEST(concurrent_get_while_put)
+{
+    static struct shared s;
+    s.c = open_ok(tmp, 0);
+    s.ns = make_ns(3);
+    uint8_t buf[8192];
+    for (int i = 0; i < STABLE; i++) {
+        char path[64];
+        snprintf(path, sizeof(path), "stable/%d.jpg", i);
+        fill(buf, value_size(i), path, 0);
+        put_one(s.c, &s.ns, path, ID, buf, value_size(i));
+    }
+
+    pthread_t readers[READERS], writer;
+    ck_assert_int_eq(pthread_create(&writer, NULL, writer_main, &s), 0);
+    for (int t = 0; t < READERS; t++)
+        ck_assert_int_eq(pthread_create(&readers[t], NULL, reader_main, &s), 0);
+    for (int t = 0; t < READERS; t++)
+        pthread_join(readers[t], NULL);
+    pthread_join(writer, NULL);
+
+    ck_assert_msg(s.writer_rc == 0, "writer: %d %s", s.writer_rc, s.writer_msg);
+    ck_assert_int_eq(s.failures, 0);
+    ck_assert_int_gt(s.stable_hits, 0);
+    fprintf(stderr, "concurrent: %ld stable hits, %ld churn hits in %d reads\n",
+            (long)s.stable_hits, (long)s.churn_hits, READERS * READS);
+    hapi_cache_close(s.c);
+}
+END_TEST
+
+/* ---- open and reopen ---- */
+
+START_TEST(reopen_keeps_data)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    uint8_t buf[4096];
+    fill(buf, sizeof(buf), "keep.jpg", 0);
+    put_one(c, &ns, "keep.jpg", ID, buf, sizeof(buf));
+    hapi_cache_close(c);
+
+    c = open_ok(tmp, 0);
+    expect_hit(c, &ns, "keep.jpg", ID, buf, sizeof(buf));
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.entries, 1);
+    hapi_cache_close(c);
+
+    /* A smaller bound on reopen keeps what is stored. */
+    c = open_ok(tmp, 4 << 20);
+    expect_hit(c, &ns, "keep.jpg", ID, buf, sizeof(buf));
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.map_size, 4 << 20);
+    hapi_cache_close(c);
+}
+END_TEST
+
+static void expect_open_error(const char *dir, int code, const char *needle)
+{
+    hapi_cache *c = (hapi_cache *)&c; /* not NULL, to see that failure clears it */
+    hapi_error err = { 0 };
+    int rc = hapi_cache_open(dir, NULL, &c, &err);
+    ck_assert_msg(rc == code, "open %s: expected %d, got %d (%s)", dir, code, rc, err.message);
+    ck_assert_int_eq(err.code, code);
+    ck_assert_ptr_null(c);
+    ck_assert_msg(strstr(err.message, needle), "message \"%s\" lacks \"%s\"", err.message,
+                  needle);
+    ck_assert_msg(strstr(err.message, dir), "message \"%s\" does not name %s", err.message,
+                  dir);
+}
+
+START_TEST(open_missing_dir)
+{
+    char dir[PATH_MAX + 16];
+    snprintf(dir, sizeof(dir), "%s/nope", tmp);
+    expect_open_error(dir, -ENOENT, "No such file or directory");
+    ck_assert_int_eq(access(dir, F_OK), -1); /* not created */
+}
+END_TEST
+
+START_TEST(open_file_not_dir)
+{
+    char path[PATH_MAX + 16];
+    snprintf(path, sizeof(path), "%s/file", tmp);
+    int fd = open(path, O_CREAT | O_WRONLY, 0644);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    expect_open_error(path, -ENOTDIR, "is not a directory");
+}
+END_TEST
+
+START_TEST(open_read_only_dir)
+{
+    char dir[PATH_MAX + 16];
+    snprintf(dir, sizeof(dir), "%s/ro", tmp);
+    ck_assert_int_eq(mkdir(dir, 0755), 0);
+    if (geteuid() != 0) {
+        /* Without privileges, modes bind. */
+        ck_assert_int_eq(chmod(dir, 0500), 0);
+        expect_open_error(dir, -EACCES, "Permission denied");
+        chmod(dir, 0700);
+        return;
+    }
+    /* As root modes do not bind: a read-only tmpfs is read-only for everyone. */
+    if (mount("tmpfs", dir, "tmpfs", MS_RDONLY, "size=1m") != 0) {
+        fprintf(stderr, "open_read_only_dir: skipped, cannot mount a tmpfs: %s\n",
+                strerror(errno));
+        return;
+    }
+    hapi_cache *c = NULL;
+    hapi_error err = { 0 };
+    int rc = hapi_cache_open(dir, NULL, &c, &err);
+    umount(dir);
+    ck_assert_msg(rc == -EROFS, "expected -EROFS, got %d (%s)", rc, err.message);
+    ck_assert_ptr_null(c);
+    ck_assert_ptr_nonnull(strstr(err.message, "Read-only file system"));
+    ck_assert_ptr_nonnull(strstr(err.message, dir));
+}
+END_TEST
+
+static void write_file(const char *dir, const char *name, const void *data, size_t n)
+{
+    char path[PATH_MAX + 32];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_uint_eq(fwrite(data, 1, n, f), n);
+    fclose(f);
+}
+
+START_TEST(open_garbage_store)
+{
+    static uint8_t junk[16384];
+    memset(junk, 'x', sizeof(junk));
+    write_file(tmp, "data.mdb", junk, sizeof(junk));
+    expect_open_error(tmp, HAPI_ECORRUPT, "data.mdb");
+
+    /* A short file too. */
+    write_file(tmp, "data.mdb", junk, 100);
+    expect_open_error(tmp, HAPI_ECORRUPT, "data.mdb");
+}
+END_TEST
+
+/* Makes an LMDB store in tmp holding key → value in the named database db (NULL: main). */
+static void make_store(const char *db, const char *key, const void *value, size_t size)
+{
+    MDB_env *env;
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    ck_assert_int_eq(mdb_env_create(&env), 0);
+    ck_assert_int_eq(mdb_env_set_maxdbs(env, 4), 0);
+    ck_assert_int_eq(mdb_env_open(env, tmp, 0, 0644), 0);
+    ck_assert_int_eq(mdb_txn_begin(env, NULL, 0, &txn), 0);
+    ck_assert_int_eq(mdb_dbi_open(txn, db, MDB_CREATE, &dbi), 0);
+    MDB_val k = { .mv_size = strlen(key), .mv_data = (void *)key };
+    MDB_val v = { .mv_size = size, .mv_data = (void *)value };
+    ck_assert_int_eq(mdb_put(txn, dbi, &k, &v, 0), 0);
+    ck_assert_int_eq(mdb_txn_commit(txn), 0);
+    mdb_env_close(env);
+}
+
+START_TEST(open_foreign_store)
+{
+    make_store(NULL, "hello", "world", 5);
+    expect_open_error(tmp, HAPI_ECORRUPT, "not hapifs's");
+}
+END_TEST
+
+START_TEST(open_foreign_meta)
+{
+    /* A "meta" key that is plain data, not a database. */
+    make_store(NULL, "meta", "something", 9);
+    expect_open_error(tmp, HAPI_ECORRUPT, "not hapifs's");
+}
+END_TEST
+
+START_TEST(open_newer_format)
+{
+    uint8_t record[16];
+    memcpy(record, "hapifs-cache", 12);
+    record[12] = 2; /* little-endian 2 */
+    record[13] = record[14] = record[15] = 0;
+    make_store("meta", "format", record, sizeof(record));
+    expect_open_error(tmp, HAPI_ECORRUPT, "format version 2");
+}
+END_TEST
+
+/*
+ * A child that dies mid-read leaves its reader slot taken. The slot survives
+ * only while another process keeps the lock file in use (the first opener
+ * resets the table), so a second child holds the store open meanwhile.
+ */
+START_TEST(stale_reader_cleared)
+{
+    hapi_cache_namespace ns = make_ns(3);
+    uint8_t buf[4096];
+    fill(buf, sizeof(buf), "r.jpg", 0);
+    hapi_cache *c = open_ok(tmp, 0);
+    put_one(c, &ns, "r.jpg", ID, buf, sizeof(buf));
+    hapi_cache_close(c);
+
+    int ready[2], quit[2];
+    ck_assert_int_eq(pipe(ready), 0);
+    ck_assert_int_eq(pipe(quit), 0);
+    pid_t holder = fork();
+    ck_assert_int_ge(holder, 0);
+    if (holder == 0) {
+        hapi_cache *hc = NULL;
+        char ch = hapi_cache_open(tmp, NULL, &hc, NULL) == 0 ? 'y' : 'n';
+        close(quit[1]);
+        if (write(ready[1], &ch, 1) != 1)
+            _exit(2);
+        while (read(quit[0], &ch, 1) > 0) { }
+        hapi_cache_close(hc);
+        _exit(0);
+    }
+    close(quit[0]);
+    char ch = 0;
+    ck_assert_int_eq(read(ready[0], &ch, 1), 1);
+    ck_assert_int_eq(ch, 'y');
+
+    /* It reports through the pipe, not its exit status, which valgrind overrides for the leak it leaves. */
+    pid_t dier = fork();
+    ck_assert_int_ge(dier, 0);
+    if (dier == 0) {
+        hapi_cache *dc = NULL;
+        hapi_cache_value v;
+        hapi_source_id id = ID;
+        ch = hapi_cache_open(tmp, NULL, &dc, NULL) != 0 ? 'o'
+             : hapi_cache_get(dc, &ns, "r.jpg", &id, &v) != 1 ? 'g' : 'h';
+        if (write(ready[1], &ch, 1) != 1)
+            _exit(2);
+        _exit(0); /* mid-read: no release, no close */
+    }
+    int status = 0;
+    ck_assert_int_eq(read(ready[0], &ch, 1), 1);
+    ck_assert_int_eq(ch, 'h');
+    ck_assert_int_eq(waitpid(dier, &status, 0), dier);
+    ck_assert(WIFEXITED(status));
+
+    c = open_ok(tmp, 0);
+    ck_assert_int_eq(hapi_cache__stale_readers_cleared(c), 1);
+    expect_hit(c, &ns, "r.jpg", ID, buf, sizeof(buf));
+    fill(buf, sizeof(buf), "r.jpg", 1);
+    put_one(c, &ns, "r.jpg", ID, buf, sizeof(buf));
+    expect_hit(c, &ns, "r.jpg", ID, buf, sizeof(buf));
+    hapi_cache_close(c);
+
+    close(quit[1]);
+    ck_assert_int_eq(waitpid(holder, &status, 0), holder);
+    ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    close(ready[0]);
+    close(ready[1]);
+}
+END_TEST
+
+/*
+ * Another process with a larger bound grows the store beyond this process's
+ * map: lookups miss (never fail) until the next put adopts the new size.
+ */
+START_TEST(map_resized_by_other_process)
+{
+    hapi_cache_namespace ns = make_ns(3);
+    enum { N = 400 };
+    static uint8_t buf[8192];
+    int go[2], done[2];
+    ck_assert_int_eq(pipe(go), 0);
+    ck_assert_int_eq(pipe(done), 0);
+    /* Fork before opening: a child must not inherit an open store, even unused. */
+    pid_t child = fork();
+    ck_assert_int_ge(child, 0);
+    if (child == 0) {
+        hapi_cache_options opt = { .max_bytes = 64 << 20 };
+        hapi_cache *cc = NULL;
+        char ch = 'y';
+        if (read(go[0], &ch, 1) != 1)
+            _exit(2);
+        if (hapi_cache_open(tmp, &opt, &cc, NULL) != 0)
+            ch = 'o';
+        for (int i = 0; i < N && ch == 'y'; i++) {
+            char path[32];
+            snprintf(path, sizeof(path), "big/%d.jpg", i);
+            fill(buf, sizeof(buf), path, 0);
+            hapi_cache_item it = { .path = path, .id = ID, .data = buf, .size = sizeof(buf) };
+            if (hapi_cache_put(cc, &ns, &it, 1, NULL) != 0)
+                ch = 'p';
+        }
+        hapi_cache_close(cc);
+        if (write(done[1], &ch, 1) != 1)
+            _exit(2);
+        _exit(0);
+    }
+    hapi_cache *c = open_ok(tmp, 2 << 20);
+    fill(buf, sizeof(buf), "mine.jpg", 0);
+    put_one(c, &ns, "mine.jpg", ID, buf, sizeof(buf));
+    char ch = 'y';
+    int status;
+    ck_assert_int_eq(write(go[1], &ch, 1), 1);
+    ck_assert_int_eq(read(done[0], &ch, 1), 1);
+    ck_assert_int_eq(ch, 'y');
+    ck_assert_int_eq(waitpid(child, &status, 0), child);
+    ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    close(go[0]);
+    close(go[1]);
+    close(done[0]);
+    close(done[1]);
+
+    /* Beyond our map: a miss, not an error. */
+    fill(buf, sizeof(buf), "big/7.jpg", 0);
+    expect_miss(c, &ns, "big/7.jpg", ID);
+    expect_miss(c, &ns, "mine.jpg", ID); /* stored and intact, but the map is stale */
+    /* A put adopts the size, and everything is visible again. */
+    fill(buf, sizeof(buf), "mine2.jpg", 0);
+    put_one(c, &ns, "mine2.jpg", ID, buf, sizeof(buf));
+    expect_hit(c, &ns, "mine2.jpg", ID, buf, sizeof(buf));
+    fill(buf, sizeof(buf), "big/7.jpg", 0);
+    expect_hit(c, &ns, "big/7.jpg", ID, buf, sizeof(buf));
+    fill(buf, sizeof(buf), "mine.jpg", 0);
+    expect_hit(c, &ns, "mine.jpg", ID, buf, sizeof(buf));
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.map_size, 64 << 20);
+    ck_assert_uint_eq(st.entries, N + 2);
+    hapi_cache_close(c);
+}
+END_TEST
+
+/* ---- long paths ---- */
+
+static void long_path(char *out, size_t len, char last)
+{
+    for (size_t i = 0; i < len; i++)
+        out[i] = (i % 20 == 19) ? '/' : (char)('a' + i % 26);
+    out[len - 1] = last;
+    out[len] = '\0';
+}
+
+static void copy_value(hapi_cache *c, const hapi_cache_namespace *ns, const char *from,
+                       const char *to)
+{
+    uint8_t kf[HAPI_CACHE__KEY_MAX], kt[HAPI_CACHE__KEY_MAX];
+    MDB_val k1 = { .mv_size = hapi_cache__key_make(ns, from, kf), .mv_data = kf };
+    MDB_val k2 = { .mv_size = hapi_cache__key_make(ns, to, kt), .mv_data = kt };
+    MDB_val v;
+    MDB_txn *txn;
+    ck_assert_int_eq(mdb_txn_begin(hapi_cache__env(c), NULL, 0, &txn), 0);
+    ck_assert_int_eq(mdb_get(txn, hapi_cache__features_dbi(c), &k1, &v), 0);
+    void *copy = malloc(v.mv_size);
+    memcpy(copy, v.mv_data, v.mv_size);
+    v.mv_data = copy;
+    ck_assert_int_eq(mdb_put(txn, hapi_cache__features_dbi(c), &k2, &v, 0), 0);
+    ck_assert_int_eq(mdb_txn_commit(txn), 0);
+    free(copy);
+}
+
+START_TEST(long_paths)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    static char p480[481], p481[482], pa[3001], pb[3001], pc[3001];
+    uint8_t b480[4096], b481[4096], ba[4096], bb[4096];
+    long_path(p480, 480, 'x');
+    long_path(p481, 481, 'x');
+    long_path(pa, 3000, 'a'); /* pa and pb share their first 2999 bytes */
+    long_path(pb, 3000, 'b');
+    long_path(pc, 3000, 'c');
+    fill(b480, sizeof(b480), p480, 0);
+    fill(b481, sizeof(b481), p481, 0);
+    fill(ba, sizeof(ba), pa, 0);
+    fill(bb, sizeof(bb), pb, 0);
+
+    uint8_t key[HAPI_CACHE__KEY_MAX];
+    ck_assert_uint_eq(hapi_cache__key_make(&ns, p480, key), 16 + 480);
+    ck_assert_uint_eq(hapi_cache__key_make(&ns, p481, key), HAPI_CACHE__KEY_MAX);
+
+    put_one(c, &ns, p480, ID, b480, sizeof(b480));
+    put_one(c, &ns, p481, ID, b481, sizeof(b481));
+    put_one(c, &ns, pa, ID, ba, sizeof(ba));
+    put_one(c, &ns, pb, ID, bb, sizeof(bb));
+    expect_hit(c, &ns, p480, ID, b480, sizeof(b480));
+    expect_hit(c, &ns, p481, ID, b481, sizeof(b481));
+    expect_hit(c, &ns, pa, ID, ba, sizeof(ba));
+    expect_hit(c, &ns, pb, ID, bb, sizeof(bb));
+    expect_miss(c, &ns, pc, ID);
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.entries, 4);
+
+    /* Simulate a digest collision: pa's value under pc's key is a miss, thanks to the stored path. */
+    copy_value(c, &ns, pa, pc);
+    expect_miss(c, &ns, pc, ID);
+    hapi_cache_close(c);
+}
+END_TEST
+
+/* ---- limits and arguments ---- */
+
+START_TEST(map_full)
+{
+    hapi_cache *c = open_ok(tmp, 1 << 20);
+    hapi_cache_namespace ns = make_ns(3);
+    enum { B = 16 };
+    static uint8_t bufs[B][8192];
+    char paths[B][32];
+    hapi_cache_item items[B];
+    hapi_error err = { 0 };
+    int rc = 0, batch;
+
+    for (batch = 0; batch < 100; batch++) {
+        for (int i = 0; i < B; i++) {
+            snprintf(paths[i], sizeof(paths[i]), "b%d/%d.jpg", batch, i);
+            fill(bufs[i], sizeof(bufs[i]), paths[i], 0);
+            items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = bufs[i],
+                                          .size = sizeof(bufs[i]) };
+        }
+        rc = hapi_cache_put(c, &ns, items, B, &err);
+        if (rc)
+            break;
+    }
+    ck_assert_int_gt(batch, 0);
+    ck_assert_int_eq(rc, HAPI_ECACHE);
+    ck_assert_int_eq(err.code, HAPI_ECACHE);
+    ck_assert_msg(strstr(err.message, "cache full"), "message: %s", err.message);
+    /* The failed batch left nothing; earlier batches are intact. */
+    for (int i = 0; i < B; i++)
+        expect_miss(c, &ns, paths[i], ID);
+    snprintf(paths[0], sizeof(paths[0]), "b0/3.jpg");
+    fill(bufs[0], sizeof(bufs[0]), paths[0], 0);
+    expect_hit(c, &ns, paths[0], ID, bufs[0], sizeof(bufs[0]));
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.entries, (uint64_t)batch * B);
+    ck_assert_uint_le(st.bytes_used, st.map_size);
+    hapi_cache_close(c);
+}
+END_TEST
+
+START_TEST(bad_arguments)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    hapi_error err = { 0 };
+    uint8_t buf[16] = { 0 };
+    hapi_cache_item no_path = { .path = NULL, .id = ID, .data = buf, .size = 16 };
+    hapi_cache_item no_data = { .path = "a", .id = ID, .data = NULL, .size = 16 };
+    hapi_cache_item good = { .path = "g", .id = ID, .data = buf, .size = 16 };
+    hapi_cache_item mixed[2] = { good, no_data };
+
+    ck_assert_int_eq(hapi_cache_put(c, &ns, &no_path, 1, &err), HAPI_EINVAL);
+    ck_assert_int_eq(err.code, HAPI_EINVAL);
+    ck_assert_int_eq(hapi_cache_put(c, &ns, &no_data, 1, &err), HAPI_EINVAL);
+    /* A bad item refuses the whole batch. */
+    ck_assert_int_eq(hapi_cache_put(c, &ns, mixed, 2, &err), HAPI_EINVAL);
+    expect_miss(c, &ns, "g", ID);
+    ck_assert_int_eq(hapi_cache_put(c, &ns, NULL, 0, &err), 0);
+
+    hapi_cache_value v;
+    ck_assert_int_eq(hapi_cache_get(c, &ns, NULL, &ID, &v), HAPI_EINVAL);
+    ck_assert_ptr_null(v.data);
+    hapi_cache_value empty = { 0 };
+    hapi_cache_release(c, &empty);
+    hapi_cache_close(c);
+    hapi_cache_close(NULL);
+
+    hapi_cache *out = (hapi_cache *)&out;
+    ck_assert_int_eq(hapi_cache_open(NULL, NULL, &out, &err), HAPI_EINVAL);
+    ck_assert_ptr_null(out);
+}
+END_TEST
+
+/*
+ * One tcase per behaviour, each with its own temporary directory. Unchecked
+ * fixtures run in the runner process, so the directory is removed even when
+ * a failed assertion ends the forked test early.
+ */
+#define ADD_TCASE(s, name)                                  \
+    do {                                                    \
+        TCase *tc_ = tcase_create(#name);                   \
+        tcase_add_unchecked_fixture(tc_, setup, teardown);  \
+        tcase_add_test(tc_, name);                          \
+        suite_add_tcase(s, tc_);                            \
+    } while (0)
+
+static Suite *cache_suite(void)
+{
+    Suite *s = suite_create("cache");
+    ADD_TCASE(s, namespace_determinism);
+    ADD_TCASE(s, namespace_each_input);
+    ADD_TCASE(s, put_get_exact);
+    ADD_TCASE(s, identity_change_is_miss);
+    ADD_TCASE(s, other_namespace_is_miss);
+    ADD_TCASE(s, overwrite);
+    ADD_TCASE(s, corrupt_value_is_miss);
+    ADD_TCASE(s, concurrent_get_while_put);
+    ADD_TCASE(s, reopen_keeps_data);
+    ADD_TCASE(s, open_missing_dir);
+    ADD_TCASE(s, open_file_not_dir);
+    ADD_TCASE(s, open_read_only_dir);
+    ADD_TCASE(s, open_garbage_store);
+    ADD_TCASE(s, open_foreign_store);
+    ADD_TCASE(s, open_foreign_meta);
+    ADD_TCASE(s, open_newer_format);
+    ADD_TCASE(s, stale_reader_cleared);
+    ADD_TCASE(s, map_resized_by_other_process);
+    ADD_TCASE(s, long_paths);
+    ADD_TCASE(s, map_full);
+    ADD_TCASE(s, bad_arguments);
+    return s;
+}
+
+int main(void)
+{
+    SRunner *sr = srunner_create(cache_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

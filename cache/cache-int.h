@@ -1,0 +1,54 @@
+/* cache-int.h — internals of the feature store that tests and the benchmark reach into; not part of the API. */
+#ifndef HAPI_CACHE_INT_H
+#define HAPI_CACHE_INT_H
+
+#include <lmdb.h>
+
+#include "cache.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * Stored value layout, all integers little-endian:
+ *   0  u32 magic (HAPI_CACHE__MAGIC)     4  u16 format version   6  u16 flags
+ *   8  u32 data length                  12  u32 stored path length (hashed keys only, else 0)
+ *  16  u64 source size                  24  i64 source mtime_ns
+ *  32  i64 source ctime_ns              40  u64 source inode
+ *  48  u64 wall-clock time of the put (ns), a starting order for a future LRU
+ *  56  u64 checksum: XXH3-64 of the data, seeded with XXH3-64 of the header
+ *      (checksum field zeroed) mixed with XXH3-64 of the stored path
+ *  64  the full path (hashed keys only), zero-padded to a multiple of 16
+ *  ..  the feature bytes
+ */
+#define HAPI_CACHE__MAGIC 0x46504148u /* "HAPF" in file order */
+#define HAPI_CACHE__VERSION 1
+#define HAPI_CACHE__HEADER_SIZE 64
+#define HAPI_CACHE__FLAG_HASHED_KEY 0x1
+
+/*
+ * Keys: the namespace, then the path when it is at most HAPI_CACHE_PATH_MAX
+ * bytes; otherwise the namespace, the path's first HAPI_CACHE__PREFIX_SIZE
+ * bytes, a NUL (never in a real path, so the two forms cannot collide) and the
+ * XXH3-128 of the whole path. Both forms fit HAPI_CACHE__KEY_MAX bytes.
+ */
+#define HAPI_CACHE__PREFIX_SIZE (HAPI_CACHE_PATH_MAX - 1 - 16)
+#define HAPI_CACHE__KEY_MAX (HAPI_CACHE_NAMESPACE_SIZE + HAPI_CACHE_PATH_MAX)
+
+/* Builds the key of path in ns into key; returns its length. */
+size_t hapi_cache__key_make(const hapi_cache_namespace *ns, const char *path,
+                            uint8_t key[HAPI_CACHE__KEY_MAX]);
+
+/* The store's environment and its features database, for tests to write raw values. */
+MDB_env *hapi_cache__env(hapi_cache *c);
+MDB_dbi hapi_cache__features_dbi(hapi_cache *c);
+
+/* The number of reader slots of dead processes that hapi_cache_open() cleared. */
+int hapi_cache__stale_readers_cleared(const hapi_cache *c);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
