@@ -368,7 +368,24 @@ int hapi_image_decode(hapi_decoder *dec, const void *data, size_t size,
     if (!dec || (!data && size))
         return hapi_error_set(err, HAPI_EINVAL, "no decoder or no data");
     if (size >= 3 && d[0] == 0xff && d[1] == 0xd8 && d[2] == 0xff)
-        return decode_jpeg(dec, d, size, max_pixels, min_short_side, out, err);
+    {
+        int rc = decode_jpeg(dec, d, size, max_pixels, min_short_side, out, err);
+        /*
+         * A libjpeg error longjmps out of the decompressor without aborting
+         * it, and TurboJPEG 2.1 then reports the next file's header as read
+         * with no size (seen: a file cut before its SOS marker, then a good
+         * one decoded as 0x0). A fresh handle after any failure is cheap and
+         * sure; failures are rare.
+         */
+        if (rc < 0 && rc != HAPI_ETOOBIG) {
+            tjhandle fresh = tjInitDecompress();
+            if (fresh) {
+                tjDestroy(dec->tj);
+                dec->tj = fresh;
+            }
+        }
+        return rc;
+    }
     if (size >= 8 && memcmp(d, png_magic, 8) == 0)
         return decode_png(d, size, max_pixels, out, err);
     return hapi_error_set(err, HAPI_EFORMAT, "neither JPEG nor PNG (unknown magic bytes)");

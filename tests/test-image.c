@@ -220,6 +220,31 @@ START_TEST(jpeg_truncated_is_edecode)
 }
 END_TEST
 
+/* A file cut before its scan fails in the header; the next good file still decodes. */
+START_TEST(jpeg_header_failure_then_good)
+{
+    const int w = 90, h = 70;
+    uint8_t *src = calloc((size_t)w * h, 3);
+    unsigned long size;
+    unsigned char *jpg = encode_jpeg(src, w, h, TJPF_RGB, TJSAMP_420, 90, &size);
+    hapi_decoder *dec = new_decoder();
+    hapi_image img = {0};
+    hapi_error err = {0};
+
+    /* cut inside the tables, before SOS */
+    ck_assert_int_eq(hapi_image_decode(dec, jpg, 200, 0, 0, &img, &err), HAPI_EDECODE);
+    ck_assert_ptr_null(img.pixels);
+    ck_assert_int_eq(hapi_image_decode(dec, jpg, size, 0, 0, &img, &err), 0);
+    ck_assert_int_eq(img.width, w);
+    ck_assert_int_eq(img.height, h);
+    ck_assert_int_eq(img.pixels[0], 0);
+    hapi_image_release(&img);
+    hapi_decoder_free(dec);
+    tjFree(jpg);
+    free(src);
+}
+END_TEST
+
 START_TEST(garbage_is_eformat)
 {
     uint8_t junk[300];
@@ -568,6 +593,7 @@ static Suite *image_suite(void)
         {"jpeg_gray_is_rgb_equal", jpeg_gray_is_rgb_equal},
         {"jpeg_cmyk_as_pil", jpeg_cmyk_as_pil},
         {"jpeg_truncated_is_edecode", jpeg_truncated_is_edecode},
+        {"jpeg_header_failure_then_good", jpeg_header_failure_then_good},
         {"garbage_is_eformat", garbage_is_eformat},
         {"huge_header_is_etoobig", huge_header_is_etoobig},
         {"png_rgb_exact", png_rgb_exact},
