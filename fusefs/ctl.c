@@ -77,7 +77,7 @@ static json_t *render_stats(hapi_fs *fs)
           "hits", (json_int_t)hits,
           "misses", (json_int_t)atomic_load(&s->misses),
           "computed", (json_int_t)computed,
-          "errors", (json_int_t)atomic_load(&s->errors),
+          "failed_reads", (json_int_t)atomic_load(&s->errors),
           "cache_put_failures", (json_int_t)atomic_load(&s->cache_put_failures),
         "latency_ms",
           "compute_mean", computed ? (double)atomic_load(&s->inference_ns) / 1e6 / (double)computed : 0.0,

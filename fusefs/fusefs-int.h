@@ -110,7 +110,7 @@ typedef struct hapi_fs_stats {
     atomic_uint_fast64_t hits;            /* cache hits */
     atomic_uint_fast64_t misses;          /* cache misses */
     atomic_uint_fast64_t computed;        /* samples computed */
-    atomic_uint_fast64_t errors;          /* samples that failed */
+    atomic_uint_fast64_t errors;          /* .feat reads that failed (a kernel retry counts again) */
     atomic_uint_fast64_t cache_put_failures;
     atomic_uint_fast64_t decode_ns;       /* time reading + decoding + preprocessing */
     atomic_uint_fast64_t inference_ns;    /* time in the model */

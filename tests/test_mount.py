@@ -177,7 +177,7 @@ def test_bad_images_fail_alone(tmp_path, models, mounter):
     log = m.log_text()
     for bad in by_path:
         assert bad in log
-    assert m.ctl("stats")["feat"]["errors"] == 4
+    assert m.ctl("stats")["feat"]["failed_reads"] >= 4  # the kernel retries a failed read
     assert daemon_pid(m.path) == m.pid  # still serving
 
 
