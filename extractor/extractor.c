@@ -1,0 +1,325 @@
+/* extractor.c — a mount's feature source: the model, its metadata, the split and the preprocessing. */
+#include "extractor.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <jansson.h>
+#include <xxhash.h>
+
+struct hapi_extractor {
+    hapi_model *model;
+    hapi_model_meta meta;
+    hapi_preprocess preprocess;
+    int split;              /* stages [0, split) run */
+    int freeze;             /* stages [0, freeze) are frozen; split <= freeze */
+    int dtype;
+    hapi_stage_info output; /* stage split - 1 */
+    size_t sample_bytes;
+    uint8_t digest[16];     /* XXH3-128 of the model file, canonical (big-endian) bytes */
+};
+
+/* The one format and version of hapifs.json this code reads. */
+#define HAPI_META_FORMAT "hapifs-staged"
+#define HAPI_META_VERSION 1
+/* Beyond this, an input size is a typo, not a model. */
+#define HAPI_META_MAX_SIZE 8192
+
+/* XXH3-128 of a file's bytes, read in chunks so a large model never sits twice in memory. */
+static int digest_file(const char *path, uint8_t digest[16], hapi_error *err)
+{
+    enum { CHUNK = 1 << 20 };
+    int rc = 0;
+    int fd = -1;
+    char *buf = NULL;
+    XXH3_state_t *state = NULL;
+
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        rc = -errno;
+        hapi_error_set(err, rc, "%s: %s", path, strerror(errno));
+        goto out;
+    }
+    buf = malloc(CHUNK);
+    state = XXH3_createState();
+    if (!buf || !state || XXH3_128bits_reset(state) != XXH_OK) {
+        rc = hapi_error_set(err, -ENOMEM, "%s: out of memory for the digest", path);
+        goto out;
+    }
+    for (;;) {
+        ssize_t n = read(fd, buf, CHUNK);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0) {
+            rc = -errno;
+            hapi_error_set(err, rc, "%s: %s", path, strerror(errno));
+            goto out;
+        }
+        if (n == 0)
+            break;
+        XXH3_128bits_update(state, buf, (size_t)n);
+    }
+    XXH128_canonical_t canonical;
+    XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(state));
+    memcpy(digest, canonical.digest, 16);
+out:
+    XXH3_freeState(state);
+    free(buf);
+    if (fd >= 0)
+        close(fd);
+    return rc;
+}
+
+/* Reads an integer member in [min, max]; 0 or HAPI_ENOTSTAGED naming the field. */
+static int meta_int(json_t *root, const char *key, int min, int max, int *out, hapi_error *err)
+{
+    json_t *v = json_object_get(root, key);
+    if (!json_is_integer(v) || json_integer_value(v) < min || json_integer_value(v) > max)
+        return hapi_error_set(err, HAPI_ENOTSTAGED, "hapifs.json: \"%s\" %s (an integer in %d..%d)",
+                              key, v ? "is invalid" : "is missing", min, max);
+    *out = (int)json_integer_value(v);
+    return 0;
+}
+
+/* Reads a 3-number array such as "mean"; positive requires every value > 0. */
+static int meta_triple(json_t *root, const char *key, int positive, float out[3], hapi_error *err)
+{
+    json_t *v = json_object_get(root, key);
+    if (!json_is_array(v) || json_array_size(v) != 3)
+        goto bad;
+    for (size_t i = 0; i < 3; i++) {
+        json_t *x = json_array_get(v, i);
+        if (!json_is_number(x) || (positive && json_number_value(x) <= 0))
+            goto bad;
+        out[i] = (float)json_number_value(x);
+    }
+    return 0;
+bad:
+    return hapi_error_set(err, HAPI_ENOTSTAGED, "hapifs.json: \"%s\" %s (3 %snumbers)", key,
+                          v ? "is invalid" : "is missing", positive ? "positive " : "");
+}
+
+/*
+ * Parses the archive's hapifs.json into meta and checks it against the model: the stage list
+ * must name the archive's children in order, so a split by name means what the user read.
+ */
+static int parse_meta(const char *text, hapi_model *model, hapi_model_meta *meta, hapi_error *err)
+{
+    int rc = 0;
+    json_error_t jerr;
+    json_t *root = json_loads(text, 0, &jerr);
+    if (!json_is_object(root)) {
+        rc = hapi_error_set(err, HAPI_ENOTSTAGED, "hapifs.json: %s",
+                            root ? "not a JSON object" : jerr.text);
+        goto out;
+    }
+    memset(meta, 0, sizeof(*meta));
+
+    const char *format = json_string_value(json_object_get(root, "format"));
+    if (!format || strcmp(format, HAPI_META_FORMAT) != 0) {
+        rc = hapi_error_set(err, HAPI_ENOTSTAGED, "hapifs.json: \"format\" is not \"%s\"",
+                            HAPI_META_FORMAT);
+        goto out;
+    }
+    int version;
+    if ((rc = meta_int(root, "version", HAPI_META_VERSION, HAPI_META_VERSION, &version, err)) < 0)
+        goto out;
+    const char *arch = json_string_value(json_object_get(root, "arch"));
+    if (!arch || !*arch || strlen(arch) >= sizeof(meta->arch)) {
+        rc = hapi_error_set(err, HAPI_ENOTSTAGED, "hapifs.json: \"arch\" is missing or too long");
+        goto out;
+    }
+    strcpy(meta->arch, arch);
+    if ((rc = meta_int(root, "input_size", 1, HAPI_META_MAX_SIZE, &meta->input_size, err)) < 0 ||
+        (rc = meta_int(root, "resize_size", meta->input_size, HAPI_META_MAX_SIZE,
+                       &meta->resize_size, err)) < 0 ||
+        (rc = meta_triple(root, "mean", 0, meta->mean, err)) < 0 ||
+        (rc = meta_triple(root, "std", 1, meta->std, err)) < 0)
+        goto out;
+
+    int num_stages = hapi_model_num_stages(model);
+    json_t *stages = json_object_get(root, "stages");
+    if (!json_is_array(stages) || (int)json_array_size(stages) != num_stages) {
+        rc = hapi_error_set(err, HAPI_ENOTSTAGED,
+                            "hapifs.json: \"stages\" must list the archive's %d stages",
+                            num_stages);
+        goto out;
+    }
+    for (int i = 0; i < num_stages; i++) {
+        hapi_stage_info info;
+        const char *name = json_string_value(json_array_get(stages, (size_t)i));
+        hapi_model_stage(model, i, &info);
+        if (!name || strcmp(name, info.name) != 0) {
+            rc = hapi_error_set(err, HAPI_ENOTSTAGED,
+                                "hapifs.json: stage %d is \"%s\" but the archive's is \"%s\"", i,
+                                name ? name : "(not a string)", info.name);
+            goto out;
+        }
+    }
+    rc = meta_int(root, "freeze", 1, num_stages, &meta->freeze, err);
+out:
+    json_decref(root);
+    return rc;
+}
+
+/* Appends the valid split words ("1..N or a, b, c") to buf, for error messages. */
+static void describe_stages(hapi_model *model, int limit, char *buf, size_t size)
+{
+    size_t len = (size_t)snprintf(buf, size, "1..%d or", limit);
+    for (int i = 0; i < limit && len < size; i++) {
+        hapi_stage_info info;
+        hapi_model_stage(model, i, &info);
+        len += (size_t)snprintf(buf + len, size - len, "%s %s", i ? "," : "", info.name);
+    }
+}
+
+/* "N" (1..num_stages) or a stage name (its index + 1); HAPI_EINVAL otherwise. */
+static int parse_stage_word(hapi_model *model, const char *what, const char *word, hapi_error *err)
+{
+    int n = hapi_model_num_stages(model);
+    char valid[160];
+
+    if (word && *word && isdigit((unsigned char)word[0])) {
+        char *end;
+        errno = 0;
+        long v = strtol(word, &end, 10);
+        if (*end == '\0' && errno == 0 && v >= 1 && v <= n)
+            return (int)v;
+    } else if (word) {
+        for (int i = 0; i < n; i++) {
+            hapi_stage_info info;
+            hapi_model_stage(model, i, &info);
+            if (strcmp(word, info.name) == 0)
+                return i + 1;
+        }
+    }
+    describe_stages(model, n, valid, sizeof(valid));
+    return hapi_error_set(err, HAPI_EINVAL, "%s '%s': not a stage; valid: %s", what,
+                          word ? word : "", valid);
+}
+
+int hapi_extractor_parse_split(const hapi_extractor *ex, const char *word, hapi_error *err)
+{
+    if (!ex)
+        return hapi_error_set(err, HAPI_EINVAL, "no extractor");
+    return parse_stage_word(ex->model, "split", word, err);
+}
+
+int hapi_extractor_open(const hapi_extractor_config *cfg, hapi_extractor **out, hapi_error *err)
+{
+    int rc;
+    hapi_extractor *ex = NULL;
+
+    if (!out)
+        return hapi_error_set(err, HAPI_EINVAL, "hapi_extractor_open: null out pointer");
+    *out = NULL;
+    if (!cfg || !cfg->model_path)
+        return hapi_error_set(err, HAPI_EINVAL, "hapi_extractor_open: no model path");
+    if (cfg->dtype != HAPI_DTYPE_FP32 && cfg->dtype != HAPI_DTYPE_FP16)
+        return hapi_error_set(err, HAPI_EINVAL, "dtype %d: not fp16 or fp32", cfg->dtype);
+    if (cfg->mode != HAPI_PREPROCESS_EXACT && cfg->mode != HAPI_PREPROCESS_FAST)
+        return hapi_error_set(err, HAPI_EINVAL, "preprocess mode %d: not exact or fast", cfg->mode);
+
+    ex = calloc(1, sizeof(*ex));
+    if (!ex)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+
+    /* Digest first: an unreadable file is reported as such, before libtorch sees it. */
+    if ((rc = digest_file(cfg->model_path, ex->digest, err)) < 0)
+        goto fail;
+    hapi_model_options opt = {.device = cfg->device, .threads = cfg->threads, .optimize = 1};
+    if ((rc = hapi_model_load(cfg->model_path, &opt, &ex->model, err)) < 0)
+        goto fail;
+    if ((rc = parse_meta(hapi_model_metadata(ex->model), ex->model, &ex->meta, err)) < 0)
+        goto fail;
+
+    if (cfg->freeze && *cfg->freeze) {
+        if ((rc = parse_stage_word(ex->model, "freeze", cfg->freeze, err)) < 0)
+            goto fail;
+        ex->freeze = rc;
+    } else {
+        ex->freeze = ex->meta.freeze;
+    }
+    /* "auto" is the freeze index until the policy module chooses. */
+    if (!cfg->split || !*cfg->split || strcmp(cfg->split, "auto") == 0) {
+        ex->split = ex->freeze;
+    } else {
+        if ((rc = parse_stage_word(ex->model, "split", cfg->split, err)) < 0)
+            goto fail;
+        ex->split = rc;
+    }
+    if (ex->split > ex->freeze) {
+        char valid[160];
+        describe_stages(ex->model, ex->freeze, valid, sizeof(valid));
+        rc = hapi_error_set(err, HAPI_EINVAL,
+                            "split %d is past the frozen stages (freeze %d); valid: %s",
+                            ex->split, ex->freeze, valid);
+        goto fail;
+    }
+
+    /* Probe last: it runs every stage once, which a bad split need not wait for. */
+    if ((rc = hapi_model_probe(ex->model, 3, ex->meta.input_size, ex->meta.input_size, err)) < 0)
+        goto fail;
+    hapi_model_stage(ex->model, ex->split - 1, &ex->output);
+    ex->dtype = cfg->dtype;
+    size_t elements = 1;
+    for (int d = 0; d < ex->output.ndim; d++)
+        elements *= (size_t)ex->output.shape[d];
+    ex->sample_bytes = elements * (cfg->dtype == HAPI_DTYPE_FP16 ? 2 : 4);
+
+    ex->preprocess = (hapi_preprocess){
+        .resize = ex->meta.resize_size,
+        .crop = ex->meta.input_size,
+        .mode = cfg->mode,
+        .max_pixels = cfg->max_pixels,
+    };
+    memcpy(ex->preprocess.mean, ex->meta.mean, sizeof(ex->meta.mean));
+    memcpy(ex->preprocess.std, ex->meta.std, sizeof(ex->meta.std));
+    *out = ex;
+    return 0;
+fail:
+    hapi_extractor_close(ex);
+    return rc;
+}
+
+void hapi_extractor_close(hapi_extractor *ex)
+{
+    if (!ex)
+        return;
+    hapi_model_free(ex->model);
+    free(ex);
+}
+
+const hapi_model_meta *hapi_extractor_meta(const hapi_extractor *ex) { return &ex->meta; }
+hapi_model *hapi_extractor_model(const hapi_extractor *ex) { return ex->model; }
+const hapi_preprocess *hapi_extractor_preprocess(const hapi_extractor *ex)
+{
+    return &ex->preprocess;
+}
+int hapi_extractor_split(const hapi_extractor *ex) { return ex->split; }
+int hapi_extractor_freeze(const hapi_extractor *ex) { return ex->freeze; }
+int hapi_extractor_dtype(const hapi_extractor *ex) { return ex->dtype; }
+const hapi_stage_info *hapi_extractor_output(const hapi_extractor *ex) { return &ex->output; }
+size_t hapi_extractor_sample_bytes(const hapi_extractor *ex) { return ex->sample_bytes; }
+const uint8_t *hapi_extractor_model_digest(const hapi_extractor *ex) { return ex->digest; }
+
+int hapi_extractor_compute(hapi_extractor *ex, hapi_decoder *dec, const void *data, size_t size,
+                           void *out, hapi_error *err)
+{
+    /* A buffer per call keeps concurrent callers apart; its cost is small next to inference. */
+    size_t crop = (size_t)ex->preprocess.crop;
+    float *input = malloc(3 * crop * crop * sizeof(float));
+    if (!input)
+        return hapi_error_set(err, -ENOMEM, "out of memory for the input tensor");
+    int rc = hapi_image_load(dec, data, size, &ex->preprocess, input, err);
+    if (rc == 0)
+        rc = hapi_model_run(ex->model, ex->split, input, 1, ex->dtype, out, ex->sample_bytes, err);
+    free(input);
+    return rc;
+}

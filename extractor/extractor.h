@@ -93,6 +93,13 @@ int hapi_image_name_is_image(const char *name);
  */
 typedef struct hapi_model hapi_model;
 
+/* The shim's functions never throw; C++ callers see that in their type. */
+#ifdef __cplusplus
+#define HAPI_NOEXCEPT noexcept
+#else
+#define HAPI_NOEXCEPT
+#endif
+
 enum hapi_dtype { HAPI_DTYPE_FP32 = 0, HAPI_DTYPE_FP16 = 1 };
 
 #define HAPI_MAX_DIMS 8
@@ -106,54 +113,70 @@ typedef struct hapi_stage_info {
 } hapi_stage_info;
 
 typedef struct hapi_model_options {
-    const char *device;  /* "cpu" (default when NULL) or "cuda[:N]" */
-    int threads;         /* intra-op threads; 0 = leave libtorch's choice */
-    int optimize;        /* nonzero: freeze and optimize_for_inference */
+    const char *device;  /* "cpu" (default when NULL or "") or "cuda[:N]" */
+    int threads;         /* intra-op threads, process-wide (libtorch's setting); the
+                            first load with threads > 0 also sizes the inter-op pool;
+                            0 = leave libtorch's choice (the physical core count) */
+    int optimize;        /* nonzero: freeze and optimize_for_inference each stage
+                            (batch-norm folded: outputs change in the last digits;
+                            load takes longer, inference is faster) */
 } hapi_model_options;
 
 /*
- * Loads a staged model archive. Checks that it is staged (children are
- * modules, hapifs.json present) but runs nothing.
- * Returns 0, -ENOENT/-EACCES (unreadable file), HAPI_ENOTSTAGED, HAPI_EMODEL.
+ * Loads a staged model archive. Checks that it is staged (a TorchScript
+ * archive with hapifs.json and at least one child module, each with a
+ * forward method) but runs nothing; it does not parse hapifs.json.
+ * opt may be NULL (cpu, default threads, no optimize).
+ * Returns 0, -ENOENT/-EACCES/-EISDIR (unusable path), HAPI_ENOTSTAGED (not a
+ * TorchScript archive, or no hapifs.json, or no stages: the message says
+ * which), HAPI_EINVAL (bad or unavailable device), HAPI_EMODEL (libtorch
+ * could not load an archive), HAPI_EOOM.
  * *out is NULL on failure; free with hapi_model_free().
  */
 int hapi_model_load(const char *path, const hapi_model_options *opt,
-                    hapi_model **out, hapi_error *err);
+                    hapi_model **out, hapi_error *err) HAPI_NOEXCEPT;
 
 /* Frees a model. Accepts NULL. */
-void hapi_model_free(hapi_model *m);
+void hapi_model_free(hapi_model *m) HAPI_NOEXCEPT;
 
 /* The archive's hapifs.json text; lives as long as m. */
-const char *hapi_model_metadata(const hapi_model *m);
+const char *hapi_model_metadata(const hapi_model *m) HAPI_NOEXCEPT;
 
 /* Number of stages. */
-int hapi_model_num_stages(const hapi_model *m);
+int hapi_model_num_stages(const hapi_model *m) HAPI_NOEXCEPT;
 
 /*
  * Runs one zero sample of shape (channels, height, width) through every stage
- * to learn each stage's output shape. Must be called once before
- * hapi_model_stage() reports shapes and before hapi_model_run().
- * Returns 0, HAPI_EMODEL (a stage failed: the message names it), HAPI_EOOM.
+ * to learn each stage's output shape (each must return a float32 tensor whose
+ * first dimension is the batch). Must be called once before
+ * hapi_model_stage() reports shapes and before hapi_model_run(); not while
+ * another thread uses m. On failure the model keeps its previous state.
+ * Returns 0, HAPI_EINVAL, HAPI_EMODEL (a stage failed: the message names it),
+ * HAPI_EOOM.
  */
-int hapi_model_probe(hapi_model *m, int channels, int height, int width, hapi_error *err);
+int hapi_model_probe(hapi_model *m, int channels, int height, int width,
+                     hapi_error *err) HAPI_NOEXCEPT;
 
 /*
  * Describes stage index (0-based). Names are known after load; shapes after
  * hapi_model_probe() (ndim is 0 before). Returns 0 or HAPI_EINVAL.
  */
-int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info);
+int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info) HAPI_NOEXCEPT;
 
 /*
- * Runs stages [0, split) on batch samples of the probed input shape (CHW
- * fp32, contiguous, batch-major) and writes the output of stage split - 1
- * to output as dtype, batch-major, contiguous. output_size must be at least
- * batch * (elements per sample) * (2 or 4) bytes.
+ * Runs stages [0, split) (1 <= split <= num_stages) on batch samples of the
+ * probed input shape (CHW fp32, contiguous, batch-major) and writes the
+ * output of stage split - 1 to output as dtype (enum hapi_dtype; fp16 is
+ * fp32 rounded to nearest), batch-major, contiguous. output_size must be at
+ * least batch * (elements per sample) * (2 or 4) bytes. input is read in
+ * place, not copied, and not modified; both buffers stay the caller's.
  * Thread-safe: several threads may run one model at once.
- * Returns 0, HAPI_EINVAL, HAPI_EOOM (out of memory: a smaller batch may
- * succeed), HAPI_EMODEL.
+ * Returns 0, HAPI_EINVAL (not probed, bad split, batch, dtype or size),
+ * HAPI_EOOM (out of memory: a smaller batch may succeed), HAPI_EMODEL (a
+ * stage failed: the message names it).
  */
 int hapi_model_run(hapi_model *m, int split, const float *input, int batch,
-                   int dtype, void *output, size_t output_size, hapi_error *err);
+                   int dtype, void *output, size_t output_size, hapi_error *err) HAPI_NOEXCEPT;
 
 /* --------------------------------------------------------------- extractor */
 

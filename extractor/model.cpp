@@ -1,0 +1,364 @@
+// model.cpp — the libtorch shim behind the model section of extractor.h: load, probe and run a staged model.
+//
+// Every exported function is noexcept and turns every C++ exception into a hapifs code and a
+// one-line message in the caller's hapi_error. Each stage is kept as its own TorchScript module
+// (the top module's named children), so any prefix [0, split) runs without the rest; with
+// optimize, each stage is frozen and optimized separately, because a frozen top module inlines
+// its children and loses them.
+
+#include "extractor.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/cuda.h>
+#include <torch/script.h>
+
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+struct hapi_model {
+    std::string metadata;                    // hapifs.json, verbatim
+    std::vector<torch::jit::Module> stages;  // in execution order
+    std::vector<hapi_stage_info> info;       // names from load, shapes from probe
+    c10::Device device{c10::kCPU};
+    bool probed = false;
+    int64_t channels = 0, height = 0, width = 0;  // probed input shape of one sample
+};
+
+namespace {
+
+const char kMetadataName[] = "hapifs.json";
+
+// libtorch's interop pool can be sized once per process, before it starts.
+std::once_flag interop_once;
+
+// TorchScript interpreter errors span many lines (a TorchScript traceback, then the original
+// error on the last line); other c10 errors put the message first. Keep the informative line.
+std::string one_line(const char *what)
+{
+    std::string s(what ? what : "unknown error");
+    std::vector<std::string> lines;
+    size_t start = 0;
+    while (start <= s.size()) {
+        size_t end = s.find('\n', start);
+        if (end == std::string::npos)
+            end = s.size();
+        std::string line = s.substr(start, end - start);
+        size_t first = line.find_first_not_of(" \t\r");
+        if (first != std::string::npos)
+            lines.push_back(line.substr(first));
+        start = end + 1;
+    }
+    if (lines.empty())
+        return "unknown error";
+    if (lines.size() > 1 && lines.front().rfind("The following operation failed", 0) == 0)
+        return lines.back();
+    return lines.front();
+}
+
+bool is_oom_message(const std::string &msg)
+{
+    return msg.find("not enough memory") != std::string::npos ||
+           msg.find("out of memory") != std::string::npos;
+}
+
+// Maps a caught c10::Error to a code: allocation failures (CPU allocator errors are plain
+// c10::Errors in 1.13) become HAPI_EOOM so the caller can retry with a smaller batch.
+int error_from_c10(const c10::Error &e, int fallback, const char *what_failed, hapi_error *err)
+{
+    std::string msg = one_line(e.what_without_backtrace());
+    int code = (dynamic_cast<const c10::OutOfMemoryError *>(&e) || is_oom_message(msg)) ? HAPI_EOOM
+                                                                                      : fallback;
+    return hapi_error_set(err, code, "%s: %s", what_failed, msg.c_str());
+}
+
+// An error from a stage's forward that is not a c10::Error; out-of-memory shows in its text.
+int stage_error(const std::runtime_error &e, const char *stage, hapi_error *err)
+{
+    std::string msg = one_line(e.what());
+    return hapi_error_set(err, is_oom_message(msg) ? HAPI_EOOM : HAPI_EMODEL, "stage %s: %s", stage,
+                          msg.c_str());
+}
+
+// True if path is a zip archive with TorchScript's records: tells "not a TorchScript archive"
+// apart from "a TorchScript archive that libtorch failed to load" after a failed load.
+bool looks_like_torchscript(const char *path)
+{
+    try {
+        caffe2::serialize::PyTorchStreamReader reader(path);
+        return reader.hasRecord("constants.pkl") && reader.hasRecord("data.pkl");
+    } catch (...) {
+        return false;
+    }
+}
+
+void configure_threads(int threads)
+{
+    if (threads <= 0)
+        return;
+    at::set_num_threads(threads);
+    std::call_once(interop_once, [threads] {
+        try {
+            at::set_num_interop_threads(threads);
+        } catch (const c10::Error &) {
+            // The pool already started (someone else ran parallel work first): keep it.
+        }
+    });
+}
+
+int64_t sample_elements(const hapi_stage_info &info)
+{
+    int64_t n = 1;
+    for (int i = 0; i < info.ndim; i++)
+        n *= info.shape[i];
+    return n;
+}
+
+int model_load(const char *path, const hapi_model_options *opt, hapi_model **out, hapi_error *err)
+{
+    struct stat st;
+    if (access(path, R_OK) != 0 || stat(path, &st) != 0) {
+        int e = errno;
+        return hapi_error_set(err, -e, "%s: %s", path, strerror(e));
+    }
+    if (S_ISDIR(st.st_mode))
+        return hapi_error_set(err, -EISDIR, "%s: is a directory, not a model archive", path);
+
+    const char *device_name = opt && opt->device && *opt->device ? opt->device : "cpu";
+    c10::optional<c10::Device> device;
+    try {
+        device = c10::Device(device_name);
+    } catch (const c10::Error &) {
+        return hapi_error_set(err, HAPI_EINVAL, "device '%s': not cpu or cuda[:N]", device_name);
+    }
+    if (device->is_cuda() && !torch::cuda::is_available())
+        return hapi_error_set(err, HAPI_EINVAL, "device '%s': CUDA is not available", device_name);
+    configure_threads(opt ? opt->threads : 0);
+
+    torch::jit::ExtraFilesMap extra{{kMetadataName, ""}};
+    torch::jit::Module top;
+    try {
+        top = torch::jit::load(path, device, extra);
+    } catch (const c10::Error &e) {
+        if (!looks_like_torchscript(path))
+            return hapi_error_set(err, HAPI_ENOTSTAGED, "%s: not a TorchScript archive", path);
+        return error_from_c10(e, HAPI_EMODEL, path, err);
+    }
+    if (extra[kMetadataName].empty())
+        return hapi_error_set(err, HAPI_ENOTSTAGED,
+                              "%s: TorchScript archive without %s "
+                              "(export it with hapifs-export-model)",
+                              path, kMetadataName);
+
+    auto m = std::make_unique<hapi_model>();
+    m->metadata = extra[kMetadataName];
+    m->device = *device;
+    bool optimize = opt && opt->optimize;
+    top.eval();
+    for (const auto &child : top.named_children()) {
+        hapi_stage_info info{};
+        if (child.name.size() >= sizeof(info.name))
+            return hapi_error_set(err, HAPI_ENOTSTAGED, "%s: stage name '%.40s...' is too long",
+                                  path, child.name.c_str());
+        if (!child.value.find_method("forward"))
+            return hapi_error_set(err, HAPI_ENOTSTAGED, "%s: stage '%s' has no forward method",
+                                  path, child.name.c_str());
+        std::memcpy(info.name, child.name.c_str(), child.name.size() + 1);
+        torch::jit::Module stage = child.value;
+        stage.eval();
+        if (optimize) {
+            // freeze() folds batch-norm into convolutions and inlines attributes;
+            // optimize_for_inference() then fuses and picks inference kernels.
+            stage = torch::jit::freeze(stage);
+            stage = torch::jit::optimize_for_inference(stage);
+        }
+        m->stages.push_back(std::move(stage));
+        m->info.push_back(info);
+    }
+    if (m->stages.empty())
+        return hapi_error_set(err, HAPI_ENOTSTAGED,
+                              "%s: the top module has no child modules (stages)", path);
+    *out = m.release();
+    return 0;
+}
+
+int model_probe(hapi_model *m, int channels, int height, int width, hapi_error *err)
+{
+    c10::InferenceMode guard;
+    torch::Tensor x = torch::zeros({1, channels, height, width},
+                                   torch::TensorOptions().dtype(torch::kFloat).device(m->device));
+    std::vector<hapi_stage_info> info = m->info;
+    for (size_t i = 0; i < m->stages.size(); i++) {
+        torch::jit::IValue y;
+        try {
+            y = m->stages[i].forward({x});
+        } catch (const c10::Error &e) {
+            std::string what = std::string("stage ") + info[i].name;
+            return error_from_c10(e, HAPI_EMODEL, what.c_str(), err);
+        } catch (const std::runtime_error &e) {
+            // The TorchScript interpreter rethrows an op's error as a runtime_error.
+            return stage_error(e, info[i].name, err);
+        }
+        if (!y.isTensor())
+            return hapi_error_set(err, HAPI_EMODEL, "stage %s returned a %s, not a tensor",
+                                  info[i].name, y.tagKind().c_str());
+        x = y.toTensor();
+        if (x.dim() < 1 || x.size(0) != 1 || x.dim() - 1 > HAPI_MAX_DIMS)
+            return hapi_error_set(err, HAPI_EMODEL,
+                                  "stage %s: output of %d dimensions, first %lld; expected "
+                                  "the batch (1) first and at most %d more", info[i].name,
+                                  (int)x.dim(), x.dim() ? (long long)x.size(0) : 0LL,
+                                  HAPI_MAX_DIMS);
+        if (x.scalar_type() != torch::kFloat)
+            return hapi_error_set(err, HAPI_EMODEL, "stage %s: output is %s, not float32",
+                                  info[i].name, c10::toString(x.scalar_type()));
+        info[i].ndim = (int)x.dim() - 1;
+        for (int d = 0; d < info[i].ndim; d++)
+            info[i].shape[d] = x.size(d + 1);
+    }
+    m->info = std::move(info);
+    m->channels = channels;
+    m->height = height;
+    m->width = width;
+    m->probed = true;
+    return 0;
+}
+
+int model_run(hapi_model *m, int split, const float *input, int batch, int dtype, void *output,
+              size_t output_size, hapi_error *err)
+{
+    if (!m->probed)
+        return hapi_error_set(err, HAPI_EINVAL, "model run before hapi_model_probe()");
+    if (split < 1 || split > (int)m->stages.size())
+        return hapi_error_set(err, HAPI_EINVAL, "split %d out of range 1..%d", split,
+                              (int)m->stages.size());
+    if (batch < 1 || !input || !output)
+        return hapi_error_set(err, HAPI_EINVAL, "bad batch (%d) or null buffer", batch);
+    if (dtype != HAPI_DTYPE_FP32 && dtype != HAPI_DTYPE_FP16)
+        return hapi_error_set(err, HAPI_EINVAL, "unknown dtype %d", dtype);
+    const hapi_stage_info &last = m->info[split - 1];
+    size_t elem = dtype == HAPI_DTYPE_FP16 ? 2 : 4;
+    size_t need = (size_t)batch * (size_t)sample_elements(last) * elem;
+    if (output_size < need)
+        return hapi_error_set(err, HAPI_EINVAL, "output buffer of %zu bytes, %zu needed",
+                              output_size, need);
+
+    c10::InferenceMode guard;
+    // The caller's buffer is wrapped, not copied; staged models never write to their input.
+    torch::Tensor x = torch::from_blob(const_cast<float *>(input),
+                                       {batch, m->channels, m->height, m->width}, torch::kFloat);
+    if (!m->device.is_cpu())
+        x = x.to(m->device);
+    for (int i = 0; i < split; i++) {
+        try {
+            x = m->stages[i].forward({x}).toTensor();
+        } catch (const c10::Error &e) {
+            std::string what = std::string("stage ") + m->info[i].name;
+            return error_from_c10(e, HAPI_EMODEL, what.c_str(), err);
+        } catch (const std::runtime_error &e) {
+            return stage_error(e, m->info[i].name, err);
+        }
+    }
+    std::vector<int64_t> sizes{batch};
+    sizes.insert(sizes.end(), last.shape, last.shape + last.ndim);
+    if (x.sizes() != c10::IntArrayRef(sizes))
+        return hapi_error_set(err, HAPI_EMODEL, "stage %s: output shape changed since the probe",
+                              last.name);
+    // One copy into the caller's buffer, converting to fp16 and back to the CPU on the way.
+    torch::Tensor dst = torch::from_blob(output, sizes,
+                                         dtype == HAPI_DTYPE_FP16 ? torch::kHalf : torch::kFloat);
+    dst.copy_(x);
+    return 0;
+}
+
+}  // namespace
+
+// Wraps an entry point: every exception becomes a code and a one-line message.
+#define HAPI_MODEL_CATCH(context)                                                                  \
+    catch (const c10::Error &e) {                                                                  \
+        return error_from_c10(e, HAPI_EMODEL, context, err);                                       \
+    }                                                                                              \
+    catch (const std::bad_alloc &) {                                                               \
+        return hapi_error_set(err, HAPI_EOOM, "%s: out of memory", context);                       \
+    }                                                                                              \
+    catch (const std::exception &e) {                                                              \
+        return hapi_error_set(err, HAPI_EMODEL, "%s: %s", context, one_line(e.what()).c_str());    \
+    }                                                                                              \
+    catch (...) {                                                                                  \
+        return hapi_error_set(err, HAPI_EMODEL, "%s: unknown C++ exception", context);             \
+    }
+
+extern "C" {
+
+int hapi_model_load(const char *path, const hapi_model_options *opt, hapi_model **out,
+                    hapi_error *err) noexcept
+{
+    if (!out)
+        return hapi_error_set(err, HAPI_EINVAL, "hapi_model_load: null out pointer");
+    *out = nullptr;
+    if (!path || !*path)
+        return hapi_error_set(err, HAPI_EINVAL, "hapi_model_load: empty path");
+    try {
+        return model_load(path, opt, out, err);
+    }
+    HAPI_MODEL_CATCH(path)
+}
+
+void hapi_model_free(hapi_model *m) noexcept
+{
+    try {
+        delete m;
+    } catch (...) {
+        // Destructors of TorchScript modules do not throw; nothing to report to anyway.
+    }
+}
+
+const char *hapi_model_metadata(const hapi_model *m) noexcept
+{
+    return m ? m->metadata.c_str() : nullptr;
+}
+
+int hapi_model_num_stages(const hapi_model *m) noexcept
+{
+    return m ? (int)m->stages.size() : 0;
+}
+
+int hapi_model_probe(hapi_model *m, int channels, int height, int width, hapi_error *err) noexcept
+{
+    if (!m || channels < 1 || height < 1 || width < 1)
+        return hapi_error_set(err, HAPI_EINVAL, "probe: bad input shape %dx%dx%d", channels, height,
+                              width);
+    try {
+        return model_probe(m, channels, height, width, err);
+    }
+    HAPI_MODEL_CATCH("probe")
+}
+
+int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info) noexcept
+{
+    if (!m || !info || index < 0 || index >= (int)m->info.size())
+        return HAPI_EINVAL;
+    *info = m->info[index];
+    return 0;
+}
+
+int hapi_model_run(hapi_model *m, int split, const float *input, int batch, int dtype,
+                   void *output, size_t output_size, hapi_error *err) noexcept
+{
+    if (!m)
+        return hapi_error_set(err, HAPI_EINVAL, "run: null model");
+    try {
+        return model_run(m, split, input, batch, dtype, output, output_size, err);
+    }
+    HAPI_MODEL_CATCH("run")
+}
+
+}  // extern "C"
