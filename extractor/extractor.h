@@ -247,6 +247,133 @@ int hapi_extractor_compute(hapi_extractor *ex, hapi_decoder *dec,
                            const void *data, size_t size, void *out,
                            hapi_error *err);
 
+/* ----------------------------------------------------------------- batcher */
+
+/*
+ * The batcher decouples the storage-side batch from reads. One read asks for
+ * one sample (a key: the source path); the batcher gathers demand reads,
+ * prefetch and warm-up into batches of the configured size, decodes on a
+ * pool of threads while the previous batch is in inference, and hands each
+ * finished batch to a sink (the cache: one write transaction per batch).
+ * A sample is computed once however many readers want it.
+ */
+typedef struct hapi_batcher hapi_batcher;
+typedef struct hapi_ticket hapi_ticket;
+
+enum hapi_priority {
+    HAPI_PRIORITY_DEMAND = 0,   /* a reader is waiting */
+    HAPI_PRIORITY_PREFETCH = 1, /* a reader will probably want it soon */
+    HAPI_PRIORITY_WARM = 2,     /* background warm-up */
+    HAPI_PRIORITY_COUNT = 3
+};
+
+#define HAPI_BATCHER_TAG_MAX 64
+
+/*
+ * Reads the source bytes of key, on a decode thread. Fills *data (malloc'd;
+ * the batcher frees it) and *size, and may fill tag (tag_size bytes, e.g.
+ * the identity of the file the bytes were read from), which is handed back
+ * with the result. Returns 0 or a negative code with a message in err.
+ */
+typedef int (*hapi_batcher_load_fn)(void *ctx, const char *key, void **data, size_t *size,
+                                    void *tag, hapi_error *err);
+
+/* One sample of a finished batch; features is NULL when code < 0. */
+typedef struct hapi_batch_result {
+    const char *key;
+    const void *tag;
+    const void *features;   /* hapi_extractor_sample_bytes() bytes */
+    int code;
+    const char *message;    /* why it failed, when code < 0 */
+    int priority;           /* its priority when it ran */
+    int origin;             /* the priority it was first asked for (warm-up counts its own) */
+} hapi_batch_result;
+
+/*
+ * Receives every finished sample, in groups: a batch's successes and
+ * failures, on the inference thread, before any waiter is woken (so a sink
+ * that stores them makes later lookups hit). Pointers live for the call.
+ */
+typedef void (*hapi_batcher_sink_fn)(void *ctx, const hapi_batch_result *results, size_t n);
+
+typedef struct hapi_batcher_config {
+    int batch;               /* samples per inference, >= 1 */
+    int max_wait_us;         /* how long a partial batch waits for more demand */
+    int decode_threads;      /* >= 1 */
+    uint64_t mem_budget;     /* bytes of in-flight source bytes, images and tensors; 0 = none */
+    size_t tag_size;         /* <= HAPI_BATCHER_TAG_MAX */
+    hapi_batcher_load_fn load;
+    hapi_batcher_sink_fn sink;
+    void *ctx;
+} hapi_batcher_config;
+
+/*
+ * Starts the decode threads and the inference thread over ex (borrowed: it
+ * must outlive the batcher). Returns 0, HAPI_EINVAL or -errno; *out NULL on
+ * failure. Free with hapi_batcher_free().
+ */
+int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_batcher **out,
+                     hapi_error *err);
+
+/*
+ * Refuses new work and wakes everything that waits (hapi_batcher_throttle()
+ * returns -ECANCELED), without freeing: lets a caller's own threads that use
+ * the batcher finish before hapi_batcher_free(). Idempotent.
+ */
+void hapi_batcher_stop(hapi_batcher *b);
+
+/*
+ * Stops, joins the threads and frees. Samples not yet finished fail with
+ * -ECANCELED. No ticket may be outstanding. Accepts NULL.
+ */
+void hapi_batcher_free(hapi_batcher *b);
+
+/*
+ * Asks for key at priority. If key is already queued or running, the request
+ * joins it (and raises its priority if this one is higher) instead of
+ * queueing it twice. With ticket non-NULL, *ticket is a claim on the result
+ * to wait on and release; with NULL, the request is fire-and-forget.
+ * Returns 0, -ENOMEM, -ECANCELED (shutting down).
+ */
+int hapi_batcher_submit(hapi_batcher *b, const char *key, int priority, hapi_ticket **ticket);
+
+/*
+ * Waits for the sample. Returns 0 with *features (sample bytes) and *tag
+ * valid until hapi_ticket_release(), or the sample's error code with err
+ * filled. Thread-safe.
+ */
+int hapi_ticket_wait(hapi_batcher *b, hapi_ticket *t, const void **features, const void **tag,
+                     hapi_error *err);
+
+/* Gives up a claim. Accepts NULL. */
+void hapi_ticket_release(hapi_batcher *b, hapi_ticket *t);
+
+/*
+ * Blocks while more than limit fire-and-forget requests of priority are
+ * queued (so a warm-up walker feeds the queue without flooding it). Returns
+ * 0, or -ECANCELED when the batcher shuts down.
+ */
+int hapi_batcher_throttle(hapi_batcher *b, int priority, size_t limit);
+
+typedef struct hapi_batcher_stats {
+    uint64_t queued[HAPI_PRIORITY_COUNT]; /* waiting for a decode thread */
+    uint64_t in_flight;                   /* decoding, decoded or in inference */
+    uint64_t samples;                     /* computed successfully */
+    uint64_t failed;                      /* failed to load, decode or run */
+    uint64_t batches;                     /* inferences run */
+    uint64_t joined;                      /* requests that joined one already there */
+    uint64_t promoted;                    /* ... and raised its priority */
+    uint64_t oom_splits;                  /* batches halved after running out of memory */
+    uint64_t decode_ns;                   /* summed over decode threads */
+    uint64_t inference_ns;
+    uint64_t mem_in_use, mem_peak;        /* accounted bytes */
+    uint64_t mem_waits;                   /* times a decode thread waited for the budget */
+    int batch;                            /* current batch size */
+} hapi_batcher_stats;
+
+/* Fills *st. Thread-safe. */
+void hapi_batcher_stats_get(hapi_batcher *b, hapi_batcher_stats *st);
+
 #ifdef __cplusplus
 }
 #endif

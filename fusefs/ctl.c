@@ -1,7 +1,10 @@
 /* ctl.c — the JSON content of the control files under .hapifs/: config, stats, errors. */
 #include "fusefs-int.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -36,7 +39,7 @@ static json_t *render_config(hapi_fs *fs)
     const hapi_stage_info *out = hapi_extractor_output(fs->ex);
     return json_pack(
         "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:o}, s:{s:i, s:s, s:i, s:o, s:o, s:s, s:I}, "
-        "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, s:{s:i, s:i, s:b, s:s}}",
+        "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, s:{s:i, s:i, s:b, s:s, s:i, s:i, s:i, s:I}}",
         "version", HAPI_VERSION,
         "source", o->source,
         "mountpoint", o->mountpoint,
@@ -56,7 +59,59 @@ static json_t *render_config(hapi_fs *fs)
           "dir", o->cache_dir, "namespace", fs->ns_hex, "size_limit", (json_int_t)o->cache_size,
         "runtime",
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
-          "device", o->device);
+          "device", o->device, "batch", o->batch, "batch_wait_ms", o->batch_wait_us / 1000,
+          "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget);
+}
+
+static json_t *render_warm(hapi_fs *fs)
+{
+    if (!fs->warm.root)
+        return json_pack("{s:s}", "state", "idle");
+    uint64_t total = atomic_load(&fs->warm.total);
+    uint64_t cached = atomic_load(&fs->warm.cached);
+    uint64_t skipped = atomic_load(&fs->warm.skipped);
+    uint64_t completed = atomic_load(&fs->warm.completed);
+    uint64_t done = cached + skipped + completed;
+    double elapsed = (double)(hapi_now_ns() - fs->warm.started_ns) / 1e9;
+    double rate = elapsed > 0 ? (double)completed / elapsed : 0;
+    const char *state = !atomic_load(&fs->warm.counted) ? "counting"
+                        : hapi_warm_finished(fs)        ? "done"
+                                                         : "running";
+    if (done > total)
+        done = total;
+    double eta = rate > 0 ? (double)(total - done) / rate : -1;
+    return json_pack("{s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f}", "state", state,
+                     "path", fs->warm.root, "total", (json_int_t)total, "done", (json_int_t)done,
+                     "cached", (json_int_t)cached, "computed", (json_int_t)completed,
+                     "skipped", (json_int_t)skipped, "rate_per_s", rate, "elapsed_s", elapsed,
+                     "eta_s", strcmp(state, "done") == 0 ? 0.0 : eta);
+}
+
+static json_t *render_batcher(hapi_fs *fs)
+{
+    hapi_batcher_stats b;
+    hapi_batcher_stats_get(fs->batcher, &b);
+    double per = b.samples ? 1.0 / (double)b.samples : 0;
+    return json_pack("{s:i, s:{s:I, s:I, s:I}, s:I, s:I, s:I, s:I, s:f, s:I, s:I, s:I, "
+                     "s:f, s:f, s:I, s:I, s:I, s:I}",
+                     "batch", b.batch,
+                     "queued", "demand", (json_int_t)b.queued[HAPI_PRIORITY_DEMAND],
+                     "prefetch", (json_int_t)b.queued[HAPI_PRIORITY_PREFETCH],
+                     "warm", (json_int_t)b.queued[HAPI_PRIORITY_WARM],
+                     "in_flight", (json_int_t)b.in_flight,
+                     "batches", (json_int_t)b.batches,
+                     "samples", (json_int_t)b.samples,
+                     "failed", (json_int_t)b.failed,
+                     "mean_batch", b.batches ? (double)(b.samples + b.failed) / (double)b.batches : 0.0,
+                     "joined", (json_int_t)b.joined,
+                     "promoted", (json_int_t)b.promoted,
+                     "oom_splits", (json_int_t)b.oom_splits,
+                     "decode_ms_per_sample", (double)b.decode_ns / 1e6 * per,
+                     "inference_ms_per_sample", (double)b.inference_ns / 1e6 * per,
+                     "mem_in_use", (json_int_t)b.mem_in_use,
+                     "mem_peak", (json_int_t)b.mem_peak,
+                     "mem_budget", (json_int_t)fs->opt->mem_budget,
+                     "mem_waits", (json_int_t)b.mem_waits);
 }
 
 static json_t *render_stats(hapi_fs *fs)
@@ -65,10 +120,9 @@ static json_t *render_stats(hapi_fs *fs)
     hapi_cache_stats cs = { 0 };
     hapi_cache_stats_get(fs->cache, &cs);
     uint64_t hits = atomic_load(&s->hits);
-    uint64_t computed = atomic_load(&s->computed);
     double uptime = (double)(hapi_now_ns() - fs->started_ns) / 1e9;
     return json_pack(
-        "{s:f, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:{s:f, s:f}, s:{s:I, s:I, s:I, s:I}, "
+        "{s:f, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, s:o, s:o, s:{s:I, s:I, s:I, s:I}, "
         "s:{s:I}}",
         "uptime_s", uptime,
         "feat",
@@ -76,17 +130,98 @@ static json_t *render_stats(hapi_fs *fs)
           "bytes", (json_int_t)atomic_load(&s->feat_bytes),
           "hits", (json_int_t)hits,
           "misses", (json_int_t)atomic_load(&s->misses),
-          "computed", (json_int_t)computed,
-          "failed_reads", (json_int_t)atomic_load(&s->errors),
+          "computed", (json_int_t)atomic_load(&s->computed),
+          "failed", (json_int_t)atomic_load(&s->errors),
           "cache_put_failures", (json_int_t)atomic_load(&s->cache_put_failures),
-        "latency_ms",
-          "compute_mean", computed ? (double)atomic_load(&s->inference_ns) / 1e6 / (double)computed : 0.0,
-          "hit_mean", hits ? (double)atomic_load(&s->hit_ns) / 1e6 / (double)hits : 0.0,
+          "hit_latency_us", hits ? (double)atomic_load(&s->hit_ns) / 1e3 / (double)hits : 0.0,
+        "batcher", render_batcher(fs),
+        "warm", render_warm(fs),
         "cache",
           "entries", (json_int_t)cs.entries, "bytes_used", (json_int_t)cs.bytes_used,
           "size_limit", (json_int_t)cs.map_size, "feat_size", (json_int_t)fs->feat_size,
         "passthrough",
           "bytes", (json_int_t)atomic_load(&s->passthrough_bytes));
+}
+
+static const char ctl_help[] =
+    "# write one command per line to this file:\n"
+    "#   warm [PATH]   compute the features of PATH (default: everything) in the background;\n"
+    "#                 progress in .hapifs/stats under \"warm\"\n";
+
+/* A path given to a command: relative to the mount, beneath it, existing in the source. */
+static int command_path(hapi_fs *fs, const char *word, char **out, hapi_error *err)
+{
+    while (*word == '/')
+        word++;
+    for (const char *p = word; *p; p++)
+        if (p[0] == '.' && p[1] == '.' && (p == word || p[-1] == '/') && (p[2] == '/' || !p[2]))
+            return hapi_error_set(err, -EINVAL, "'%s': '..' is not allowed", word);
+    char *path = strdup(word);
+    if (!path)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    size_t len = strlen(path);
+    while (len && path[len - 1] == '/')
+        path[--len] = '\0';
+    int fd = hapi_fs_open_beneath(fs->source_fd, path, O_PATH);
+    if (fd < 0) {
+        free(path);
+        return hapi_error_set(err, -ENOENT, "'%s': no such file or directory", word);
+    }
+    close(fd);
+    *out = path;
+    return 0;
+}
+
+/* Checks one line fully, then carries it out. */
+static int run_line(hapi_fs *fs, char *line, hapi_error *err)
+{
+    char *words[4];
+    int n = 0;
+    char *save = NULL;
+    for (char *w = strtok_r(line, " \t", &save); w; w = strtok_r(NULL, " \t", &save)) {
+        if (n == 4)
+            return hapi_error_set(err, -EINVAL, "too many words");
+        words[n++] = w;
+    }
+    if (n == 0)
+        return 0;
+    if (strcmp(words[0], "warm") == 0) {
+        if (n > 2)
+            return hapi_error_set(err, -EINVAL, "usage: warm [PATH]");
+        char *path = NULL;
+        int rc = command_path(fs, n == 2 ? words[1] : "", &path, err);
+        if (rc < 0)
+            return rc;
+        rc = hapi_warm_start(fs, path);
+        free(path);
+        if (rc == -EBUSY)
+            return hapi_error_set(err, rc, "a warm-up is already running");
+        if (rc < 0)
+            return hapi_error_set(err, rc, "cannot start the warm-up: %s", hapi_strerror(rc));
+        return 0;
+    }
+    return hapi_error_set(err, -EINVAL, "unknown command '%s' (known: warm)", words[0]);
+}
+
+int hapi_ctl_command(hapi_fs *fs, const char *text, size_t len, hapi_error *err)
+{
+    if (len > HAPI_CTL_LINE_MAX)
+        return hapi_error_set(err, -EINVAL, "command longer than %d bytes", HAPI_CTL_LINE_MAX);
+    char buf[HAPI_CTL_LINE_MAX + 1];
+    memcpy(buf, text, len);
+    buf[len] = '\0';
+    if (memchr(buf, '\0', len))
+        return hapi_error_set(err, -EINVAL, "command contains a NUL byte");
+    char *save = NULL;
+    for (char *line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        size_t l = strlen(line);
+        if (l && line[l - 1] == '\r')
+            line[l - 1] = '\0';
+        int rc = run_line(fs, line, err);
+        if (rc < 0)
+            return rc;
+    }
+    return 0;
 }
 
 /* Appends a newline so that `cat` leaves the prompt on its own line. Takes text. */
@@ -109,6 +244,8 @@ char *hapi_ctl_render(hapi_fs *fs, const char *name)
     json_t *j = NULL;
     if (strcmp(name, "errors") == 0)
         return with_newline(hapi_error_ring_json(fs->errors));
+    if (strcmp(name, HAPI_CTL_WRITABLE) == 0)
+        return strdup(ctl_help);
     if (strcmp(name, "config") == 0)
         j = render_config(fs);
     else if (strcmp(name, "stats") == 0)

@@ -32,7 +32,7 @@
 #define ENTRY_TIMEOUT 1.0
 #define ATTR_TIMEOUT 1.0
 
-const char *const hapi_ctl_files[] = { "config", "stats", "errors", NULL };
+const char *const hapi_ctl_files[] = { "config", "stats", "errors", HAPI_CTL_WRITABLE, NULL };
 
 /* ------------------------------------------------------------ node table */
 
@@ -267,7 +267,7 @@ static void ctl_file_attr(hapi_fs *fs, int index, struct stat *st)
     char *text = hapi_ctl_render(fs, hapi_ctl_files[index]);
     memset(st, 0, sizeof(*st));
     st->st_ino = CTL_FILE_ID(index);
-    st->st_mode = S_IFREG | 0444;
+    st->st_mode = S_IFREG | (strcmp(hapi_ctl_files[index], HAPI_CTL_WRITABLE) == 0 ? 0644 : 0444);
     st->st_nlink = 1;
     st->st_size = text ? (off_t)strlen(text) : 0;
     st->st_mtim.tv_sec = time(NULL);
@@ -280,7 +280,7 @@ static void ctl_file_attr(hapi_fs *fs, int index, struct stat *st)
  * Every hapifs code (an undecodable image, a model failure, even running out
  * of memory inside the model) is EIO on the file: the log says the rest.
  */
-static int to_errno(int code)
+int hapi_fs_errno(int code)
 {
     if (code >= 0)
         return 0;
@@ -302,9 +302,16 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     /* Many DataLoader workers read at once: let the kernel keep many requests in flight. */
     conn->max_background = 256;
     conn->congestion_threshold = 192;
+    if (conn->capable & FUSE_CAP_ATOMIC_O_TRUNC)
+        conn->want |= FUSE_CAP_ATOMIC_O_TRUNC;
     hapi_log(HAPI_LOG_INFO, "mounted %s on %s (model %s, split %d, namespace %s)",
              fs->opt->source, fs->opt->mountpoint, fs->opt->model, hapi_extractor_split(fs->ex),
              fs->ns_hex);
+    if (fs->opt->warm) {
+        int rc = hapi_warm_start(fs, "");
+        if (rc < 0)
+            hapi_log(HAPI_LOG_WARNING, "cannot start the warm-up: %s", hapi_strerror(rc));
+    }
 }
 
 /* Resolves name in directory parent_path; fills e and returns 0 or a negative errno. */
@@ -649,17 +656,23 @@ static void open_file_free(struct open_file *h)
     free(h);
 }
 
+static int ctl_file_index(fuse_ino_t ino)
+{
+    int i = (int)((ino & ~CTL_BASE) - 2);
+    if (ino == CTL_DIR_ID || i < 0 ||
+        i >= (int)(sizeof(hapi_ctl_files) / sizeof(*hapi_ctl_files)) - 1)
+        return -1;
+    return i;
+}
+
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     hapi_fs *fs = fuse_req_userdata(req);
     struct open_file *h = NULL;
     char *path = NULL;
     int kind, rc;
+    int writing = (fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC);
 
-    if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC)) {
-        fuse_reply_err(req, EROFS);
-        return;
-    }
     h = calloc(1, sizeof(*h));
     if (!h) {
         rc = -ENOMEM;
@@ -667,13 +680,18 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     }
     h->fd = -1;
     if (ino & CTL_BASE) {
-        int i = (int)((ino & ~CTL_BASE) - 2);
+        int i = ctl_file_index(ino);
         if (ino == CTL_DIR_ID) {
             rc = -EISDIR;
             goto fail;
         }
-        if (i < 0 || i >= (int)(sizeof(hapi_ctl_files) / sizeof(*hapi_ctl_files)) - 1) {
+        if (i < 0) {
             rc = -ENOENT;
+            goto fail;
+        }
+        /* Only .hapifs/ctl takes writes: one command per line. */
+        if (writing && strcmp(hapi_ctl_files[i], HAPI_CTL_WRITABLE) != 0) {
+            rc = -EROFS;
             goto fail;
         }
         h->kind = HAPI_NODE_CTL_FILE;
@@ -686,6 +704,10 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         fi->direct_io = 1; /* the content is made at open; its size is not known before */
         goto done;
     }
+    if (writing) {
+        rc = -EROFS;
+        goto fail;
+    }
     if ((rc = node_get(fs, ino, &kind, &path)) < 0)
         goto fail;
     if (kind == HAPI_NODE_DIR) {
@@ -693,26 +715,19 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         goto fail;
     }
     h->kind = kind;
-    rc = hapi_fs_open_beneath(fs->source_fd, path, O_RDONLY);
-    if (rc < 0)
-        goto fail;
-    h->fd = rc;
     if (kind == HAPI_NODE_FEAT) {
-        struct stat st;
-        if (fstat(h->fd, &st) < 0) {
-            rc = -errno;
+        /* The source is read when the features are computed; here it must only exist. */
+        if ((rc = hapi_feat_identity(fs, path, &h->id)) < 0)
             goto fail;
-        }
-        h->id = (hapi_source_id){
-            .size = (uint64_t)st.st_size,
-            .mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec,
-            .ctime_ns = (int64_t)st.st_ctim.tv_sec * 1000000000 + st.st_ctim.tv_nsec,
-            .ino = (uint64_t)st.st_ino,
-        };
         h->path = path;
         path = NULL;
         /* Features are immutable for a given source identity and namespace. */
         fi->keep_cache = 1;
+    } else {
+        rc = hapi_fs_open_beneath(fs->source_fd, path, O_RDONLY);
+        if (rc < 0)
+            goto fail;
+        h->fd = rc;
     }
 done:
     free(path);
@@ -725,159 +740,6 @@ fail:
     fuse_reply_err(req, -rc);
 }
 
-/* Replies bytes [off, off + size) of the .feat made of header + data. */
-static void reply_feat(fuse_req_t req, hapi_fs *fs, const void *data, size_t size, off_t off)
-{
-    struct iovec iov[2];
-    int n = 0;
-    size_t pos = (size_t)off;
-    size_t end = pos + size;
-    if (end > fs->feat_size)
-        end = (size_t)fs->feat_size;
-    if (pos < fs->npy_header_len && pos < end) {
-        size_t stop = end < fs->npy_header_len ? end : fs->npy_header_len;
-        iov[n++] = (struct iovec){ fs->npy_header + pos, stop - pos };
-        pos = stop;
-    }
-    if (pos < end) {
-        size_t doff = pos - fs->npy_header_len;
-        iov[n++] = (struct iovec){ (char *)data + doff, end - pos };
-    }
-    atomic_fetch_add(&fs->stats.feat_bytes, (uint64_t)(off < (off_t)fs->feat_size ? end - (size_t)off : 0));
-    if (n == 0)
-        fuse_reply_buf(req, NULL, 0);
-    else
-        fuse_reply_iov(req, iov, n);
-}
-
-static hapi_decoder *thread_decoder(hapi_fs *fs)
-{
-    hapi_decoder *dec = pthread_getspecific(fs->decoder_key);
-    if (!dec && hapi_decoder_new(&dec) == 0)
-        pthread_setspecific(fs->decoder_key, dec);
-    return dec;
-}
-
-/* Reads the whole source file into a malloc'd buffer. */
-static int read_source(int fd, uint64_t expected, void **out, size_t *len)
-{
-    size_t cap = (size_t)expected + 1, used = 0;
-    char *buf = malloc(cap);
-    if (!buf)
-        return -ENOMEM;
-    for (;;) {
-        if (used == cap) {
-            char *bigger = realloc(buf, cap * 2);
-            if (!bigger) {
-                free(buf);
-                return -ENOMEM;
-            }
-            buf = bigger;
-            cap *= 2;
-        }
-        ssize_t r = pread(fd, buf + used, cap - used, (off_t)used);
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            int e = -errno;
-            free(buf);
-            return e;
-        }
-        if (r == 0)
-            break;
-        used += (size_t)r;
-    }
-    *out = buf;
-    *len = used;
-    return 0;
-}
-
-/* Looks the features up; on a hit replies from the store's memory and returns 1. */
-static int try_cache(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off)
-{
-    hapi_cache_value val;
-    uint64_t t0 = hapi_now_ns();
-    int rc = hapi_cache_get(fs->cache, &fs->ns, h->path, &h->id, &val);
-    if (rc == 1) {
-        if (val.size == fs->sample_bytes) {
-            reply_feat(req, fs, val.data, size, off);
-            hapi_cache_release(fs->cache, &val);
-            atomic_fetch_add(&fs->stats.hits, 1);
-            atomic_fetch_add(&fs->stats.hit_ns, hapi_now_ns() - t0);
-            return 1;
-        }
-        hapi_cache_release(fs->cache, &val);
-        hapi_log(HAPI_LOG_WARNING, "%s: cached features have %zu bytes, expected %zu; recomputing",
-                 h->path, val.size, fs->sample_bytes);
-    } else if (rc < 0) {
-        hapi_log(HAPI_LOG_WARNING, "%s: cache lookup failed: %s", h->path, hapi_strerror(rc));
-    }
-    return 0;
-}
-
-static void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off)
-{
-    hapi_error err = { 0 };
-    void *data = NULL, *out = NULL;
-    size_t len = 0;
-    int rc;
-
-    atomic_fetch_add(&fs->stats.feat_reads, 1);
-    if ((uint64_t)off >= fs->feat_size) {
-        fuse_reply_buf(req, NULL, 0);
-        return;
-    }
-    if (try_cache(req, fs, h, size, off))
-        return;
-
-    /*
-     * A miss. Inference runs one sample at a time under model_lock: libtorch
-     * already uses every core for one sample, and a second thread that wanted
-     * the same file finds it in the cache once it gets the lock.
-     */
-    uint64_t t0 = hapi_now_ns();
-    if ((rc = read_source(h->fd, h->id.size, &data, &len)) < 0) {
-        hapi_error_set(&err, rc, "cannot read the source: %s", hapi_strerror(rc));
-        goto fail;
-    }
-    out = malloc(fs->sample_bytes);
-    hapi_decoder *dec = thread_decoder(fs);
-    if (!out || !dec) {
-        rc = hapi_error_set(&err, -ENOMEM, "out of memory");
-        goto fail;
-    }
-    pthread_mutex_lock(&fs->model_lock);
-    if (try_cache(req, fs, h, size, off)) {
-        pthread_mutex_unlock(&fs->model_lock);
-        goto done;
-    }
-    atomic_fetch_add(&fs->stats.misses, 1);
-    rc = hapi_extractor_compute(fs->ex, dec, data, len, out, &err);
-    uint64_t t1 = hapi_now_ns();
-    if (rc == 0) {
-        hapi_cache_item item = { h->path, h->id, out, fs->sample_bytes };
-        hapi_error perr = { 0 };
-        if (hapi_cache_put(fs->cache, &fs->ns, &item, 1, &perr) < 0) {
-            atomic_fetch_add(&fs->stats.cache_put_failures, 1);
-            hapi_log(HAPI_LOG_WARNING, "%s: features not cached: %s", h->path, perr.message);
-        }
-    }
-    pthread_mutex_unlock(&fs->model_lock);
-    atomic_fetch_add(&fs->stats.inference_ns, t1 - t0);
-    if (rc < 0)
-        goto fail;
-    atomic_fetch_add(&fs->stats.computed, 1);
-    reply_feat(req, fs, out, size, off);
-    goto done;
-fail:
-    atomic_fetch_add(&fs->stats.errors, 1);
-    hapi_error_ring_add(fs->errors, h->path, rc, err.message[0] ? err.message : hapi_strerror(rc));
-    fuse_reply_err(req, to_errno(rc));
-done:
-    free(data);
-    free(out);
-}
-
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                     struct fuse_file_info *fi)
 {
@@ -887,7 +749,7 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 
     switch (h->kind) {
     case HAPI_NODE_FEAT:
-        read_feat(req, fs, h, size, off);
+        hapi_feat_read(req, fs, h->path, &h->id, size, off);
         return;
     case HAPI_NODE_CTL_FILE:
         if ((size_t)off >= h->text_len)
@@ -929,25 +791,111 @@ static void op_statfs(fuse_req_t req, fuse_ino_t ino)
     fuse_reply_statfs(req, &sv);
 }
 
-/* The mount is read-only; the kernel refuses most writes itself (MS_RDONLY), these cover the rest. */
+/*
+ * The mount is read-only but for .hapifs/ctl, so it is not mounted MS_RDONLY
+ * (the kernel would refuse the control file too): every operation that
+ * changes something answers EROFS here.
+ */
 static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set,
                        struct fuse_file_info *fi)
 {
-    (void)ino, (void)attr, (void)to_set, (void)fi;
+    hapi_fs *fs = fuse_req_userdata(req);
+    (void)attr, (void)fi;
+    int i = (ino & CTL_BASE) ? ctl_file_index(ino) : -1;
+    /* `echo cmd > ctl` truncates first: a no-op on a command file. */
+    if (i >= 0 && strcmp(hapi_ctl_files[i], HAPI_CTL_WRITABLE) == 0 &&
+        (to_set & ~(FUSE_SET_ATTR_SIZE | FUSE_SET_ATTR_MTIME | FUSE_SET_ATTR_MTIME_NOW |
+                    FUSE_SET_ATTR_CTIME)) == 0) {
+        struct stat st;
+        ctl_file_attr(fs, i, &st);
+        fuse_reply_attr(req, &st, 0);
+        return;
+    }
     fuse_reply_err(req, EROFS);
 }
 
 static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
                      struct fuse_file_info *fi)
 {
-    (void)ino, (void)buf, (void)size, (void)off, (void)fi;
-    fuse_reply_err(req, EROFS);
+    hapi_fs *fs = fuse_req_userdata(req);
+    struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
+    hapi_error err = { 0 };
+    (void)ino, (void)off;
+    if (!h || h->kind != HAPI_NODE_CTL_FILE) {
+        fuse_reply_err(req, EROFS);
+        return;
+    }
+    /* Each write carries whole command lines; a failed one changes nothing. */
+    int rc = hapi_ctl_command(fs, buf, size, &err);
+    if (rc < 0) {
+        hapi_log(HAPI_LOG_WARNING, "ctl: %s", err.message);
+        fuse_reply_err(req, -rc);
+        return;
+    }
+    fuse_reply_write(req, size);
 }
 
 static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode,
                       struct fuse_file_info *fi)
 {
     (void)parent, (void)name, (void)mode, (void)fi;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode, dev_t rdev)
+{
+    (void)parent, (void)name, (void)mode, (void)rdev;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode)
+{
+    (void)parent, (void)name, (void)mode;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_remove(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    (void)parent, (void)name;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, const char *name)
+{
+    (void)link, (void)parent, (void)name;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
+                      const char *newname, unsigned int flags)
+{
+    (void)parent, (void)name, (void)newparent, (void)newname, (void)flags;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char *newname)
+{
+    (void)ino, (void)newparent, (void)newname;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value,
+                        size_t size, int flags)
+{
+    (void)ino, (void)name, (void)value, (void)size, (void)flags;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
+{
+    (void)ino, (void)name;
+    fuse_reply_err(req, EROFS);
+}
+
+static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset, off_t length,
+                         struct fuse_file_info *fi)
+{
+    (void)ino, (void)mode, (void)offset, (void)length, (void)fi;
     fuse_reply_err(req, EROFS);
 }
 
@@ -965,16 +913,21 @@ const struct fuse_lowlevel_ops hapi_fs_ops = {
     .read = op_read,
     .write = op_write,
     .create = op_create,
+    .mknod = op_mknod,
+    .mkdir = op_mkdir,
+    .unlink = op_remove,
+    .rmdir = op_remove,
+    .symlink = op_symlink,
+    .rename = op_rename,
+    .link = op_link,
+    .setxattr = op_setxattr,
+    .removexattr = op_removexattr,
+    .fallocate = op_fallocate,
     .release = op_release,
     .statfs = op_statfs,
 };
 
 /* ------------------------------------------------------------- set-up */
-
-static void decoder_destroy(void *p)
-{
-    hapi_decoder_free(p);
-}
 
 int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
 {
@@ -986,11 +939,6 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     fs->source_fd = -1;
     fs->started_ns = hapi_now_ns();
     fs->started_realtime = time(NULL);
-    pthread_mutex_init(&fs->model_lock, NULL);
-    if (pthread_key_create(&fs->decoder_key, decoder_destroy) != 0) {
-        pthread_mutex_destroy(&fs->model_lock);
-        return hapi_error_set(err, -EAGAIN, "cannot create a thread key");
-    }
 
     fs->source_fd = open(opt->source, O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (fs->source_fd < 0 || fstat(fs->source_fd, &st) < 0) {
@@ -1043,6 +991,8 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         rc = hapi_error_set(err, -ENOMEM, "out of memory");
         goto fail;
     }
+    if ((rc = hapi_feat_start(fs, err)) < 0)
+        goto fail;
     return 0;
 fail:
     hapi_fs_destroy(fs);
@@ -1053,14 +1003,13 @@ void hapi_fs_destroy(hapi_fs *fs)
 {
     if (!fs->opt)
         return; /* never set up, or destroyed already */
+    hapi_feat_stop(fs);
     node_table_free(fs->nodes);
     hapi_error_ring_free(fs->errors);
     hapi_cache_close(fs->cache);
     hapi_extractor_close(fs->ex);
     if (fs->source_fd >= 0)
         close(fs->source_fd);
-    pthread_key_delete(fs->decoder_key);
-    pthread_mutex_destroy(&fs->model_lock);
     fs->nodes = NULL;
     fs->errors = NULL;
     fs->cache = NULL;

@@ -34,6 +34,11 @@ typedef struct hapi_fs_options {
     uint64_t cache_size;   /* bytes */
     int threads;           /* FUSE worker threads (max) */
     int torch_threads;     /* libtorch intra-op threads */
+    int batch;             /* storage-side batch */
+    int batch_wait_us;     /* how long a partial batch waits for more demand */
+    int decode_threads;
+    uint64_t mem_budget;   /* bytes of in-flight images and tensors */
+    int warm;              /* warm the whole tree at mount */
     int show_raw;
     int foreground;
     int debug;
@@ -131,8 +136,20 @@ typedef struct hapi_fs {
     size_t npy_header_len;
     size_t sample_bytes;
     uint64_t feat_size;          /* header + data */
-    pthread_mutex_t model_lock;  /* one inference at a time, see fs.c */
-    pthread_key_t decoder_key;   /* each FUSE thread's hapi_decoder */
+    hapi_batcher *batcher;
+    struct {
+        pthread_mutex_t lock;     /* starting and joining the walker */
+        pthread_t thread;
+        int running;
+        char *root;               /* what is being warmed, relative to the source */
+        uint64_t started_ns;
+        atomic_int stop, counted, walked;
+        atomic_uint_fast64_t total;     /* images found (final once counted) */
+        atomic_uint_fast64_t cached;    /* already in the cache */
+        atomic_uint_fast64_t skipped;   /* vanished or unreadable during the walk */
+        atomic_uint_fast64_t submitted; /* handed to the batcher */
+        atomic_uint_fast64_t completed; /* finished by the batcher (computed or failed) */
+    } warm;
     struct node_table *nodes;
     hapi_error_ring *errors;
     hapi_fs_stats stats;
@@ -153,11 +170,41 @@ extern const struct fuse_lowlevel_ops hapi_fs_ops;
 int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err);
 void hapi_fs_destroy(hapi_fs *fs);
 
-/* Returns the content of control file name ("config", "stats", "errors") as malloc'd JSON, or NULL. */
+/* Returns the content of control file name ("config", "stats", "errors", "ctl") as malloc'd text, or NULL. */
 char *hapi_ctl_render(hapi_fs *fs, const char *name);
 
-/* Names of the control files, NULL-terminated. */
+/* Names of the control files, NULL-terminated; the last, "ctl", is the writable one. */
 extern const char *const hapi_ctl_files[];
+#define HAPI_CTL_WRITABLE "ctl"
+#define HAPI_CTL_LINE_MAX 4096
+
+/*
+ * Carries out the commands in text (one per line: "warm [PATH]", ...).
+ * Returns 0, or -EINVAL / -EBUSY / -ENOENT with a message in err; nothing
+ * is changed by a command that fails.
+ */
+int hapi_ctl_command(hapi_fs *fs, const char *text, size_t len, hapi_error *err);
+
+/* ------------------------------------------------------------ .feat reads */
+
+/* Starts the batcher; hapi_feat_stop() stops warm-up and the batcher. */
+int hapi_feat_start(hapi_fs *fs, hapi_error *err);
+void hapi_feat_stop(hapi_fs *fs);
+
+/* Replies to a read of the .feat of source path, opened with identity *id. */
+void hapi_feat_read(fuse_req_t req, hapi_fs *fs, const char *path, const hapi_source_id *id,
+                    size_t size, off_t off);
+
+/* The identity of a regular source file. Returns 0 or -errno. */
+int hapi_feat_identity(hapi_fs *fs, const char *path, hapi_source_id *id);
+
+/* Starts warming path (relative; "" for all) in the background. Returns 0, -EBUSY, -errno. */
+int hapi_warm_start(hapi_fs *fs, const char *path);
+/* True once the walk is over and everything it submitted has finished. */
+int hapi_warm_finished(hapi_fs *fs);
+
+/* Maps a module code to the errno a FUSE reply carries (hapifs codes are EIO). */
+int hapi_fs_errno(int code);
 
 /*
  * Opens path (relative to the source root, "" for the root) beneath the root:

@@ -19,6 +19,7 @@
 struct raw_options {
     char *model, *split, *freeze, *dtype, *preprocess, *cache, *cache_size;
     char *threads, *torch_threads, *show_raw, *max_pixels, *device, *log;
+    char *batch, *batch_wait, *decode_threads, *mem, *warm;
     char *nonopt[3];
     int nonopts;
     int helper;
@@ -45,6 +46,11 @@ static const struct fuse_opt option_table[] = {
     RAW("max_pixels=%s", max_pixels),
     RAW("device=%s", device),
     RAW("log=%s", log),
+    RAW("batch=%s", batch),
+    RAW("batch_wait=%s", batch_wait),
+    RAW("decode_threads=%s", decode_threads),
+    RAW("mem=%s", mem),
+    RAW("warm=%s", warm),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-d", KEY_DEBUG),
     FUSE_OPT_KEY("debug", KEY_DEBUG),
@@ -149,6 +155,11 @@ void hapi_fs_usage(const char *prog)
            "    cache_size=SIZE      bound on the cache, e.g. 20G (default: 1/4 of free space)\n"
            "    threads=N            FUSE worker threads (default 32)\n"
            "    torch_threads=N      libtorch intra-op threads (default: cores)\n"
+           "    batch=N              storage-side batch (default 16)\n"
+           "    batch_wait=MS        how long a partial batch waits for more reads (default 5)\n"
+           "    decode_threads=N     JPEG/PNG decode threads (default 1)\n"
+           "    mem=SIZE             budget of in-flight images and tensors (default 1G)\n"
+           "    warm=0|1             compute the whole tree in the background at mount\n"
            "    device=cpu|cuda[:N]  where the model runs (default cpu)\n"
            "    max_pixels=N         refuse larger images (default 100000000)\n"
            "    show_raw=0|1         also show the images themselves (default 0)\n"
@@ -333,6 +344,38 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
                                   raw->torch_threads);
         o->torch_threads = (int)v;
     }
+    o->batch = 16;
+    if (raw->batch) {
+        if (strcmp(raw->batch, "auto") == 0)
+            ; /* the policy module will size it; until then the default */
+        else if (parse_int(raw->batch, 1, 1024, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "batch=%s: expected auto or 1..1024",
+                                  raw->batch);
+        else
+            o->batch = (int)v;
+    }
+    o->batch_wait_us = 5000;
+    if (raw->batch_wait) {
+        if (parse_int(raw->batch_wait, 0, 10000, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "batch_wait=%s: expected 0..10000 (ms)",
+                                  raw->batch_wait);
+        o->batch_wait_us = (int)v * 1000;
+    }
+    o->decode_threads = 1;
+    if (raw->decode_threads) {
+        if (parse_int(raw->decode_threads, 1, 256, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "decode_threads=%s: expected 1..256",
+                                  raw->decode_threads);
+        o->decode_threads = (int)v;
+    }
+    o->mem_budget = 1ull << 30;
+    if (raw->mem && (hapi_fs_parse_size(raw->mem, &o->mem_budget) < 0 || o->mem_budget == 0))
+        return hapi_error_set(err, HAPI_EINVAL, "mem=%s: expected a size, e.g. 2G", raw->mem);
+    if (raw->warm) {
+        if (parse_int(raw->warm, 0, 1, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "warm=%s: expected 0 or 1", raw->warm);
+        o->warm = (int)v;
+    }
     if (raw->show_raw) {
         if (parse_int(raw->show_raw, 0, 1, &v) < 0)
             return hapi_error_set(err, HAPI_EINVAL, "show_raw=%s: expected 0 or 1", raw->show_raw);
@@ -391,14 +434,17 @@ int hapi_fs_options_parse(int argc, char **argv, int helper, hapi_fs_options *o,
     if ((rc = validate(&raw, o, err)) < 0)
         goto out;
 
-    /* What libfuse gets: a read-only mount named after its source (commas escaped). */
+    /*
+     * What libfuse gets: a mount named after its source (commas escaped). Not
+     * MS_RDONLY: .hapifs/ctl takes writes; the daemon refuses all others.
+     */
     if (asprintf(&fsname, "fsname=%s", o->source) < 0) {
         fsname = NULL;
         rc = hapi_error_set(err, -ENOMEM, "out of memory");
         goto out;
     }
     struct fuse_args *fa = &o->fuse_args;
-    if (fuse_opt_add_opt(&mount_opts, "ro,subtype=hapifs") < 0 ||
+    if (fuse_opt_add_opt(&mount_opts, "subtype=hapifs") < 0 ||
         fuse_opt_add_opt_escaped(&mount_opts, fsname) < 0 ||
         (raw.kernel_opts && fuse_opt_add_opt(&mount_opts, raw.kernel_opts) < 0) ||
         fuse_opt_add_arg(fa, argv[0]) < 0 || fuse_opt_add_arg(fa, "-o") < 0 ||
@@ -424,6 +470,11 @@ out:
     free(raw.max_pixels);
     free(raw.device);
     free(raw.log);
+    free(raw.batch);
+    free(raw.batch_wait);
+    free(raw.decode_threads);
+    free(raw.mem);
+    free(raw.warm);
     free(raw.bad_option);
     free(raw.kernel_opts);
     for (int i = 0; i < raw.nonopts; i++)

@@ -23,4 +23,4 @@ def test_train_on_mounted_features(tmp_path, models, mounter):
     assert acc >= 0.6 and acc >= chance + 0.25, r.stdout
     st = m.ctl("stats")
     assert st["feat"]["computed"] == 240
-    assert st["feat"]["failed_reads"] == 0
+    assert st["feat"]["failed"] == 0

@@ -1,0 +1,635 @@
+/* batcher.c — storage-side batching: single-flight requests, priority queues, a decode pool pipelined with inference, a memory budget. */
+#include "extractor.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <xxhash.h>
+
+/*
+ * A job is one sample on its way: QUEUED (in a priority queue), DECODING (a
+ * decode thread has it), READY (a preprocessed tensor waits for a batch),
+ * RUNNING (in inference), DONE (features or an error). Jobs are found by key
+ * until they are DONE, so a second request for a key joins the first; after
+ * that, the sink has stored the result and the caller finds it there.
+ *
+ * One mutex guards all of it. Work outside the lock: loading, decoding and
+ * preprocessing (decode threads), copying tensors into the batch and running
+ * the model (the inference thread), and the sink.
+ *
+ * A job is freed when its last reference goes: the batcher holds one until
+ * DONE, each ticket holds one.
+ */
+enum job_state { JOB_QUEUED, JOB_DECODING, JOB_READY, JOB_RUNNING, JOB_DONE };
+
+struct job {
+    char *key;
+    int priority;
+    int origin;
+    int state;
+    int refs;
+    int code;
+    char message[256];
+    float *tensor;          /* READY: 3 * crop * crop floats */
+    void *features;         /* DONE with code 0 */
+    uint64_t mem;           /* bytes accounted to this job now */
+    uint64_t ready_ns;
+    uint8_t tag[HAPI_BATCHER_TAG_MAX];
+    struct job *prev, *next; /* in a queue or a ready list */
+    struct job *hash_next;
+};
+
+struct list {
+    struct job *head, *tail;
+    size_t count;
+};
+
+struct hapi_batcher {
+    hapi_extractor *ex;
+    hapi_batcher_config cfg;
+    size_t tensor_floats;
+    size_t sample_bytes;
+    int split, dtype;
+
+    pthread_mutex_t lock;
+    pthread_cond_t work_cond;     /* decode threads: jobs queued or memory freed */
+    pthread_cond_t ready_cond;    /* inference thread: tensors ready */
+    pthread_cond_t done_cond;     /* ticket holders: jobs done */
+    pthread_cond_t throttle_cond; /* throttled submitters: queues shrank */
+    int stop;
+
+    struct list queue[HAPI_PRIORITY_COUNT];
+    struct list ready[HAPI_PRIORITY_COUNT];
+    size_t decoding;
+    struct job **table;
+    size_t table_size;
+
+    uint64_t mem_estimate;        /* running estimate of a sample's transient bytes */
+    int batch;                    /* current batch size; halved on out-of-memory */
+    hapi_batcher_stats stats;
+
+    pthread_t *decoders;
+    int ndecoders;
+    pthread_t inference;
+    int inference_started;
+};
+
+/* ------------------------------------------------------------------ lists */
+
+static void list_push(struct list *l, struct job *j)
+{
+    j->next = NULL;
+    j->prev = l->tail;
+    if (l->tail)
+        l->tail->next = j;
+    else
+        l->head = j;
+    l->tail = j;
+    l->count++;
+}
+
+static void list_remove(struct list *l, struct job *j)
+{
+    if (j->prev)
+        j->prev->next = j->next;
+    else
+        l->head = j->next;
+    if (j->next)
+        j->next->prev = j->prev;
+    else
+        l->tail = j->prev;
+    j->prev = j->next = NULL;
+    l->count--;
+}
+
+static struct job *list_pop(struct list *l)
+{
+    struct job *j = l->head;
+    if (j)
+        list_remove(l, j);
+    return j;
+}
+
+/* ------------------------------------------------------------------ table */
+
+static size_t slot_of(const hapi_batcher *b, const char *key)
+{
+    return (size_t)(XXH3_64bits(key, strlen(key)) & (b->table_size - 1));
+}
+
+static struct job *table_find(hapi_batcher *b, const char *key)
+{
+    for (struct job *j = b->table[slot_of(b, key)]; j; j = j->hash_next)
+        if (strcmp(j->key, key) == 0)
+            return j;
+    return NULL;
+}
+
+static void table_remove(hapi_batcher *b, struct job *j)
+{
+    struct job **link = &b->table[slot_of(b, j->key)];
+    while (*link && *link != j)
+        link = &(*link)->hash_next;
+    if (*link)
+        *link = j->hash_next;
+    j->hash_next = NULL;
+}
+
+static void job_unref(struct job *j)
+{
+    if (--j->refs > 0)
+        return;
+    free(j->key);
+    free(j->tensor);
+    free(j->features);
+    free(j);
+}
+
+/* ----------------------------------------------------------------- memory */
+
+static void mem_add(hapi_batcher *b, struct job *j, int64_t delta)
+{
+    j->mem = (uint64_t)((int64_t)j->mem + delta);
+    b->stats.mem_in_use = (uint64_t)((int64_t)b->stats.mem_in_use + delta);
+    if (b->stats.mem_in_use > b->stats.mem_peak)
+        b->stats.mem_peak = b->stats.mem_in_use;
+    if (delta < 0)
+        pthread_cond_broadcast(&b->work_cond);
+}
+
+/*
+ * Whether a decode thread may start one more sample. Something must always
+ * be allowed to run, or a budget smaller than one sample would deadlock.
+ */
+static int mem_allows(const hapi_batcher *b)
+{
+    if (!b->cfg.mem_budget || b->stats.mem_in_use == 0)
+        return 1;
+    return b->stats.mem_in_use + b->mem_estimate <= b->cfg.mem_budget;
+}
+
+/* ------------------------------------------------------------------- jobs */
+
+static void finish(hapi_batcher *b, struct job *j, int code, const char *message)
+{
+    j->state = JOB_DONE;
+    j->code = code;
+    if (code < 0) {
+        snprintf(j->message, sizeof(j->message), "%s", message ? message : hapi_strerror(code));
+        b->stats.failed++;
+    } else {
+        b->stats.samples++;
+    }
+    mem_add(b, j, -(int64_t)j->mem);
+    table_remove(b, j);
+    pthread_cond_broadcast(&b->done_cond);
+    job_unref(j);
+}
+
+static size_t queued_total(const hapi_batcher *b)
+{
+    size_t n = 0;
+    for (int p = 0; p < HAPI_PRIORITY_COUNT; p++)
+        n += b->queue[p].count;
+    return n;
+}
+
+static size_t ready_total(const hapi_batcher *b)
+{
+    size_t n = 0;
+    for (int p = 0; p < HAPI_PRIORITY_COUNT; p++)
+        n += b->ready[p].count;
+    return n;
+}
+
+/* ------------------------------------------------------- decode threads */
+
+/* Loads, decodes and preprocesses one job outside the lock. */
+static int prepare(hapi_batcher *b, hapi_decoder *dec, struct job *j, hapi_error *err)
+{
+    const hapi_preprocess *pp = hapi_extractor_preprocess(b->ex);
+    void *data = NULL;
+    size_t size = 0;
+    hapi_image img = { 0 };
+    int64_t transient = 0;
+    int rc = b->cfg.load(b->cfg.ctx, j->key, &data, &size, j->tag, err);
+    if (rc < 0)
+        return rc;
+    j->tensor = malloc(b->tensor_floats * sizeof(float));
+    if (!j->tensor) {
+        rc = hapi_error_set(err, -ENOMEM, "out of memory for an input tensor");
+        goto out;
+    }
+    rc = hapi_image_decode(dec, data, size, pp->max_pixels,
+                           pp->mode == HAPI_PREPROCESS_FAST ? pp->resize : 0, &img, err);
+    if (rc < 0)
+        goto out;
+    transient = (int64_t)size + (int64_t)img.width * img.height * 3;
+    pthread_mutex_lock(&b->lock);
+    mem_add(b, j, transient);
+    /* what a sample really costs in flight, for the next admission decisions */
+    b->mem_estimate = (b->mem_estimate * 7 + (uint64_t)transient +
+                       b->tensor_floats * sizeof(float)) / 8;
+    pthread_mutex_unlock(&b->lock);
+    rc = hapi_image_preprocess(&img, pp, j->tensor, err);
+out:
+    hapi_image_release(&img);
+    free(data);
+    if (transient) {
+        pthread_mutex_lock(&b->lock);
+        mem_add(b, j, -transient);
+        pthread_mutex_unlock(&b->lock);
+    }
+    return rc;
+}
+
+static void *decode_main(void *arg)
+{
+    hapi_batcher *b = arg;
+    hapi_decoder *dec = NULL;
+    if (hapi_decoder_new(&dec) < 0)
+        return NULL; /* the other threads carry on; hapi_batcher_new checks one works */
+
+    pthread_mutex_lock(&b->lock);
+    for (;;) {
+        struct job *j = NULL;
+        if (b->stop)
+            break;
+        if (mem_allows(b)) {
+            for (int p = 0; p < HAPI_PRIORITY_COUNT && !j; p++)
+                j = list_pop(&b->queue[p]);
+        } else if (queued_total(b)) {
+            b->stats.mem_waits++;
+        }
+        if (!j) {
+            pthread_cond_wait(&b->work_cond, &b->lock);
+            continue;
+        }
+        pthread_cond_broadcast(&b->throttle_cond);
+        j->state = JOB_DECODING;
+        b->decoding++;
+        mem_add(b, j, (int64_t)(b->tensor_floats * sizeof(float)));
+        pthread_mutex_unlock(&b->lock);
+
+        hapi_error err = { 0 };
+        uint64_t t0 = hapi_now_ns();
+        int rc = prepare(b, dec, j, &err);
+        uint64_t t1 = hapi_now_ns();
+
+        if (rc < 0) {
+            /* A sample that cannot be read fails alone, before it meets a batch. */
+            hapi_batch_result r = { j->key, j->tag, NULL, rc, err.message, j->priority,
+                                    j->origin };
+            b->cfg.sink(b->cfg.ctx, &r, 1);
+        }
+        pthread_mutex_lock(&b->lock);
+        b->decoding--;
+        b->stats.decode_ns += t1 - t0;
+        if (rc < 0) {
+            free(j->tensor);
+            j->tensor = NULL;
+            finish(b, j, rc, err.message);
+        } else {
+            j->state = JOB_READY;
+            j->ready_ns = t1;
+            list_push(&b->ready[j->priority], j);
+        }
+        pthread_cond_signal(&b->ready_cond);
+    }
+    pthread_mutex_unlock(&b->lock);
+    hapi_decoder_free(dec);
+    return NULL;
+}
+
+/* -------------------------------------------------------- inference thread */
+
+/* Runs n prepared samples; on out-of-memory halves the batch and retries the same samples. */
+static int run_batch(hapi_batcher *b, float *input, int n, void *output, hapi_error *err)
+{
+    size_t in_stride = b->tensor_floats;
+    size_t out_size = (size_t)n * b->sample_bytes;
+    int rc = hapi_model_run(hapi_extractor_model(b->ex), b->split, input, n, b->dtype, output,
+                            out_size, err);
+    if (rc != HAPI_EOOM || n == 1)
+        return rc;
+    int half = n / 2;
+    pthread_mutex_lock(&b->lock);
+    b->stats.oom_splits++;
+    if (b->batch > half)
+        b->batch = half > 0 ? half : 1; /* and the next batches stay smaller */
+    pthread_mutex_unlock(&b->lock);
+    rc = run_batch(b, input, half, output, err);
+    if (rc == 0)
+        rc = run_batch(b, input + (size_t)half * in_stride, n - half,
+                       (char *)output + (size_t)half * b->sample_bytes, err);
+    return rc;
+}
+
+static void *inference_main(void *arg)
+{
+    hapi_batcher *b = arg;
+    int cap = b->cfg.batch;
+    struct job **jobs = calloc((size_t)cap, sizeof(*jobs));
+    hapi_batch_result *results = calloc((size_t)cap, sizeof(*results));
+    float *input = malloc((size_t)cap * b->tensor_floats * sizeof(float));
+    char *output = malloc((size_t)cap * b->sample_bytes);
+
+    pthread_mutex_lock(&b->lock);
+    while (!b->stop) {
+        size_t nready = ready_total(b);
+        if (nready == 0) {
+            pthread_cond_wait(&b->ready_cond, &b->lock);
+            continue;
+        }
+        /*
+         * Run when the batch is full, when nothing more is coming (no sample
+         * queued or decoding), or when the oldest ready sample has waited
+         * max_wait: a lone reader is not held back for company that never comes.
+         */
+        int full = nready >= (size_t)b->batch;
+        int nothing_coming = queued_total(b) == 0 && b->decoding == 0;
+        if (!full && !nothing_coming) {
+            uint64_t oldest = UINT64_MAX;
+            for (int p = 0; p < HAPI_PRIORITY_COUNT; p++)
+                if (b->ready[p].head && b->ready[p].head->ready_ns < oldest)
+                    oldest = b->ready[p].head->ready_ns;
+            uint64_t deadline = oldest + (uint64_t)b->cfg.max_wait_us * 1000;
+            uint64_t now = hapi_now_ns();
+            if (now < deadline) {
+                struct timespec ts;
+                clock_gettime(CLOCK_MONOTONIC, &ts);
+                uint64_t wake = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec +
+                                (deadline - now);
+                ts.tv_sec = (time_t)(wake / 1000000000u);
+                ts.tv_nsec = (long)(wake % 1000000000u);
+                pthread_cond_timedwait(&b->ready_cond, &b->lock, &ts);
+                continue;
+            }
+        }
+        int n = 0;
+        for (int p = 0; p < HAPI_PRIORITY_COUNT && n < b->batch; p++) {
+            struct job *j;
+            while (n < b->batch && (j = list_pop(&b->ready[p])) != NULL) {
+                j->state = JOB_RUNNING;
+                jobs[n++] = j;
+            }
+        }
+        pthread_mutex_unlock(&b->lock);
+
+        hapi_error err = { 0 };
+        int rc = (!jobs || !results || !input || !output)
+                     ? hapi_error_set(&err, -ENOMEM, "out of memory for a batch")
+                     : 0;
+        uint64_t t0 = hapi_now_ns();
+        if (rc == 0) {
+            for (int i = 0; i < n; i++) {
+                memcpy(input + (size_t)i * b->tensor_floats, jobs[i]->tensor,
+                       b->tensor_floats * sizeof(float));
+                free(jobs[i]->tensor);
+                jobs[i]->tensor = NULL;
+            }
+            pthread_mutex_lock(&b->lock);
+            for (int i = 0; i < n; i++)
+                mem_add(b, jobs[i], -(int64_t)(b->tensor_floats * sizeof(float)));
+            pthread_mutex_unlock(&b->lock);
+            rc = run_batch(b, input, n, output, &err);
+        }
+        uint64_t t1 = hapi_now_ns();
+        for (int i = 0; i < n; i++) {
+            struct job *j = jobs[i];
+            int code = rc;
+            if (code == 0) {
+                j->features = malloc(b->sample_bytes);
+                if (j->features)
+                    memcpy(j->features, output + (size_t)i * b->sample_bytes, b->sample_bytes);
+                else
+                    code = -ENOMEM;
+            }
+            results[i] = (hapi_batch_result){ j->key, j->tag, j->features, code,
+                                              code < 0 ? (rc < 0 ? err.message : "out of memory")
+                                                       : NULL,
+                                              j->priority, j->origin };
+        }
+        b->cfg.sink(b->cfg.ctx, results, (size_t)n);
+
+        pthread_mutex_lock(&b->lock);
+        b->stats.batches++;
+        b->stats.inference_ns += t1 - t0;
+        for (int i = 0; i < n; i++)
+            finish(b, jobs[i], results[i].code, results[i].message);
+    }
+    pthread_mutex_unlock(&b->lock);
+    free(jobs);
+    free(results);
+    free(input);
+    free(output);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ API */
+
+int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_batcher **out,
+                     hapi_error *err)
+{
+    hapi_batcher *b;
+    int rc;
+
+    *out = NULL;
+    if (!ex || !cfg || cfg->batch < 1 || cfg->batch > 4096 || cfg->decode_threads < 1 ||
+        cfg->decode_threads > 256 || cfg->max_wait_us < 0 || cfg->tag_size > HAPI_BATCHER_TAG_MAX ||
+        !cfg->load || !cfg->sink)
+        return hapi_error_set(err, HAPI_EINVAL, "bad batcher configuration");
+    b = calloc(1, sizeof(*b));
+    if (!b)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    b->ex = ex;
+    b->cfg = *cfg;
+    b->batch = cfg->batch;
+    b->split = hapi_extractor_split(ex);
+    b->dtype = hapi_extractor_dtype(ex);
+    b->sample_bytes = hapi_extractor_sample_bytes(ex);
+    size_t crop = (size_t)hapi_extractor_preprocess(ex)->crop;
+    b->tensor_floats = 3 * crop * crop;
+    b->mem_estimate = b->tensor_floats * sizeof(float) * 2;
+    b->table_size = 4096;
+    b->table = calloc(b->table_size, sizeof(*b->table));
+    b->decoders = calloc((size_t)cfg->decode_threads, sizeof(*b->decoders));
+    if (!b->table || !b->decoders) {
+        free(b->table);
+        free(b->decoders);
+        free(b);
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    }
+    pthread_mutex_init(&b->lock, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&b->ready_cond, &attr);
+    pthread_condattr_destroy(&attr);
+    pthread_cond_init(&b->work_cond, NULL);
+    pthread_cond_init(&b->done_cond, NULL);
+    pthread_cond_init(&b->throttle_cond, NULL);
+
+    if ((rc = pthread_create(&b->inference, NULL, inference_main, b)) != 0) {
+        hapi_error_set(err, -rc, "cannot start the inference thread: %s", hapi_strerror(-rc));
+        hapi_batcher_free(b);
+        return -rc;
+    }
+    b->inference_started = 1;
+    for (int i = 0; i < cfg->decode_threads; i++) {
+        if ((rc = pthread_create(&b->decoders[i], NULL, decode_main, b)) != 0) {
+            hapi_error_set(err, -rc, "cannot start decode threads: %s", hapi_strerror(-rc));
+            hapi_batcher_free(b);
+            return -rc;
+        }
+        b->ndecoders++;
+    }
+    *out = b;
+    return 0;
+}
+
+void hapi_batcher_stop(hapi_batcher *b)
+{
+    pthread_mutex_lock(&b->lock);
+    b->stop = 1;
+    pthread_cond_broadcast(&b->work_cond);
+    pthread_cond_broadcast(&b->ready_cond);
+    pthread_cond_broadcast(&b->throttle_cond);
+    pthread_mutex_unlock(&b->lock);
+}
+
+void hapi_batcher_free(hapi_batcher *b)
+{
+    if (!b)
+        return;
+    hapi_batcher_stop(b);
+    for (int i = 0; i < b->ndecoders; i++)
+        pthread_join(b->decoders[i], NULL);
+    if (b->inference_started)
+        pthread_join(b->inference, NULL);
+    /* Whatever did not finish fails; no ticket may outlive the batcher. */
+    pthread_mutex_lock(&b->lock);
+    for (int p = 0; p < HAPI_PRIORITY_COUNT; p++) {
+        struct job *j;
+        while ((j = list_pop(&b->queue[p])) != NULL)
+            finish(b, j, -ECANCELED, "shutting down");
+        while ((j = list_pop(&b->ready[p])) != NULL)
+            finish(b, j, -ECANCELED, "shutting down");
+    }
+    pthread_mutex_unlock(&b->lock);
+    pthread_mutex_destroy(&b->lock);
+    pthread_cond_destroy(&b->work_cond);
+    pthread_cond_destroy(&b->ready_cond);
+    pthread_cond_destroy(&b->done_cond);
+    pthread_cond_destroy(&b->throttle_cond);
+    free(b->table);
+    free(b->decoders);
+    free(b);
+}
+
+int hapi_batcher_submit(hapi_batcher *b, const char *key, int priority, hapi_ticket **ticket)
+{
+    if (ticket)
+        *ticket = NULL;
+    if (priority < 0 || priority >= HAPI_PRIORITY_COUNT)
+        return HAPI_EINVAL;
+    pthread_mutex_lock(&b->lock);
+    if (b->stop) {
+        pthread_mutex_unlock(&b->lock);
+        return -ECANCELED;
+    }
+    struct job *j = table_find(b, key);
+    if (j) {
+        b->stats.joined++;
+        if (priority < j->priority) {
+            /* A reader now waits for a queued warm-up item: move it up, don't duplicate it. */
+            b->stats.promoted++;
+            if (j->state == JOB_QUEUED) {
+                list_remove(&b->queue[j->priority], j);
+                list_push(&b->queue[priority], j);
+                pthread_cond_broadcast(&b->throttle_cond);
+            } else if (j->state == JOB_READY) {
+                list_remove(&b->ready[j->priority], j);
+                list_push(&b->ready[priority], j);
+            }
+            j->priority = priority;
+        }
+    } else {
+        j = calloc(1, sizeof(*j));
+        char *k = strdup(key);
+        if (!j || !k) {
+            free(j);
+            free(k);
+            pthread_mutex_unlock(&b->lock);
+            return -ENOMEM;
+        }
+        j->key = k;
+        j->priority = priority;
+        j->origin = priority;
+        j->state = JOB_QUEUED;
+        j->refs = 1;
+        size_t s = slot_of(b, key);
+        j->hash_next = b->table[s];
+        b->table[s] = j;
+        list_push(&b->queue[priority], j);
+        pthread_cond_signal(&b->work_cond);
+    }
+    if (ticket) {
+        j->refs++;
+        *ticket = (hapi_ticket *)j;
+    }
+    pthread_mutex_unlock(&b->lock);
+    return 0;
+}
+
+int hapi_ticket_wait(hapi_batcher *b, hapi_ticket *t, const void **features, const void **tag,
+                     hapi_error *err)
+{
+    struct job *j = (struct job *)t;
+    pthread_mutex_lock(&b->lock);
+    while (j->state != JOB_DONE)
+        pthread_cond_wait(&b->done_cond, &b->lock);
+    pthread_mutex_unlock(&b->lock);
+    /* A DONE job never changes again, and the ticket keeps it alive. */
+    *features = j->features;
+    if (tag)
+        *tag = j->tag;
+    if (j->code < 0)
+        return hapi_error_set(err, j->code, "%s", j->message);
+    return 0;
+}
+
+void hapi_ticket_release(hapi_batcher *b, hapi_ticket *t)
+{
+    if (!t)
+        return;
+    pthread_mutex_lock(&b->lock);
+    job_unref((struct job *)t);
+    pthread_mutex_unlock(&b->lock);
+}
+
+int hapi_batcher_throttle(hapi_batcher *b, int priority, size_t limit)
+{
+    int rc = 0;
+    pthread_mutex_lock(&b->lock);
+    while (!b->stop && b->queue[priority].count > limit)
+        pthread_cond_wait(&b->throttle_cond, &b->lock);
+    if (b->stop)
+        rc = -ECANCELED;
+    pthread_mutex_unlock(&b->lock);
+    return rc;
+}
+
+void hapi_batcher_stats_get(hapi_batcher *b, hapi_batcher_stats *st)
+{
+    pthread_mutex_lock(&b->lock);
+    *st = b->stats;
+    for (int p = 0; p < HAPI_PRIORITY_COUNT; p++)
+        st->queued[p] = b->queue[p].count;
+    st->in_flight = b->decoding + ready_total(b);
+    st->batch = b->batch;
+    pthread_mutex_unlock(&b->lock);
+}

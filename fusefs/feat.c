@@ -1,0 +1,391 @@
+/* feat.c — serving .feat reads: cache lookups, the batcher's load and sink, background warm-up. */
+#include "fusefs-int.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+/* ---------------------------------------------------------- source files */
+
+static void identity_of(const struct stat *st, hapi_source_id *id)
+{
+    *id = (hapi_source_id){
+        .size = (uint64_t)st->st_size,
+        .mtime_ns = (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec,
+        .ctime_ns = (int64_t)st->st_ctim.tv_sec * 1000000000 + st->st_ctim.tv_nsec,
+        .ino = (uint64_t)st->st_ino,
+    };
+}
+
+int hapi_feat_identity(hapi_fs *fs, const char *path, hapi_source_id *id)
+{
+    struct stat st;
+    int fd = hapi_fs_open_beneath(fs->source_fd, path, O_PATH);
+    if (fd < 0)
+        return fd;
+    int rc = fstat(fd, &st) < 0 ? -errno : 0;
+    close(fd);
+    if (rc == 0 && !S_ISREG(st.st_mode))
+        rc = -EINVAL;
+    if (rc == 0)
+        identity_of(&st, id);
+    return rc;
+}
+
+/*
+ * Reads the whole file and the identity it had while being read. A file
+ * replaced or rewritten during the read is read again, so the features
+ * stored under an identity are those of exactly that content: a reader
+ * gets the old or the new features, never a mix.
+ */
+static int load_source(void *ctx, const char *path, void **data, size_t *size, void *tag,
+                       hapi_error *err)
+{
+    hapi_fs *fs = ctx;
+    int rc = 0;
+    for (int attempt = 0; attempt < 3; attempt++) {
+        struct stat before, after;
+        int fd = hapi_fs_open_beneath(fs->source_fd, path, O_RDONLY);
+        if (fd < 0)
+            return hapi_error_set(err, fd, "cannot open the source: %s", hapi_strerror(fd));
+        if (fstat(fd, &before) < 0) {
+            rc = -errno;
+            close(fd);
+            return hapi_error_set(err, rc, "cannot stat the source: %s", hapi_strerror(rc));
+        }
+        size_t cap = (size_t)before.st_size + 1, used = 0;
+        char *buf = malloc(cap);
+        if (!buf) {
+            close(fd);
+            return hapi_error_set(err, -ENOMEM, "out of memory for %zu bytes", cap);
+        }
+        for (;;) {
+            if (used == cap) {
+                char *bigger = realloc(buf, cap * 2);
+                if (!bigger) {
+                    rc = -ENOMEM;
+                    break;
+                }
+                buf = bigger;
+                cap *= 2;
+            }
+            ssize_t r = pread(fd, buf + used, cap - used, (off_t)used);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r < 0) {
+                rc = -errno;
+                break;
+            }
+            if (r == 0)
+                break;
+            used += (size_t)r;
+        }
+        if (rc == 0 && fstat(fd, &after) < 0)
+            rc = -errno;
+        close(fd);
+        if (rc < 0) {
+            free(buf);
+            return hapi_error_set(err, rc, "cannot read the source: %s", hapi_strerror(rc));
+        }
+        hapi_source_id a, b;
+        identity_of(&before, &a);
+        identity_of(&after, &b);
+        if (memcmp(&a, &b, sizeof(a)) == 0 && used == a.size) {
+            memcpy(tag, &a, sizeof(a));
+            *data = buf;
+            *size = used;
+            return 0;
+        }
+        free(buf); /* changed under us: read it again */
+    }
+    return hapi_error_set(err, -EAGAIN, "the source kept changing while being read");
+}
+
+/* Stores a finished batch in one write transaction and records failures. */
+static void store_results(void *ctx, const hapi_batch_result *results, size_t n)
+{
+    hapi_fs *fs = ctx;
+    hapi_cache_item stack_items[64];
+    hapi_cache_item *items = n <= 64 ? stack_items : malloc(n * sizeof(*items));
+    size_t ok = 0;
+
+    for (size_t i = 0; i < n; i++) {
+        const hapi_batch_result *r = &results[i];
+        if (r->origin == HAPI_PRIORITY_WARM)
+            atomic_fetch_add(&fs->warm.completed, 1);
+        if (r->code < 0) {
+            atomic_fetch_add(&fs->stats.errors, 1);
+            hapi_error_ring_add(fs->errors, r->key, r->code, r->message);
+            continue;
+        }
+        atomic_fetch_add(&fs->stats.computed, 1);
+        if (items) {
+            items[ok].path = r->key;
+            memcpy(&items[ok].id, r->tag, sizeof(hapi_source_id));
+            items[ok].data = r->features;
+            items[ok].size = fs->sample_bytes;
+            ok++;
+        }
+    }
+    if (ok) {
+        hapi_error err = { 0 };
+        if (hapi_cache_put(fs->cache, &fs->ns, items, ok, &err) < 0) {
+            atomic_fetch_add(&fs->stats.cache_put_failures, ok);
+            hapi_log(HAPI_LOG_WARNING, "%zu features not cached: %s", ok, err.message);
+        }
+    }
+    if (items != stack_items)
+        free(items);
+}
+
+/* ----------------------------------------------------------------- reads */
+
+/* Replies bytes [off, off + size) of the .feat made of header + data. */
+static void reply_feat(fuse_req_t req, hapi_fs *fs, const void *data, size_t size, off_t off)
+{
+    struct iovec iov[2];
+    int n = 0;
+    size_t pos = (size_t)off;
+    size_t end = pos + size;
+    if (end > fs->feat_size)
+        end = (size_t)fs->feat_size;
+    if (pos < fs->npy_header_len && pos < end) {
+        size_t stop = end < fs->npy_header_len ? end : fs->npy_header_len;
+        iov[n++] = (struct iovec){ fs->npy_header + pos, stop - pos };
+        pos = stop;
+    }
+    if (pos < end) {
+        iov[n++] = (struct iovec){ (char *)data + (pos - fs->npy_header_len), end - pos };
+        pos = end;
+    }
+    atomic_fetch_add(&fs->stats.feat_bytes, pos > (size_t)off ? pos - (size_t)off : 0);
+    if (n == 0)
+        fuse_reply_buf(req, NULL, 0);
+    else
+        fuse_reply_iov(req, iov, n);
+}
+
+/* Looks the features up; on a hit replies straight from the store's memory and returns 1. */
+static int reply_from_cache(fuse_req_t req, hapi_fs *fs, const char *path,
+                            const hapi_source_id *id, size_t size, off_t off)
+{
+    hapi_cache_value val;
+    uint64_t t0 = hapi_now_ns();
+    int rc = hapi_cache_get(fs->cache, &fs->ns, path, id, &val);
+    if (rc == 1) {
+        if (val.size == fs->sample_bytes) {
+            reply_feat(req, fs, val.data, size, off);
+            hapi_cache_release(fs->cache, &val);
+            atomic_fetch_add(&fs->stats.hits, 1);
+            atomic_fetch_add(&fs->stats.hit_ns, hapi_now_ns() - t0);
+            return 1;
+        }
+        hapi_cache_release(fs->cache, &val);
+        hapi_log(HAPI_LOG_WARNING, "%s: cached features have %zu bytes, expected %zu; recomputing",
+                 path, val.size, fs->sample_bytes);
+    } else if (rc < 0) {
+        hapi_log(HAPI_LOG_WARNING, "%s: cache lookup failed: %s", path, hapi_strerror(rc));
+    }
+    return 0;
+}
+
+void hapi_feat_read(fuse_req_t req, hapi_fs *fs, const char *path, const hapi_source_id *id,
+                    size_t size, off_t off)
+{
+    atomic_fetch_add(&fs->stats.feat_reads, 1);
+    if ((uint64_t)off >= fs->feat_size) {
+        fuse_reply_buf(req, NULL, 0);
+        return;
+    }
+    if (reply_from_cache(req, fs, path, id, size, off))
+        return;
+
+    /* A miss: the batcher computes it once, however many readers wait for it. */
+    atomic_fetch_add(&fs->stats.misses, 1);
+    hapi_ticket *t = NULL;
+    hapi_error err = { 0 };
+    const void *features;
+    int rc = hapi_batcher_submit(fs->batcher, path, HAPI_PRIORITY_DEMAND, &t);
+    if (rc == 0)
+        rc = hapi_ticket_wait(fs->batcher, t, &features, NULL, &err);
+    if (rc == 0)
+        reply_feat(req, fs, features, size, off);
+    else
+        fuse_reply_err(req, hapi_fs_errno(rc)); /* the sink has logged why */
+    hapi_ticket_release(fs->batcher, t);
+}
+
+/* ---------------------------------------------------------------- warm-up */
+
+/* Calls fn for every image beneath dir (relative), depth first. Stops when fn returns < 0. */
+static int walk_images(hapi_fs *fs, const char *dir, int (*fn)(hapi_fs *, const char *, void *),
+                       void *arg)
+{
+    int fd = hapi_fs_open_beneath(fs->source_fd, dir, O_RDONLY | O_DIRECTORY);
+    if (fd < 0)
+        return fd == -ENOTDIR ? 0 : fd;
+    DIR *d = fdopendir(fd);
+    if (!d) {
+        close(fd);
+        return -errno;
+    }
+    int rc = 0;
+    struct dirent *de;
+    while (rc >= 0 && !atomic_load(&fs->warm.stop) && (de = readdir(d)) != NULL) {
+        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
+            continue;
+        char *child = NULL;
+        if (asprintf(&child, "%s%s%s", dir, *dir ? "/" : "", de->d_name) < 0) {
+            rc = -ENOMEM;
+            break;
+        }
+        if (de->d_type == DT_DIR) {
+            rc = walk_images(fs, child, fn, arg);
+        } else if ((de->d_type == DT_REG || de->d_type == DT_LNK || de->d_type == DT_UNKNOWN) &&
+                   hapi_image_name_is_image(de->d_name)) {
+            rc = fn(fs, child, arg);
+        } else if (de->d_type == DT_LNK || de->d_type == DT_UNKNOWN) {
+            struct stat st;
+            int lfd = hapi_fs_open_beneath(fs->source_fd, child, O_PATH);
+            if (lfd >= 0 && fstat(lfd, &st) == 0 && S_ISDIR(st.st_mode))
+                rc = walk_images(fs, child, fn, arg);
+            if (lfd >= 0)
+                close(lfd);
+        }
+        free(child);
+    }
+    closedir(d);
+    return rc;
+}
+
+static int count_one(hapi_fs *fs, const char *path, void *arg)
+{
+    (void)path, (void)arg;
+    atomic_fetch_add(&fs->warm.total, 1);
+    return 0;
+}
+
+static int warm_one(hapi_fs *fs, const char *path, void *arg)
+{
+    hapi_source_id id;
+    hapi_cache_value val;
+    (void)arg;
+    if (hapi_feat_identity(fs, path, &id) < 0) {
+        atomic_fetch_add(&fs->warm.skipped, 1);
+        return 0;
+    }
+    if (hapi_cache_get(fs->cache, &fs->ns, path, &id, &val) == 1) {
+        hapi_cache_release(fs->cache, &val);
+        atomic_fetch_add(&fs->warm.cached, 1);
+        return 0;
+    }
+    /* Feed the queue without flooding it: warm-up yields to every reader anyway. */
+    int rc = hapi_batcher_throttle(fs->batcher, HAPI_PRIORITY_WARM,
+                                   (size_t)fs->opt->batch * 2);
+    if (rc == 0)
+        rc = hapi_batcher_submit(fs->batcher, path, HAPI_PRIORITY_WARM, NULL);
+    if (rc == 0)
+        atomic_fetch_add(&fs->warm.submitted, 1);
+    return rc;
+}
+
+static void *warm_main(void *arg)
+{
+    hapi_fs *fs = arg;
+    const char *root = fs->warm.root;
+    hapi_log(HAPI_LOG_INFO, "warm-up of '%s' started", root);
+    int rc = walk_images(fs, root, count_one, NULL);
+    atomic_store(&fs->warm.counted, 1);
+    if (rc >= 0)
+        rc = walk_images(fs, root, warm_one, NULL);
+    atomic_store(&fs->warm.walked, 1);
+    if (rc < 0 && rc != -ECANCELED)
+        hapi_log(HAPI_LOG_WARNING, "warm-up of '%s' stopped: %s", root, hapi_strerror(rc));
+    else
+        hapi_log(HAPI_LOG_INFO, "warm-up of '%s' queued %llu images (%llu were cached)", root,
+                 (unsigned long long)atomic_load(&fs->warm.submitted),
+                 (unsigned long long)atomic_load(&fs->warm.cached));
+    return NULL;
+}
+
+int hapi_warm_start(hapi_fs *fs, const char *path)
+{
+    pthread_mutex_lock(&fs->warm.lock);
+    int rc = 0;
+    if (fs->warm.running && !hapi_warm_finished(fs)) {
+        rc = -EBUSY;
+        goto out;
+    }
+    if (fs->warm.running) {
+        pthread_join(fs->warm.thread, NULL);
+        fs->warm.running = 0;
+    }
+    char *root = strdup(path);
+    if (!root) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    free(fs->warm.root);
+    fs->warm.root = root;
+    atomic_store(&fs->warm.total, 0);
+    atomic_store(&fs->warm.cached, 0);
+    atomic_store(&fs->warm.skipped, 0);
+    atomic_store(&fs->warm.submitted, 0);
+    atomic_store(&fs->warm.completed, 0);
+    atomic_store(&fs->warm.counted, 0);
+    atomic_store(&fs->warm.walked, 0);
+    fs->warm.started_ns = hapi_now_ns();
+    if ((rc = pthread_create(&fs->warm.thread, NULL, warm_main, fs)) != 0) {
+        rc = -rc;
+        goto out;
+    }
+    fs->warm.running = 1;
+out:
+    pthread_mutex_unlock(&fs->warm.lock);
+    return rc;
+}
+
+int hapi_warm_finished(hapi_fs *fs)
+{
+    return atomic_load(&fs->warm.walked) &&
+           atomic_load(&fs->warm.completed) >= atomic_load(&fs->warm.submitted);
+}
+
+/* ------------------------------------------------------------- life cycle */
+
+int hapi_feat_start(hapi_fs *fs, hapi_error *err)
+{
+    hapi_batcher_config cfg = {
+        .batch = fs->opt->batch,
+        .max_wait_us = fs->opt->batch_wait_us,
+        .decode_threads = fs->opt->decode_threads,
+        .mem_budget = fs->opt->mem_budget,
+        .tag_size = sizeof(hapi_source_id),
+        .load = load_source,
+        .sink = store_results,
+        .ctx = fs,
+    };
+    pthread_mutex_init(&fs->warm.lock, NULL);
+    return hapi_batcher_new(fs->ex, &cfg, &fs->batcher, err);
+}
+
+void hapi_feat_stop(hapi_fs *fs)
+{
+    if (!fs->batcher)
+        return;
+    atomic_store(&fs->warm.stop, 1);
+    hapi_batcher_stop(fs->batcher); /* wakes a warm-up waiting for queue room */
+    if (fs->warm.running)
+        pthread_join(fs->warm.thread, NULL);
+    fs->warm.running = 0;
+    hapi_batcher_free(fs->batcher);
+    fs->batcher = NULL;
+    free(fs->warm.root);
+    fs->warm.root = NULL;
+    pthread_mutex_destroy(&fs->warm.lock);
+}
