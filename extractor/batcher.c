@@ -68,6 +68,7 @@ struct hapi_batcher {
     size_t table_size;
 
     uint64_t mem_estimate;        /* running estimate of a sample's transient bytes */
+    uint64_t mem_of_waiters;      /* held by decode threads waiting for the budget */
     int batch;                    /* current batch size; halved on out-of-memory */
     hapi_batcher_stats stats;
 
@@ -223,17 +224,36 @@ static int prepare(hapi_batcher *b, hapi_decoder *dec, struct job *j, hapi_error
         rc = hapi_error_set(err, -ENOMEM, "out of memory for an input tensor");
         goto out;
     }
-    rc = hapi_image_decode(dec, data, size, pp->max_pixels,
-                           pp->mode == HAPI_PREPROCESS_FAST ? pp->resize : 0, &img, err);
-    if (rc < 0)
-        goto out;
-    transient = (int64_t)size + (int64_t)img.width * img.height * 3;
+    /*
+     * Admission at dequeue was on an estimate. Now that the header tells the
+     * real size, wait for room in the budget before allocating the image —
+     * but only while someone who is not waiting holds memory, who will free
+     * it. Otherwise (only waiters hold any) this sample goes over alone; two
+     * threads waiting on each other's reservations would wait forever.
+     */
+    int w = 0, h = 0;
+    if (hapi_image_size(data, size, &w, &h) == 0)
+        transient = (int64_t)size + (int64_t)w * h * 4; /* CMYK decodes to 4 bytes a pixel */
+    else
+        transient = (int64_t)size;
     pthread_mutex_lock(&b->lock);
+    while (b->cfg.mem_budget && !b->stop &&
+           b->stats.mem_in_use + (uint64_t)transient > b->cfg.mem_budget &&
+           b->stats.mem_in_use > b->mem_of_waiters + j->mem) {
+        b->stats.mem_waits++;
+        b->mem_of_waiters += j->mem;
+        pthread_cond_wait(&b->work_cond, &b->lock);
+        b->mem_of_waiters -= j->mem;
+    }
     mem_add(b, j, transient);
     /* what a sample really costs in flight, for the next admission decisions */
     b->mem_estimate = (b->mem_estimate * 7 + (uint64_t)transient +
                        b->tensor_floats * sizeof(float)) / 8;
     pthread_mutex_unlock(&b->lock);
+    rc = hapi_image_decode(dec, data, size, pp->max_pixels,
+                           pp->mode == HAPI_PREPROCESS_FAST ? pp->resize : 0, &img, err);
+    if (rc < 0)
+        goto out;
     rc = hapi_image_preprocess(&img, pp, j->tensor, err);
 out:
     hapi_image_release(&img);

@@ -64,6 +64,13 @@ int hapi_image_decode(hapi_decoder *dec, const void *data, size_t size,
                       uint64_t max_pixels, int min_short_side,
                       hapi_image *out, hapi_error *err);
 
+/*
+ * Reads an image's dimensions from its header alone (JPEG SOF or PNG IHDR),
+ * without decoding or allocating: for memory accounting before a decode.
+ * Returns 0, HAPI_EFORMAT or HAPI_EDECODE (no dimensions found). Thread-safe.
+ */
+int hapi_image_size(const void *data, size_t size, int *width, int *height);
+
 /* Frees img->pixels and zeroes the image. Accepts NULL and an empty image. */
 void hapi_image_release(hapi_image *img);
 

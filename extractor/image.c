@@ -354,6 +354,50 @@ out:
     return ret;
 }
 
+int hapi_image_size(const void *data, size_t size, int *width, int *height)
+{
+    const uint8_t *d = data;
+    *width = *height = 0;
+    if (size >= 24 && memcmp(d, "\x89PNG\r\n\x1a\n", 8) == 0) {
+        if (memcmp(d + 12, "IHDR", 4) != 0)
+            return HAPI_EDECODE;
+        uint32_t w = (uint32_t)d[16] << 24 | (uint32_t)d[17] << 16 | (uint32_t)d[18] << 8 | d[19];
+        uint32_t h = (uint32_t)d[20] << 24 | (uint32_t)d[21] << 16 | (uint32_t)d[22] << 8 | d[23];
+        if (w == 0 || h == 0 || w > HAPI_PNG_MAX_SIDE || h > HAPI_PNG_MAX_SIDE)
+            return HAPI_EDECODE;
+        *width = (int)w;
+        *height = (int)h;
+        return 0;
+    }
+    if (size < 4 || d[0] != 0xff || d[1] != 0xd8)
+        return HAPI_EFORMAT;
+    /* Walk the marker segments to the first start-of-frame. */
+    size_t i = 2;
+    while (i + 4 <= size) {
+        if (d[i] != 0xff)
+            return HAPI_EDECODE;
+        uint8_t marker = d[i + 1];
+        if (marker == 0xff) { /* fill byte */
+            i++;
+            continue;
+        }
+        size_t len = (size_t)d[i + 2] << 8 | d[i + 3];
+        int sof = marker >= 0xc0 && marker <= 0xcf && marker != 0xc4 && marker != 0xc8 &&
+                  marker != 0xcc;
+        if (sof) {
+            if (i + 9 > size)
+                return HAPI_EDECODE;
+            *height = d[i + 5] << 8 | d[i + 6];
+            *width = d[i + 7] << 8 | d[i + 8];
+            return *width > 0 && *height > 0 ? 0 : HAPI_EDECODE;
+        }
+        if (marker == 0xda || len < 2)
+            return HAPI_EDECODE; /* scan data before any frame header */
+        i += 2 + len;
+    }
+    return HAPI_EDECODE;
+}
+
 int hapi_image_decode(hapi_decoder *dec, const void *data, size_t size,
                       uint64_t max_pixels, int min_short_side,
                       hapi_image *out, hapi_error *err)

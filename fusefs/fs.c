@@ -471,8 +471,9 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
 /* A directory listing, read whole at opendir so offsets stay valid across readdir calls. */
 struct dir_entry {
     char *name;
-    uint64_t ino;
-    mode_t type;
+    int kind;           /* enum hapi_node_kind */
+    char *path;         /* the node's source path; NULL for "." and ".." */
+    struct stat attr;   /* as the mount shows it; st_ino is the node id */
 };
 
 struct dir_handle {
@@ -480,8 +481,9 @@ struct dir_handle {
     struct dir_entry *entries;
 };
 
-static int dir_add(struct dir_handle *d, const char *name, const char *suffix, uint64_t ino,
-                   mode_t type)
+/* Adds name + suffix; path (may be NULL) is copied. */
+static int dir_add(struct dir_handle *d, const char *name, const char *suffix, int kind,
+                   const char *path, const struct stat *attr)
 {
     if (d->count == d->cap) {
         size_t cap = d->cap ? d->cap * 2 : 64;
@@ -491,19 +493,32 @@ static int dir_add(struct dir_handle *d, const char *name, const char *suffix, u
         d->entries = e;
         d->cap = cap;
     }
-    char *n = NULL;
+    char *n = NULL, *p = NULL;
     if (asprintf(&n, "%s%s", name, suffix) < 0)
         return -ENOMEM;
-    d->entries[d->count++] = (struct dir_entry){ n, ino, type };
+    if (path && !(p = strdup(path))) {
+        free(n);
+        return -ENOMEM;
+    }
+    d->entries[d->count++] = (struct dir_entry){ n, kind, p, *attr };
     return 0;
+}
+
+/* An entry for "." / ".." or a control file: only its id and type matter. */
+static int dir_add_bare(struct dir_handle *d, const char *name, uint64_t ino, mode_t type)
+{
+    struct stat st = { .st_ino = ino, .st_mode = type };
+    return dir_add(d, name, "", -1, NULL, &st);
 }
 
 static void dir_free(struct dir_handle *d)
 {
     if (!d)
         return;
-    for (size_t i = 0; i < d->count; i++)
+    for (size_t i = 0; i < d->count; i++) {
         free(d->entries[i].name);
+        free(d->entries[i].path);
+    }
     free(d->entries);
     free(d);
 }
@@ -521,7 +536,8 @@ static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct 
         close(fd);
         return rc;
     }
-    if ((rc = dir_add(d, ".", "", self, S_IFDIR)) < 0 || (rc = dir_add(d, "..", "", 1, S_IFDIR)) < 0)
+    if ((rc = dir_add_bare(d, ".", self, S_IFDIR)) < 0 ||
+        (rc = dir_add_bare(d, "..", FUSE_ROOT_ID, S_IFDIR)) < 0)
         goto out;
     for (;;) {
         errno = 0;
@@ -536,27 +552,29 @@ static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct 
         if (!*path && strcmp(name, ".hapifs") == 0)
             continue; /* shadowed by the control directory */
         /* A symlink counts as what it leads to, if that is beneath the root. */
-        struct stat st;
+        struct stat src, st;
         char *child = join_path(path, name);
         if (!child) {
             rc = -ENOMEM;
             break;
         }
-        int src = stat_beneath(fs->source_fd, child, &st);
-        free(child);
-        if (src < 0)
-            continue;
-        if (S_ISDIR(st.st_mode)) {
-            rc = dir_add(d, name, "", node_id_for(fs, &st, 0), S_IFDIR);
-        } else if (S_ISREG(st.st_mode)) {
-            if (hapi_image_name_is_image(name)) {
-                rc = dir_add(d, name, ".feat", node_id_for(fs, &st, 1), S_IFREG);
-                if (rc == 0 && fs->opt->show_raw)
-                    rc = dir_add(d, name, "", node_id_for(fs, &st, 0), S_IFREG);
-            } else {
-                rc = dir_add(d, name, "", node_id_for(fs, &st, 0), S_IFREG);
+        if (stat_beneath(fs->source_fd, child, &src) == 0) {
+            if (S_ISDIR(src.st_mode)) {
+                source_attr(fs, &src, node_id_for(fs, &src, 0), &st);
+                rc = dir_add(d, name, "", HAPI_NODE_DIR, child, &st);
+            } else if (S_ISREG(src.st_mode) && hapi_image_name_is_image(name)) {
+                feat_attr(fs, &src, node_id_for(fs, &src, 1), &st);
+                rc = dir_add(d, name, ".feat", HAPI_NODE_FEAT, child, &st);
+                if (rc == 0 && fs->opt->show_raw) {
+                    source_attr(fs, &src, node_id_for(fs, &src, 0), &st);
+                    rc = dir_add(d, name, "", HAPI_NODE_FILE, child, &st);
+                }
+            } else if (S_ISREG(src.st_mode)) {
+                source_attr(fs, &src, node_id_for(fs, &src, 0), &st);
+                rc = dir_add(d, name, "", HAPI_NODE_FILE, child, &st);
             }
         }
+        free(child);
         if (rc < 0)
             break;
     }
@@ -577,11 +595,14 @@ static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         goto fail;
     }
     if (ino == CTL_DIR_ID) {
-        rc = dir_add(d, ".", "", CTL_DIR_ID, S_IFDIR);
+        rc = dir_add_bare(d, ".", CTL_DIR_ID, S_IFDIR);
         if (rc == 0)
-            rc = dir_add(d, "..", "", FUSE_ROOT_ID, S_IFDIR);
-        for (int i = 0; rc == 0 && hapi_ctl_files[i]; i++)
-            rc = dir_add(d, hapi_ctl_files[i], "", CTL_FILE_ID(i), S_IFREG);
+            rc = dir_add_bare(d, "..", FUSE_ROOT_ID, S_IFDIR);
+        for (int i = 0; rc == 0 && hapi_ctl_files[i]; i++) {
+            struct stat st;
+            ctl_file_attr(fs, i, &st);
+            rc = dir_add(d, hapi_ctl_files[i], "", HAPI_NODE_CTL_FILE, NULL, &st);
+        }
         if (rc < 0)
             goto fail;
     } else {
@@ -617,11 +638,56 @@ static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     }
     size_t used = 0;
     for (size_t i = (size_t)off; i < d->count; i++) {
-        struct stat st = { .st_ino = d->entries[i].ino, .st_mode = d->entries[i].type };
-        size_t need = fuse_add_direntry(req, buf + used, size - used, d->entries[i].name, &st,
-                                        (off_t)(i + 1));
+        size_t need = fuse_add_direntry(req, buf + used, size - used, d->entries[i].name,
+                                        &d->entries[i].attr, (off_t)(i + 1));
         if (need > size - used)
             break;
+        used += need;
+    }
+    fuse_reply_buf(req, buf, used);
+    free(buf);
+}
+
+/*
+ * readdirplus: names with their attributes, so a listing is not followed by
+ * a lookup per file. Each entry returned (but "." and "..") counts as a
+ * lookup, so it is entered in the node table first, and taken out again if
+ * it does not fit in the reply.
+ */
+static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                           struct fuse_file_info *fi)
+{
+    hapi_fs *fs = fuse_req_userdata(req);
+    struct dir_handle *d = (struct dir_handle *)(uintptr_t)fi->fh;
+    (void)ino;
+    char *buf = malloc(size);
+    if (!buf) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    size_t used = 0;
+    for (size_t i = (size_t)off; i < d->count; i++) {
+        struct dir_entry *de = &d->entries[i];
+        struct fuse_entry_param e = { 0 };
+        e.attr = de->attr;
+        int counted = 0;
+        if (de->kind >= 0) {
+            e.ino = de->attr.st_ino;
+            e.attr_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : ATTR_TIMEOUT;
+            e.entry_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : ENTRY_TIMEOUT;
+            if (de->path) {
+                if (node_ref(fs->nodes, e.ino, de->kind, de->path) < 0)
+                    break;
+                counted = 1;
+            }
+        }
+        size_t need = fuse_add_direntry_plus(req, buf + used, size - used, de->name, &e,
+                                             (off_t)(i + 1));
+        if (need > size - used) {
+            if (counted)
+                node_unref(fs->nodes, e.ino, 1);
+            break;
+        }
         used += need;
     }
     fuse_reply_buf(req, buf, used);
@@ -908,6 +974,7 @@ const struct fuse_lowlevel_ops hapi_fs_ops = {
     .setattr = op_setattr,
     .opendir = op_opendir,
     .readdir = op_readdir,
+    .readdirplus = op_readdirplus,
     .releasedir = op_releasedir,
     .open = op_open,
     .read = op_read,

@@ -245,6 +245,31 @@ START_TEST(jpeg_header_failure_then_good)
 }
 END_TEST
 
+/* Dimensions from the header alone, for memory accounting before a decode. */
+START_TEST(size_from_header)
+{
+    const int w = 301, h = 17;
+    uint8_t *src = pattern_rgb(w, h);
+    unsigned long size;
+    unsigned char *jpg = encode_jpeg(src, w, h, TJPF_RGB, TJSAMP_420, 80, &size);
+    int gw, gh;
+    ck_assert_int_eq(hapi_image_size(jpg, size, &gw, &gh), 0);
+    ck_assert_int_eq(gw, w);
+    ck_assert_int_eq(gh, h);
+    size_t plen = 0;
+    void *png = encode_png(src, (size_t)w * h * 3, w, h, 8, SPNG_COLOR_TYPE_TRUECOLOR, NULL, &plen);
+    ck_assert_int_eq(hapi_image_size(png, plen, &gw, &gh), 0);
+    ck_assert_int_eq(gw, w);
+    ck_assert_int_eq(gh, h);
+    ck_assert_int_eq(hapi_image_size("GIF89a......", 12, &gw, &gh), HAPI_EFORMAT);
+    ck_assert_int_eq(hapi_image_size(jpg, 20, &gw, &gh), HAPI_EDECODE); /* cut before SOF */
+    ck_assert_int_eq(gw, 0);
+    free(png);
+    tjFree(jpg);
+    free(src);
+}
+END_TEST
+
 START_TEST(garbage_is_eformat)
 {
     uint8_t junk[300];
@@ -594,6 +619,7 @@ static Suite *image_suite(void)
         {"jpeg_cmyk_as_pil", jpeg_cmyk_as_pil},
         {"jpeg_truncated_is_edecode", jpeg_truncated_is_edecode},
         {"jpeg_header_failure_then_good", jpeg_header_failure_then_good},
+        {"size_from_header", size_from_header},
         {"garbage_is_eformat", garbage_is_eformat},
         {"huge_header_is_etoobig", huge_header_is_etoobig},
         {"png_rgb_exact", png_rgb_exact},
