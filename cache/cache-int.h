@@ -16,7 +16,8 @@ extern "C" {
  *   8  u32 data length                  12  u32 stored path length (hashed keys only, else 0)
  *  16  u64 source size                  24  i64 source mtime_ns
  *  32  i64 source ctime_ns              40  u64 source inode
- *  48  u64 wall-clock time of the put (ns), a starting order for a future LRU
+ *  48  u64 wall-clock time of the put (ns), for inspection (the LRU order lives
+ *      in its own databases, see below)
  *  56  u64 checksum: XXH3-64 of the data, seeded with XXH3-64 of the header
  *      (checksum field zeroed) mixed with XXH3-64 of the stored path
  *  64  the full path (hashed keys only), zero-padded to a multiple of 16
@@ -36,6 +37,16 @@ extern "C" {
 #define HAPI_CACHE__PREFIX_SIZE (HAPI_CACHE_PATH_MAX - 1 - 16)
 #define HAPI_CACHE__KEY_MAX (HAPI_CACHE_NAMESPACE_SIZE + HAPI_CACHE_PATH_MAX)
 
+/*
+ * The LRU order: "lru" maps an access stamp (u64 big-endian, so byte order is
+ * numeric order) to a feature key; "stamps" maps each feature key to its
+ * current stamp, so that an access can delete the entry's older "lru" record.
+ * Every entry of "features" has exactly one record in each, written in the
+ * same transactions. Stamps grow: a write transaction stamps from one more
+ * than the newest "lru" key.
+ */
+#define HAPI_CACHE__STAMP_SIZE 8
+
 /* Builds the key of path in ns into key; returns its length. */
 size_t hapi_cache__key_make(const hapi_cache_namespace *ns, const char *path,
                             uint8_t key[HAPI_CACHE__KEY_MAX]);
@@ -46,6 +57,19 @@ MDB_dbi hapi_cache__features_dbi(hapi_cache *c);
 
 /* The number of reader slots of dead processes that hapi_cache_open() cleared. */
 int hapi_cache__stale_readers_cleared(const hapi_cache *c);
+
+/* Time spent evicting (the batched eviction transactions) since open, in ns. */
+uint64_t hapi_cache__evict_ns(hapi_cache *c);
+
+/*
+ * Checks that "features", "lru" and "stamps" agree (same count; each lru
+ * record's key has its feature and its stamp). Returns the number of entries,
+ * or -1 with a description in msg.
+ */
+long hapi_cache__check_index(hapi_cache *c, char *msg, size_t msg_size);
+
+/* Keys in LRU order, oldest first: calls fn(key, key_len, arg) for each until it returns nonzero. */
+int hapi_cache__walk_lru(hapi_cache *c, int (*fn)(const void *, size_t, void *), void *arg);
 
 #ifdef __cplusplus
 }

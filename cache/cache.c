@@ -1,11 +1,14 @@
-/* cache.c — the LMDB feature store: namespaces, keys, checked values, pooled read transactions, batched puts. */
+/* cache.c — the LMDB feature store: namespaces, keys, checked values, pooled read transactions, batched puts, LRU eviction. */
 #include "cache.h"
 #include "cache-int.h"
 
 #include <endian.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <lmdb.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,18 +28,22 @@
 #define FORMAT_MAGIC "hapifs-cache" /* 12 bytes, then a u32 format version */
 #define FORMAT_MAGIC_SIZE 12
 #define FORMAT_RECORD_SIZE (FORMAT_MAGIC_SIZE + 4)
-#define FORMAT_VERSION 1
+/* 2 added the "lru" and "stamps" databases; a version-1 store is indexed on open. */
+#define FORMAT_VERSION 2
+
+/* The persisted count of evictions, a u64 in "meta". */
+#define EVICTIONS_KEY "evictions"
 
 /*
- * Named databases: "meta" (the format marker), "features" (the entries) and
- * room for two more, such as the "lru" index that eviction will add. Values
- * are never rewritten to record an access (that would copy their pages): an
- * LRU index lives in its own database, keyed by an access stamp and pointing
- * at feature keys, updated in batches by one writer; the put time in each
- * header gives it a starting order. Keys begin with the namespace, so the
- * entries of one configuration are contiguous and can be dropped as a range.
+ * Named databases: "meta" (the format marker, the eviction count),
+ * "features" (the entries), "lru" and "stamps" (the LRU order, see
+ * cache-int.h), and room for more. Values are never rewritten to record an
+ * access (that would copy their overflow pages): a hit is noted in memory and
+ * the next write moves the entry's small "lru" record to the newest stamp.
+ * Keys begin with the namespace, so the entries of one configuration are
+ * contiguous and can be counted or dropped as a range.
  */
-#define MAX_DBS 4
+#define MAX_DBS 8
 
 #define DEFAULT_MAX_BYTES (UINT64_C(1) << 30)
 #define DEFAULT_MAX_READERS 512
@@ -47,12 +54,50 @@
 /* How long a put waits for outstanding lookups to end before it adopts another process's map size. */
 #define REMAP_WAIT_NS (UINT64_C(5) * 1000000000u)
 
+/*
+ * Eviction: a put that would take the store past HIGH_PERCENT of its map
+ * first evicts the least recently used entries down to LOW_PERCENT, so that
+ * a burst of puts pays for eviction once per ~10% of the map, and the
+ * eviction transactions themselves (which need pages to copy the B-tree
+ * pages they change) always find room. EVICT_BATCH entries per write
+ * transaction keep each one short: lookups and other processes' puts
+ * interleave.
+ */
+#define HIGH_PERCENT 95
+#define LOW_PERCENT 85
+#define EVICT_BATCH 512
+/* Attempts of a put after MDB_MAP_FULL, each after evicting more than the last. */
+#define PUT_RETRIES 12
+/*
+ * Pages freed by a write stay unusable while a lookup that began before it
+ * (in any process) is held, and for the next write in any case. A store at
+ * its limit can thus be full for an instant although eviction freed room:
+ * writes then wait a little (1 ms more each time, up to FULL_WAITS times) for
+ * lookups to end, rather than fail.
+ */
+#define FULL_WAITS 10
+/* Entries removed per write transaction by hapi_cache_evict_all(). */
+#define REMOVE_BATCH 4096
+
+/*
+ * The access log: hits append (u16 key length, key) records under
+ * access_lock, never touching LMDB; a writer swaps the buffer for its spare
+ * and applies the records in its write transaction. 256 KiB holds ~4,000
+ * typical keys between two writes; beyond that hits are dropped (counted).
+ */
+#define ACCESS_LOG_BYTES (256u * 1024)
+
 struct hapi_cache {
     MDB_env *env;
     MDB_dbi meta_dbi;
     MDB_dbi features_dbi;
+    MDB_dbi lru_dbi;
+    MDB_dbi stamps_dbi;
     char *dir;
     int stale_readers_cleared;
+    int reset_at_open;
+    unsigned psize;    /* LMDB page size */
+    unsigned node_max; /* the largest leaf node LMDB keeps in its page: larger values overflow */
 
     /*
      * Read-transaction pool and the count of lookups in flight, under
@@ -72,11 +117,25 @@ struct hapi_cache {
     bool remapping;
 
     /*
-     * Serializes puts in this process. LMDB serializes writers already; this
-     * lock also makes sure no write transaction of ours is open while a put
-     * adopts a new map size.
+     * Serializes writes in this process. LMDB serializes writers already;
+     * this lock also makes sure no write transaction of ours is open while a
+     * put adopts a new map size, and guards the drained access log.
      */
     pthread_mutex_t write_lock;
+
+    /* The access log being filled by hits (under access_lock), and the one being applied (under write_lock). */
+    pthread_mutex_t access_lock;
+    uint8_t *log;
+    size_t log_used;
+    uint8_t *drain;
+    size_t drain_used;
+
+    /* Evictions not yet added to the persisted count (under write_lock): its write failed. */
+    uint64_t evictions_unpersisted;
+
+    /* Counters of this handle, relaxed atomics: lookups update them from any thread. */
+    _Atomic uint64_t hits, misses, stale, bad, busy, errors, hit_ns;
+    _Atomic uint64_t evictions, accesses_dropped, evict_ns;
 };
 
 /* ---- little-endian encoding ---- */
@@ -87,6 +146,19 @@ static void put_le64(uint8_t *p, uint64_t v) { v = htole64(v); memcpy(p, &v, 8);
 static uint16_t get_le16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return le16toh(v); }
 static uint32_t get_le32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return le32toh(v); }
 static uint64_t get_le64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return le64toh(v); }
+/* Stamps are big-endian: LMDB compares keys as bytes, so byte order is numeric order. */
+static void put_be64(uint8_t *p, uint64_t v) { v = htobe64(v); memcpy(p, &v, 8); }
+static uint64_t get_be64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return be64toh(v); }
+
+static void count(_Atomic uint64_t *counter, uint64_t n)
+{
+    atomic_fetch_add_explicit(counter, n, memory_order_relaxed);
+}
+
+static uint64_t counter_get(_Atomic uint64_t *counter)
+{
+    return atomic_load_explicit(counter, memory_order_relaxed);
+}
 
 /* ---- namespaces ---- */
 
@@ -201,45 +273,51 @@ static void header_encode(uint8_t h[HAPI_CACHE__HEADER_SIZE], const hapi_source_
     put_le64(h + 56, 0);
 }
 
+/* How a stored value compares with a lookup. */
+enum check { CHECK_OK, CHECK_ABSENT, CHECK_STALE, CHECK_BAD };
+
 /*
  * Checks a stored value against the lookup: format, identity, the full path
  * for hashed keys, lengths, checksum. On success points *data and *size at the
- * feature bytes inside v. Any mismatch is false: the caller treats it as a
- * miss, and the next put of the path replaces the entry.
+ * feature bytes inside v. A value in our format for another identity of the
+ * source is stale; one for another path (a digest collision of a hashed key)
+ * is absent; anything that does not verify is bad. The caller treats all
+ * three as misses, and the next put of the path replaces the entry.
  */
-static bool value_check(const MDB_val *v, const hapi_source_id *id, const char *path,
-                        bool hashed, const void **data, size_t *size)
+static enum check value_check(const MDB_val *v, const hapi_source_id *id, const char *path,
+                              bool hashed, const void **data, size_t *size)
 {
     const uint8_t *p = v->mv_data;
     if (v->mv_size < HAPI_CACHE__HEADER_SIZE)
-        return false;
+        return CHECK_BAD;
     if (get_le32(p + 0) != HAPI_CACHE__MAGIC || get_le16(p + 4) != HAPI_CACHE__VERSION)
-        return false;
+        return CHECK_BAD;
     uint16_t flags = get_le16(p + 6);
     uint32_t data_len = get_le32(p + 8);
     uint32_t path_len = get_le32(p + 12);
     if (get_le64(p + 16) != id->size || (int64_t)get_le64(p + 24) != id->mtime_ns ||
         (int64_t)get_le64(p + 32) != id->ctime_ns || get_le64(p + 40) != id->ino)
-        return false;
+        return CHECK_STALE;
     if (hashed != ((flags & HAPI_CACHE__FLAG_HASHED_KEY) != 0))
-        return false;
+        return CHECK_BAD;
     if (hashed) {
         size_t len = strlen(path);
-        if (path_len != len || v->mv_size < HAPI_CACHE__HEADER_SIZE + (size_t)path_len ||
-            memcmp(p + HAPI_CACHE__HEADER_SIZE, path, len) != 0)
-            return false;
+        if (v->mv_size < HAPI_CACHE__HEADER_SIZE + (size_t)path_len)
+            return CHECK_BAD;
+        if (path_len != len || memcmp(p + HAPI_CACHE__HEADER_SIZE, path, len) != 0)
+            return CHECK_ABSENT;
     } else if (path_len != 0) {
-        return false;
+        return CHECK_BAD;
     }
     size_t offset = HAPI_CACHE__HEADER_SIZE + pad16(path_len);
     if (v->mv_size != offset + (size_t)data_len)
-        return false;
+        return CHECK_BAD;
     if (value_checksum(p, p + HAPI_CACHE__HEADER_SIZE, path_len, p + offset, data_len) !=
         get_le64(p + 56))
-        return false;
+        return CHECK_BAD;
     *data = p + offset;
     *size = data_len;
-    return true;
+    return CHECK_OK;
 }
 
 /* ---- read transactions ---- */
@@ -340,8 +418,6 @@ static int remap(hapi_cache *c)
     return rc;
 }
 
-/* ---- open and close ---- */
-
 static int lmdb_to_code(int rc)
 {
     switch (rc) {
@@ -357,6 +433,448 @@ static int lmdb_to_code(int rc)
     }
 }
 
+/* ---- sizes ---- */
+
+/*
+ * Bytes an entry occupies, estimated as LMDB lays it out: a value that does
+ * not fit a leaf node goes to its own run of overflow pages ((15 + size) /
+ * page + 1 of them), the leaf keeping the key and a page number; then the
+ * entry's "lru" and "stamps" records. Leaf pages are never full, so this is
+ * a lower bound, close enough to size eviction.
+ */
+static uint64_t entry_bytes(const hapi_cache *c, size_t key_len, size_t value_size)
+{
+    uint64_t node = 8 + (uint64_t)key_len + 2; /* node header, key, index slot */
+    uint64_t bytes;
+    if (8 + key_len + value_size > c->node_max)
+        bytes = ((15 + (uint64_t)value_size) / c->psize + 1) * c->psize + node + 8;
+    else
+        bytes = node + value_size;
+    return bytes + 2 * (node + HAPI_CACHE__STAMP_SIZE);
+}
+
+/*
+ * Pages on LMDB's free list: freed by past transactions, reusable by later
+ * ones. Each record of the free database is an ID list whose first word is
+ * its length. LMDB lets only read transactions open a cursor on it.
+ */
+static int count_free_pages(MDB_txn *rtxn, uint64_t *out)
+{
+    MDB_cursor *cur;
+    MDB_val k, v;
+    MDB_cursor_op op = MDB_FIRST;
+    uint64_t n = 0;
+    int rc;
+
+    *out = 0;
+    rc = mdb_cursor_open(rtxn, 0 /* FREE_DBI */, &cur);
+    if (rc)
+        return rc;
+    while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
+        size_t ids;
+        op = MDB_NEXT;
+        if (v.mv_size < sizeof(ids))
+            continue;
+        memcpy(&ids, v.mv_data, sizeof(ids));
+        n += ids;
+    }
+    mdb_cursor_close(cur);
+    if (rc != MDB_NOTFOUND)
+        return rc;
+    *out = n;
+    return 0;
+}
+
+/* ---- the access log ---- */
+
+/* Notes a hit on key. Called by lookups; never blocks on LMDB. */
+static void note_access(hapi_cache *c, const uint8_t *key, size_t len)
+{
+    pthread_mutex_lock(&c->access_lock);
+    if (c->log_used + 2 + len <= ACCESS_LOG_BYTES) {
+        put_le16(c->log + c->log_used, (uint16_t)len);
+        memcpy(c->log + c->log_used + 2, key, len);
+        c->log_used += 2 + len;
+        pthread_mutex_unlock(&c->access_lock);
+        return;
+    }
+    pthread_mutex_unlock(&c->access_lock);
+    count(&c->accesses_dropped, 1);
+}
+
+/*
+ * Takes the hits noted so far for the next write transaction (write_lock
+ * held). A log left over from a write that failed is kept and taken first:
+ * the newer hits wait in the other buffer.
+ */
+static void drain_take(hapi_cache *c)
+{
+    if (c->drain_used)
+        return;
+    pthread_mutex_lock(&c->access_lock);
+    uint8_t *t = c->drain;
+    c->drain = c->log;
+    c->drain_used = c->log_used;
+    c->log = t;
+    c->log_used = 0;
+    pthread_mutex_unlock(&c->access_lock);
+}
+
+/* ---- the LRU index ---- */
+
+/* The first stamp a write transaction hands out: one more than the newest. */
+static int stamp_first(hapi_cache *c, MDB_txn *txn, uint64_t *stamp)
+{
+    MDB_cursor *cur;
+    MDB_val k, v;
+    int rc = mdb_cursor_open(txn, c->lru_dbi, &cur);
+    if (rc)
+        return rc;
+    rc = mdb_cursor_get(cur, &k, &v, MDB_LAST);
+    mdb_cursor_close(cur);
+    if (rc == MDB_NOTFOUND) {
+        *stamp = 1;
+        return 0;
+    }
+    if (rc)
+        return rc;
+    if (k.mv_size != HAPI_CACHE__STAMP_SIZE)
+        return MDB_CORRUPTED;
+    *stamp = get_be64(k.mv_data) + 1;
+    return 0;
+}
+
+/*
+ * Makes key the most recently used entry: stamps it with *stamp (then
+ * advanced) and deletes its older "lru" record. With must_exist, a key
+ * without a stamp (evicted or removed since its access was noted) is left
+ * alone and MDB_NOTFOUND returned.
+ */
+static int touch(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
+                 uint64_t *stamp, bool must_exist)
+{
+    MDB_val k = { .mv_size = key_len, .mv_data = (void *)key }, old;
+    uint8_t s[HAPI_CACHE__STAMP_SIZE];
+    int rc;
+
+    rc = mdb_get(txn, c->stamps_dbi, &k, &old);
+    if (rc == MDB_NOTFOUND && must_exist)
+        return rc;
+    if (rc == 0) {
+        /* Copy: old points into a page the deletion may change. */
+        uint8_t o[HAPI_CACHE__STAMP_SIZE];
+        if (old.mv_size != sizeof(o))
+            return MDB_CORRUPTED;
+        memcpy(o, old.mv_data, sizeof(o));
+        MDB_val ok = { .mv_size = sizeof(o), .mv_data = o };
+        rc = mdb_del(txn, c->lru_dbi, &ok, NULL);
+        if (rc && rc != MDB_NOTFOUND)
+            return rc;
+    } else if (rc != MDB_NOTFOUND) {
+        return rc;
+    }
+    put_be64(s, (*stamp)++);
+    MDB_val sk = { .mv_size = sizeof(s), .mv_data = s };
+    /* Stamps only grow within and across transactions: append at the tail, no search. */
+    rc = mdb_put(txn, c->lru_dbi, &sk, &k, MDB_APPEND);
+    if (rc == 0)
+        rc = mdb_put(txn, c->stamps_dbi, &k, &sk, 0);
+    return rc;
+}
+
+/* Deletes key's "stamps" and "lru" records, if any. */
+static int unlink_lru(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len)
+{
+    MDB_val k = { .mv_size = key_len, .mv_data = (void *)key }, old;
+    uint8_t o[HAPI_CACHE__STAMP_SIZE];
+    int rc = mdb_get(txn, c->stamps_dbi, &k, &old);
+    if (rc == MDB_NOTFOUND)
+        return 0;
+    if (rc)
+        return rc;
+    if (old.mv_size != sizeof(o))
+        return MDB_CORRUPTED;
+    memcpy(o, old.mv_data, sizeof(o));
+    MDB_val ok = { .mv_size = sizeof(o), .mv_data = o };
+    rc = mdb_del(txn, c->lru_dbi, &ok, NULL);
+    if (rc && rc != MDB_NOTFOUND)
+        return rc;
+    return mdb_del(txn, c->stamps_dbi, &k, NULL);
+}
+
+/*
+ * Applies the drained access log in txn; returns the number of records
+ * applied through *applied. The log is cleared only once txn commits
+ * (drain_done), so a failed write leaves it for the next.
+ */
+static int apply_accesses(hapi_cache *c, MDB_txn *txn, uint64_t *stamp, uint64_t *applied)
+{
+    const uint8_t *p = c->drain, *end = c->drain + c->drain_used;
+    uint64_t n = 0;
+    while (p + 2 <= end) {
+        size_t len = get_le16(p);
+        const uint8_t *key = p + 2;
+        p += 2 + len;
+        int rc = touch(c, txn, key, len, stamp, true);
+        if (rc == MDB_NOTFOUND)
+            continue;
+        if (rc)
+            return rc;
+        n++;
+    }
+    if (applied)
+        *applied = n;
+    return 0;
+}
+
+static void drain_done(hapi_cache *c) { c->drain_used = 0; }
+
+/* ---- write transactions ---- */
+
+/* Begins a write transaction (write_lock held), adopting another process's map size if needed. */
+static int write_begin(hapi_cache *c, MDB_txn **txn, hapi_error *err)
+{
+    int rc = mdb_txn_begin(c->env, NULL, 0, txn);
+    if (rc == MDB_MAP_RESIZED) {
+        /* Another process grew the store: adopt its map size, once. */
+        rc = remap(c);
+        if (rc) {
+            *txn = NULL;
+            return hapi_error_set(err, HAPI_ECACHE,
+                                  "cache %s: cannot adopt the map size another process set: %s",
+                                  c->dir, rc == EBUSY ? "lookups still held" : mdb_strerror(rc));
+        }
+        rc = mdb_txn_begin(c->env, NULL, 0, txn);
+    }
+    if (rc) {
+        *txn = NULL;
+        return hapi_error_set(err, lmdb_to_code(rc), "cache %s: cannot begin a write: %s",
+                              c->dir, mdb_strerror(rc));
+    }
+    return 0;
+}
+
+/* ---- eviction ---- */
+
+/*
+ * How many bytes a write of need bytes should evict first: none while the
+ * store stays under HIGH_PERCENT of the map, else down to LOW_PERCENT. The
+ * high-water mark alone settles the common case; past it (a store that was
+ * ever full stays there), the free list tells the pages actually in use.
+ * Called with write_lock held, so the map cannot change under us.
+ */
+static int eviction_goal(hapi_cache *c, uint64_t need, uint64_t *goal)
+{
+    MDB_envinfo info;
+    MDB_txn *rtxn;
+    uint64_t free_pages = 0;
+    int rc;
+
+    *goal = 0;
+    rc = mdb_env_info(c->env, &info);
+    if (rc)
+        return rc;
+    uint64_t map = (uint64_t)info.me_mapsize / c->psize;
+    uint64_t used = (uint64_t)info.me_last_pgno + 1;
+    uint64_t need_pages = (need + c->psize - 1) / c->psize;
+    if ((used + need_pages) * 100 <= map * HIGH_PERCENT)
+        return 0;
+    rc = read_begin(c, &rtxn);
+    if (rc == 1)
+        return 0; /* cannot happen under write_lock; no estimate is no eviction */
+    if (rc)
+        return rc;
+    rc = count_free_pages(rtxn, &free_pages);
+    read_end(c, rtxn);
+    if (rc)
+        return rc;
+    used = free_pages < used ? used - free_pages : 0;
+    if ((used + need_pages) * 100 <= map * HIGH_PERCENT)
+        return 0;
+    uint64_t low = map * LOW_PERCENT / 100;
+    *goal = (used + need_pages - (low < used + need_pages ? low : used + need_pages)) * c->psize;
+    return 0;
+}
+
+/* Adds n to the persisted eviction count, in txn. */
+static int count_evictions(hapi_cache *c, MDB_txn *txn, uint64_t n)
+{
+    MDB_val k = { .mv_size = strlen(EVICTIONS_KEY), .mv_data = EVICTIONS_KEY }, v;
+    uint8_t buf[8];
+    uint64_t total = 0;
+    int rc = mdb_get(txn, c->meta_dbi, &k, &v);
+    if (rc == 0 && v.mv_size == 8)
+        total = get_le64(v.mv_data);
+    else if (rc && rc != MDB_NOTFOUND)
+        return rc;
+    put_le64(buf, total + n);
+    v = (MDB_val){ .mv_size = 8, .mv_data = buf };
+    return mdb_put(txn, c->meta_dbi, &k, &v, 0);
+}
+
+/*
+ * Evicts least recently used entries, of every namespace, until their
+ * estimated footprint reaches goal bytes or none is left, in write
+ * transactions of up to EVICT_BATCH entries (write_lock held). The first one
+ * applies the access log, so that recent hits are not evicted. Reports the
+ * number evicted through *evicted; returns 0 or a hapi code (err says why).
+ *
+ * A deletion copies the B-tree pages it changes, so an eviction transaction
+ * needs free pages too: on MDB_MAP_FULL it retries with half the batch.
+ */
+/* Sleeps (attempt + 1) ms: a store full for an instant, see FULL_WAITS. */
+static void full_wait(int attempt)
+{
+    struct timespec ts = { 0, (long)(attempt + 1) * 1000000L };
+    nanosleep(&ts, NULL);
+}
+
+static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *err)
+{
+    uint64_t freed = 0, total = 0, stamp = 0;
+    unsigned batch = EVICT_BATCH;
+    int waits = 0;
+    bool empty = false;
+    int rc = 0;
+
+    *evicted = 0;
+    uint64_t t0 = hapi_now_ns();
+    while (freed < goal && !empty) {
+        MDB_txn *txn;
+        MDB_cursor *cur = NULL;
+        uint64_t n = 0, batch_freed = 0;
+        bool batch_empty = false;
+
+        if ((rc = write_begin(c, &txn, err)) != 0)
+            return rc;
+        bool applied = c->drain_used > 0;
+        rc = stamp_first(c, txn, &stamp);
+        if (rc == 0 && applied)
+            rc = apply_accesses(c, txn, &stamp, NULL);
+        if (rc == 0)
+            rc = mdb_cursor_open(txn, c->lru_dbi, &cur);
+        while (rc == 0 && n < batch && freed + batch_freed < goal) {
+            MDB_val k, v;
+            uint8_t key[HAPI_CACHE__KEY_MAX];
+            rc = mdb_cursor_get(cur, &k, &v, MDB_FIRST);
+            if (rc == MDB_NOTFOUND) {
+                batch_empty = true;
+                rc = 0;
+                break;
+            }
+            if (rc)
+                break;
+            /* Copy the key: v points into a page that the deletions below change. */
+            size_t len = v.mv_size <= sizeof(key) ? v.mv_size : 0;
+            memcpy(key, v.mv_data, len);
+            if ((rc = mdb_cursor_del(cur, 0)) != 0)
+                break;
+            if (len == 0)
+                continue; /* not a key of ours: the record alone goes */
+            MDB_val fk = { .mv_size = len, .mv_data = key }, fv;
+            size_t value_size = 0;
+            rc = mdb_get(txn, c->features_dbi, &fk, &fv);
+            if (rc == 0) {
+                value_size = fv.mv_size;
+                rc = mdb_del(txn, c->features_dbi, &fk, NULL);
+            }
+            if (rc == 0 || rc == MDB_NOTFOUND)
+                rc = mdb_del(txn, c->stamps_dbi, &fk, NULL);
+            if (rc == MDB_NOTFOUND)
+                rc = 0;
+            if (rc)
+                break;
+            batch_freed += entry_bytes(c, len, value_size);
+            n++;
+        }
+        if (cur)
+            mdb_cursor_close(cur);
+        if (rc == 0) {
+            rc = mdb_txn_commit(txn);
+        } else {
+            mdb_txn_abort(txn);
+        }
+        if (rc == MDB_MAP_FULL && batch > 1) {
+            batch /= 2;
+            continue;
+        }
+        if (rc == MDB_MAP_FULL && waits < FULL_WAITS) {
+            full_wait(waits++);
+            continue;
+        }
+        if (rc == MDB_MAP_FULL)
+            return hapi_error_set(err, HAPI_ECACHE,
+                                  "cache %s: cache full: no room even to evict; lookups held "
+                                  "for long pin the pages eviction frees", c->dir);
+        if (rc)
+            return hapi_error_set(err, lmdb_to_code(rc), "cache %s: eviction: %s", c->dir,
+                                  mdb_strerror(rc));
+        if (applied)
+            drain_done(c);
+        freed += batch_freed;
+        total += n;
+        empty = batch_empty;
+    }
+    if (total == 0)
+        return 0;
+    count(&c->evictions, total);
+    count(&c->evict_ns, hapi_now_ns() - t0);
+    *evicted = total;
+    c->evictions_unpersisted += total;
+
+    /*
+     * Persist the count in a transaction of its own. It also matters to the
+     * put that follows: LMDB reuses only pages freed at least two
+     * transactions before (the previous one may still be some reader's
+     * snapshot), so without it the last batch's pages would stay unusable
+     * for the very put that evicted them. A store full to the last page can
+     * refuse even this write: the count then waits for the next eviction.
+     */
+    MDB_txn *txn;
+    if ((rc = write_begin(c, &txn, err)) != 0)
+        return rc;
+    rc = count_evictions(c, txn, c->evictions_unpersisted);
+    if (rc == 0)
+        rc = mdb_txn_commit(txn);
+    else
+        mdb_txn_abort(txn);
+    if (rc == 0)
+        c->evictions_unpersisted = 0;
+    if (rc && rc != MDB_MAP_FULL)
+        return hapi_error_set(err, lmdb_to_code(rc), "cache %s: eviction count: %s", c->dir,
+                              mdb_strerror(rc));
+    return 0;
+}
+
+/* ---- open and close ---- */
+
+/*
+ * Indexes a version-1 store (entries without an LRU order) in txn: stamps in
+ * key order, which keeps a directory's entries together. Then marks it as
+ * version 2.
+ */
+static int upgrade_v1(hapi_cache *c, MDB_txn *txn, const uint8_t record[FORMAT_RECORD_SIZE])
+{
+    MDB_cursor *cur;
+    MDB_val k, v;
+    MDB_cursor_op op = MDB_FIRST;
+    uint64_t stamp = 1;
+    int rc = mdb_cursor_open(txn, c->features_dbi, &cur);
+    if (rc)
+        return rc;
+    while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
+        op = MDB_NEXT;
+        if ((rc = touch(c, txn, k.mv_data, k.mv_size, &stamp, false)) != 0)
+            break;
+    }
+    mdb_cursor_close(cur);
+    if (rc != MDB_NOTFOUND)
+        return rc;
+    k = (MDB_val){ .mv_size = strlen(FORMAT_KEY), .mv_data = FORMAT_KEY };
+    v = (MDB_val){ .mv_size = FORMAT_RECORD_SIZE, .mv_data = (void *)record };
+    return mdb_put(txn, c->meta_dbi, &k, &v, 0);
+}
+
 /*
  * Opens the named databases in one write transaction, creating them in a new
  * store, and checks that an existing store is ours. A new LMDB file has an
@@ -370,6 +888,7 @@ static int init_databases(hapi_cache *c, hapi_error *err)
     MDB_stat st;
     MDB_val k, v;
     uint8_t record[FORMAT_RECORD_SIZE];
+    uint32_t version = FORMAT_VERSION;
     int rc;
 
     memcpy(record, FORMAT_MAGIC, FORMAT_MAGIC_SIZE);
@@ -428,8 +947,8 @@ static int init_databases(hapi_cache *c, hapi_error *err)
                                 "cache %s/data.mdb: an LMDB store that is not hapifs's", c->dir);
             goto fail_txn;
         }
-        uint32_t version = get_le32((const uint8_t *)v.mv_data + FORMAT_MAGIC_SIZE);
-        if (version != FORMAT_VERSION) {
+        version = get_le32((const uint8_t *)v.mv_data + FORMAT_MAGIC_SIZE);
+        if (version != FORMAT_VERSION && version != 1) {
             rc = hapi_error_set(err, HAPI_ECORRUPT,
                                 "cache %s/data.mdb: store format version %u, this hapifs reads %u",
                                 c->dir, version, FORMAT_VERSION);
@@ -437,9 +956,15 @@ static int init_databases(hapi_cache *c, hapi_error *err)
         }
     }
 
-    rc = mdb_dbi_open(txn, "features", MDB_CREATE, &c->features_dbi);
-    if (rc) {
-        rc = hapi_error_set(err, lmdb_to_code(rc), "cache %s/data.mdb: features database: %s",
+    if ((rc = mdb_dbi_open(txn, "features", MDB_CREATE, &c->features_dbi)) != 0 ||
+        (rc = mdb_dbi_open(txn, "lru", MDB_CREATE, &c->lru_dbi)) != 0 ||
+        (rc = mdb_dbi_open(txn, "stamps", MDB_CREATE, &c->stamps_dbi)) != 0) {
+        rc = hapi_error_set(err, lmdb_to_code(rc), "cache %s/data.mdb: databases: %s",
+                            c->dir, mdb_strerror(rc));
+        goto fail_txn;
+    }
+    if (version == 1 && (rc = upgrade_v1(c, txn, record)) != 0) {
+        rc = hapi_error_set(err, lmdb_to_code(rc), "cache %s: cannot upgrade a version-1 store: %s",
                             c->dir, mdb_strerror(rc));
         goto fail_txn;
     }
@@ -458,10 +983,126 @@ fail_begin:
     return rc;
 }
 
+/* Creates and opens c->env on c->dir; on failure c->env is NULL and err says why. */
+static int env_open(hapi_cache *c, uint64_t max_bytes, int max_readers, hapi_error *err)
+{
+    const char *dir = c->dir;
+    MDB_stat st;
+    int rc;
+
+    rc = mdb_env_create(&c->env);
+    if (rc) {
+        c->env = NULL;
+        return hapi_error_set(err, HAPI_ECACHE, "cache %s: %s", dir, mdb_strerror(rc));
+    }
+    if ((rc = mdb_env_set_mapsize(c->env, (size_t)max_bytes)) != 0 ||
+        (rc = mdb_env_set_maxreaders(c->env, (unsigned)max_readers)) != 0 ||
+        (rc = mdb_env_set_maxdbs(c->env, MAX_DBS)) != 0) {
+        rc = hapi_error_set(err, HAPI_ECACHE, "cache %s: %s", dir, mdb_strerror(rc));
+        goto fail;
+    }
+
+    /*
+     * MDB_NOTLS: FUSE serves lookups from a pool of worker threads and the
+     *   value of a lookup is released after the reply, so reader slots must
+     *   belong to transactions, not threads; it also lets us pool reset
+     *   transactions and renew them from any thread.
+     * MDB_NOSYNC: the store is a cache that can be rebuilt. Without a flush
+     *   per commit a put costs no fsync. It costs no safety against a
+     *   crash of the process (kill -9 at any moment): without MDB_WRITEMAP,
+     *   LMDB writes a transaction's pages with write() to the file, then its
+     *   meta page; whatever the kernel got is in the page cache, and a commit
+     *   the process did not finish never reached the meta page, so a reopen
+     *   sees the last finished commit, whole. Only a crash of the OS or the
+     *   disk can lose recent commits (never integrity, since the meta page
+     *   points only at pages LMDB does not reuse until two commits later);
+     *   they are recomputed. close() flushes once.
+     * MDB_NORDAHEAD: lookups come in the random order of shuffled epochs;
+     *   readahead would fill the page cache with neighbouring entries no
+     *   one asked for and push out the ones being read.
+     */
+    rc = mdb_env_open(c->env, dir, MDB_NOTLS | MDB_NOSYNC | MDB_NORDAHEAD, 0644);
+    if (rc) {
+        if (rc == MDB_INVALID || rc == MDB_VERSION_MISMATCH || rc == MDB_CORRUPTED)
+            rc = hapi_error_set(err, HAPI_ECORRUPT, "cache %s/data.mdb: %s", dir,
+                                mdb_strerror(rc));
+        else if (rc > 0)
+            rc = hapi_error_set(err, -rc, "cache %s: cannot open the LMDB store: %s", dir,
+                                mdb_strerror(rc));
+        else
+            rc = hapi_error_set(err, HAPI_ECACHE, "cache %s: cannot open the LMDB store: %s",
+                                dir, mdb_strerror(rc));
+        goto fail;
+    }
+    /* A process that died inside a read leaves its slot taken, pinning old pages: free such slots. */
+    rc = mdb_reader_check(c->env, &c->stale_readers_cleared);
+    if (rc) {
+        rc = hapi_error_set(err, HAPI_ECACHE, "cache %s: reader check: %s", dir,
+                            mdb_strerror(rc));
+        goto fail;
+    }
+    if (mdb_env_get_maxkeysize(c->env) < HAPI_CACHE__KEY_MAX) {
+        rc = hapi_error_set(err, HAPI_ECACHE, "cache %s: LMDB keys limited to %d bytes, need %d",
+                            dir, mdb_env_get_maxkeysize(c->env), HAPI_CACHE__KEY_MAX);
+        goto fail;
+    }
+    mdb_env_stat(c->env, &st);
+    c->psize = st.ms_psize;
+    /* LMDB's me_nodemax: half a page's room, less an index slot, even. */
+    c->node_max = (((c->psize - 16) / 2) & ~1u) - 2;
+    rc = init_databases(c, err);
+    if (rc)
+        goto fail;
+    return 0;
+
+fail:
+    mdb_env_close(c->env); /* also after a failed mdb_env_open, as LMDB requires */
+    c->env = NULL;
+    return rc;
+}
+
+/*
+ * Replaces the store in dir by nothing, for a fresh one: data.mdb is kept
+ * aside as data.mdb.reset, lock.mdb removed. LMDB holds a shared fcntl lock
+ * on the first byte of lock.mdb in every process that has the store open:
+ * if we cannot take it exclusively, the store is in use and stays.
+ */
+static int reset_store(const char *dir, hapi_error *err)
+{
+    char data[PATH_MAX], aside[PATH_MAX], lock[PATH_MAX];
+    int fd, rc = 0;
+
+    if (snprintf(data, sizeof(data), "%s/data.mdb", dir) >= (int)sizeof(data) ||
+        snprintf(aside, sizeof(aside), "%s/data.mdb.reset", dir) >= (int)sizeof(aside) ||
+        snprintf(lock, sizeof(lock), "%s/lock.mdb", dir) >= (int)sizeof(lock))
+        return hapi_error_set(err, -ENAMETOOLONG, "cache %s: path too long", dir);
+    fd = open(lock, O_RDWR | O_CLOEXEC);
+    if (fd >= 0) {
+        struct flock fl = { .l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 1 };
+        if (fcntl(fd, F_SETLK, &fl) != 0) {
+            close(fd);
+            return hapi_error_set(err, HAPI_ECORRUPT,
+                                  "cache %s/data.mdb: cannot reset a store another process has open",
+                                  dir);
+        }
+    }
+    /* Removing files while holding the lock: no process can open the old store meanwhile. */
+    if (rename(data, aside) != 0 && errno != ENOENT)
+        rc = hapi_error_set(err, -errno, "cache %s: cannot move data.mdb aside: %s", dir,
+                            strerror(errno));
+    else if (unlink(lock) != 0 && errno != ENOENT)
+        rc = hapi_error_set(err, -errno, "cache %s: cannot remove lock.mdb: %s", dir,
+                            strerror(errno));
+    if (fd >= 0)
+        close(fd);
+    return rc;
+}
+
 int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
                     hapi_cache **out, hapi_error *err)
 {
     hapi_cache *c = NULL;
+    hapi_error e = { 0 };
     struct stat st;
     uint64_t max_bytes = opt && opt->max_bytes ? opt->max_bytes : DEFAULT_MAX_BYTES;
     int max_readers = opt && opt->max_readers > 0 ? opt->max_readers : DEFAULT_MAX_READERS;
@@ -495,7 +1136,9 @@ int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
     c->dir = strdup(dir);
     c->pool_max = max_readers / 2 < POOL_MAX ? max_readers / 2 : POOL_MAX;
     c->pool = calloc((size_t)(c->pool_max > 0 ? c->pool_max : 1), sizeof(*c->pool));
-    if (!c->dir || !c->pool) {
+    c->log = malloc(ACCESS_LOG_BYTES);
+    c->drain = malloc(ACCESS_LOG_BYTES);
+    if (!c->dir || !c->pool || !c->log || !c->drain) {
         rc = hapi_error_set(err, -ENOMEM, "cache %s: out of memory", dir);
         goto fail_fields;
     }
@@ -511,76 +1154,39 @@ int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
     }
     pthread_mutex_init(&c->pool_lock, NULL);
     pthread_mutex_init(&c->write_lock, NULL);
+    pthread_mutex_init(&c->access_lock, NULL);
 
-    rc = mdb_env_create(&c->env);
-    if (rc) {
-        rc = hapi_error_set(err, HAPI_ECACHE, "cache %s: %s", dir, mdb_strerror(rc));
-        goto fail_locks;
-    }
     /* The map size is the store's bound; LMDB wants a multiple of the OS page size. */
     long page = sysconf(_SC_PAGESIZE);
     if (page <= 0)
         page = 4096;
     max_bytes = (max_bytes + (uint64_t)page - 1) / (uint64_t)page * (uint64_t)page;
-    if ((rc = mdb_env_set_mapsize(c->env, (size_t)max_bytes)) != 0 ||
-        (rc = mdb_env_set_maxreaders(c->env, (unsigned)max_readers)) != 0 ||
-        (rc = mdb_env_set_maxdbs(c->env, MAX_DBS)) != 0) {
-        rc = hapi_error_set(err, HAPI_ECACHE, "cache %s: %s", dir, mdb_strerror(rc));
-        goto fail_env;
-    }
 
-    /*
-     * MDB_NOTLS: FUSE serves lookups from a pool of worker threads and the
-     *   value of a lookup is released after the reply, so reader slots must
-     *   belong to transactions, not threads; it also lets us pool reset
-     *   transactions and renew them from any thread.
-     * MDB_NOSYNC: the store is a cache that can be rebuilt. Without a flush
-     *   per commit a put costs no fsync; LMDB (without MDB_WRITEMAP) keeps
-     *   its integrity, and an OS crash can only lose recent entries, which
-     *   are recomputed. close() flushes once.
-     * MDB_NORDAHEAD: lookups come in the random order of shuffled epochs;
-     *   readahead would fill the page cache with neighbouring entries no
-     *   one asked for and push out the ones being read.
-     */
-    rc = mdb_env_open(c->env, dir, MDB_NOTLS | MDB_NOSYNC | MDB_NORDAHEAD, 0644);
+    rc = env_open(c, max_bytes, max_readers, &e);
+    if (rc == HAPI_ECORRUPT && opt && opt->reset) {
+        rc = reset_store(dir, &e);
+        if (rc == 0)
+            rc = env_open(c, max_bytes, max_readers, &e);
+        c->reset_at_open = rc == 0;
+    }
     if (rc) {
-        if (rc == MDB_INVALID || rc == MDB_VERSION_MISMATCH || rc == MDB_CORRUPTED)
-            rc = hapi_error_set(err, HAPI_ECORRUPT, "cache %s/data.mdb: %s", dir,
-                                mdb_strerror(rc));
-        else if (rc > 0)
-            rc = hapi_error_set(err, -rc, "cache %s: cannot open the LMDB store: %s", dir,
-                                mdb_strerror(rc));
-        else
-            rc = hapi_error_set(err, HAPI_ECACHE, "cache %s: cannot open the LMDB store: %s",
-                                dir, mdb_strerror(rc));
-        goto fail_env;
+        hapi_error_set(err, rc, "%s%s", e.message,
+                       rc == HAPI_ECORRUPT ? "; use cache_reset=1 to replace it with an empty store"
+                                           : "");
+        goto fail_locks;
     }
-    /* A process that died inside a read leaves its slot taken, pinning old pages: free such slots. */
-    rc = mdb_reader_check(c->env, &c->stale_readers_cleared);
-    if (rc) {
-        rc = hapi_error_set(err, HAPI_ECACHE, "cache %s: reader check: %s", dir,
-                            mdb_strerror(rc));
-        goto fail_env;
-    }
-    if (mdb_env_get_maxkeysize(c->env) < HAPI_CACHE__KEY_MAX) {
-        rc = hapi_error_set(err, HAPI_ECACHE, "cache %s: LMDB keys limited to %d bytes, need %d",
-                            dir, mdb_env_get_maxkeysize(c->env), HAPI_CACHE__KEY_MAX);
-        goto fail_env;
-    }
-    rc = init_databases(c, err);
-    if (rc)
-        goto fail_env;
 
     *out = c;
     return 0;
 
-fail_env:
-    mdb_env_close(c->env); /* also after a failed mdb_env_open, as LMDB requires */
 fail_locks:
+    pthread_mutex_destroy(&c->access_lock);
     pthread_mutex_destroy(&c->write_lock);
     pthread_mutex_destroy(&c->pool_lock);
     pthread_cond_destroy(&c->idle);
 fail_fields:
+    free(c->drain);
+    free(c->log);
     free(c->pool);
     free(c->dir);
     free(c);
@@ -592,14 +1198,19 @@ void hapi_cache_close(hapi_cache *c)
 {
     if (!c)
         return;
+    /* Hits since the last write still count for the LRU order of the next run. */
+    hapi_cache_flush_access(c, NULL);
     for (int i = 0; i < c->pool_count; i++)
         mdb_txn_abort(c->pool[i]);
     /* With MDB_NOSYNC nothing was flushed: a clean close makes the store durable. */
     mdb_env_sync(c->env, 1);
     mdb_env_close(c->env);
+    pthread_mutex_destroy(&c->access_lock);
     pthread_mutex_destroy(&c->write_lock);
     pthread_mutex_destroy(&c->pool_lock);
     pthread_cond_destroy(&c->idle);
+    free(c->drain);
+    free(c->log);
     free(c->pool);
     free(c->dir);
     free(c);
@@ -613,6 +1224,7 @@ int hapi_cache_get(hapi_cache *c, const hapi_cache_namespace *ns, const char *pa
     uint8_t keybuf[HAPI_CACHE__KEY_MAX];
     MDB_txn *txn;
     MDB_val k, v;
+    enum check check = CHECK_ABSENT;
     int rc;
 
     if (val)
@@ -620,28 +1232,56 @@ int hapi_cache_get(hapi_cache *c, const hapi_cache_namespace *ns, const char *pa
     if (!c || !ns || !path || !id || !val)
         return HAPI_EINVAL;
 
+    uint64_t t0 = hapi_now_ns();
     k.mv_size = hapi_cache__key_make(ns, path, keybuf);
     k.mv_data = keybuf;
     bool hashed = strlen(path) > HAPI_CACHE_PATH_MAX;
 
     rc = read_begin(c, &txn);
-    if (rc == 1)
+    if (rc == 1) {
+        val->miss = HAPI_CACHE_MISS_BUSY;
+        count(&c->busy, 1);
         return 0;
-    if (rc)
+    }
+    if (rc) {
+        count(&c->errors, 1);
         return lmdb_to_code(rc);
+    }
 
     rc = mdb_get(txn, c->features_dbi, &k, &v);
-    if (rc == 0 && value_check(&v, id, path, hashed, &val->data, &val->size)) {
+    if (rc == 0)
+        check = value_check(&v, id, path, hashed, &val->data, &val->size);
+    if (rc == 0 && check == CHECK_OK) {
         /* The transaction pins the pages val->data points into until hapi_cache_release(). */
         val->txn_ = txn;
+        note_access(c, keybuf, k.mv_size);
+        count(&c->hits, 1);
+        count(&c->hit_ns, hapi_now_ns() - t0);
         return 1;
     }
     read_end(c, txn);
     val->data = NULL;
     val->size = 0;
-    if (rc == 0 || rc == MDB_NOTFOUND)
-        return 0;
-    return lmdb_to_code(rc);
+    if (rc && rc != MDB_NOTFOUND) {
+        /* MDB_CORRUPTED, MDB_PAGE_NOTFOUND, MDB_PANIC: HAPI_ECORRUPT, which the caller treats as a miss. */
+        count(&c->errors, 1);
+        return lmdb_to_code(rc);
+    }
+    switch (check) {
+    case CHECK_STALE:
+        val->miss = HAPI_CACHE_MISS_STALE;
+        count(&c->stale, 1);
+        break;
+    case CHECK_BAD:
+        val->miss = HAPI_CACHE_MISS_BAD;
+        count(&c->bad, 1);
+        break;
+    default:
+        val->miss = HAPI_CACHE_MISS_ABSENT;
+        count(&c->misses, 1);
+        break;
+    }
+    return 0;
 }
 
 void hapi_cache_release(hapi_cache *c, hapi_cache_value *val)
@@ -654,8 +1294,12 @@ void hapi_cache_release(hapi_cache *c, hapi_cache_value *val)
 
 /* ---- puts ---- */
 
+/*
+ * Writes the items in txn and makes them the most recently used. Returns 0 or
+ * an LMDB code, with the index of the failing item in *failed.
+ */
 static int put_items(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns,
-                     const hapi_cache_item *items, size_t n, hapi_error *err)
+                     const hapi_cache_item *items, size_t n, uint64_t *stamp, size_t *failed)
 {
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
@@ -671,14 +1315,11 @@ static int put_items(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns
         MDB_val v = { .mv_size = offset + it->size, .mv_data = NULL };
         int rc;
 
+        *failed = i;
         /* MDB_RESERVE: build the value in place, in the page it will live in. */
         rc = mdb_put(txn, c->features_dbi, &k, &v, MDB_RESERVE);
-        if (rc == MDB_MAP_FULL)
-            return hapi_error_set(err, HAPI_ECACHE, "cache %s: cache full (%s)", c->dir,
-                                  mdb_strerror(rc));
         if (rc)
-            return hapi_error_set(err, lmdb_to_code(rc), "cache %s: put %s: %s", c->dir,
-                                  it->path, mdb_strerror(rc));
+            return rc;
         uint8_t *p = v.mv_data;
         header_encode(p, &it->id, (uint32_t)it->size, stored_path_len, stored_ns);
         /* Zero the padding too: reserved space is not initialized and would reach the file. */
@@ -688,6 +1329,9 @@ static int put_items(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns
             memcpy(p + offset, it->data, it->size);
         put_le64(p + 56, value_checksum(p, p + HAPI_CACHE__HEADER_SIZE, stored_path_len,
                                         p + offset, it->size));
+        rc = touch(c, txn, keybuf, k.mv_size, stamp, false);
+        if (rc)
+            return rc;
     }
     return 0;
 }
@@ -695,7 +1339,10 @@ static int put_items(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns
 int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
                    const hapi_cache_item *items, size_t n, hapi_error *err)
 {
-    MDB_txn *txn = NULL;
+    MDB_envinfo info;
+    uint64_t need = 0, evicted = 0;
+    size_t failed = 0;
+    bool readers_checked = false, nothing_left = false;
     int rc;
 
     if (!c || !ns || (n && !items))
@@ -709,55 +1356,258 @@ int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
         if (items[i].size > UINT32_MAX - 2 * HAPI_CACHE__HEADER_SIZE)
             return hapi_error_set(err, HAPI_EINVAL, "cache put: %s: %zu bytes is too large",
                                   items[i].path, items[i].size);
-        if (strlen(items[i].path) > UINT32_MAX / 2)
+        size_t path_len = strlen(items[i].path);
+        if (path_len > UINT32_MAX / 2)
             return hapi_error_set(err, HAPI_EINVAL, "cache put: path too long");
+        size_t key_len = HAPI_CACHE_NAMESPACE_SIZE +
+                         (path_len > HAPI_CACHE_PATH_MAX ? HAPI_CACHE_PATH_MAX : path_len);
+        size_t value_size = HAPI_CACHE__HEADER_SIZE +
+                            (path_len > HAPI_CACHE_PATH_MAX ? pad16(path_len) : 0) + items[i].size;
+        need += entry_bytes(c, key_len, value_size);
     }
     if (n == 0)
         return 0;
 
     pthread_mutex_lock(&c->write_lock);
-    rc = mdb_txn_begin(c->env, NULL, 0, &txn);
-    if (rc == MDB_MAP_RESIZED) {
-        /* Another process grew the store: adopt its map size, once. */
-        rc = remap(c);
-        if (rc) {
-            rc = hapi_error_set(err, HAPI_ECACHE,
-                                "cache %s: cannot adopt the map size another process set: %s",
-                                c->dir, rc == EBUSY ? "lookups still held" : mdb_strerror(rc));
-            goto fail_begin;
+    /* Beyond HIGH_PERCENT of the map no eviction makes room: the batch could never be stored. */
+    mdb_env_info(c->env, &info);
+    if (need > (uint64_t)info.me_mapsize / 100 * HIGH_PERCENT) {
+        rc = hapi_error_set(err, HAPI_ECACHE,
+                            "cache %s: too large: %zu entries (%llu bytes) can never fit a cache of "
+                            "%llu bytes (cache_size)",
+                            c->dir, n, (unsigned long long)need,
+                            (unsigned long long)info.me_mapsize);
+        goto out;
+    }
+    drain_take(c);
+
+    /* Evict first when the put would take the store past the high mark. */
+    uint64_t goal = 0;
+    if (eviction_goal(c, need, &goal) == 0 && goal > 0) {
+        if ((rc = evict(c, goal, &evicted, err)) != 0)
+            goto out;
+    }
+
+    for (int attempt = 0;; attempt++) {
+        MDB_txn *txn;
+        uint64_t stamp = 0;
+        bool applied = c->drain_used > 0;
+
+        if ((rc = write_begin(c, &txn, err)) != 0)
+            goto out;
+        rc = stamp_first(c, txn, &stamp);
+        if (rc == 0 && applied)
+            rc = apply_accesses(c, txn, &stamp, NULL);
+        if (rc == 0)
+            rc = put_items(c, txn, ns, items, n, &stamp, &failed);
+        if (rc == 0) {
+            rc = mdb_txn_commit(txn); /* a commit frees the transaction even when it fails */
+        } else {
+            /* MDB_MAP_FULL and other put errors leave the transaction unusable: drop the whole batch. */
+            mdb_txn_abort(txn);
         }
-        rc = mdb_txn_begin(c->env, NULL, 0, &txn);
+        if (rc == 0) {
+            if (applied)
+                drain_done(c);
+            break;
+        }
+        if (rc != MDB_MAP_FULL) {
+            /* Errno values here are the disk's (ENOSPC, EIO): the store failed, the caller goes on uncached. */
+            rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc),
+                                "cache %s: put %s: %s", c->dir, items[failed].path,
+                                mdb_strerror(rc));
+            goto out;
+        }
+        /*
+         * Full, though the estimate said there was room: the free pages are
+         * in runs too short for a multi-page value, or pinned by a lookup
+         * older than the eviction. Evict more each time and retry.
+         */
+        if (attempt >= PUT_RETRIES) {
+            rc = hapi_error_set(err, HAPI_ECACHE,
+                                "cache %s: cache full: no room for %zu entries (%llu bytes) after "
+                                "evicting %s: lookups held for long pin the pages eviction frees, "
+                                "or free space is split into runs shorter than a value (LMDB "
+                                "does not compact; a value over ~half the map may not fit)",
+                                c->dir, n, (unsigned long long)need,
+                                nothing_left ? "every entry" : "repeatedly");
+            goto out;
+        }
+        uint64_t more = (need << (attempt < 16 ? attempt : 16)) + info.me_mapsize / 32;
+        if ((rc = evict(c, more, &evicted, err)) != 0)
+            goto out;
+        if (evicted == 0) {
+            /* Nothing left to evict: wait for lookups to release pinned pages; clear dead readers' slots. */
+            int dead = 0;
+            nothing_left = true;
+            if (!readers_checked) {
+                mdb_reader_check(c->env, &dead);
+                readers_checked = true;
+            }
+            full_wait(attempt);
+        }
     }
-    if (rc) {
-        rc = hapi_error_set(err, lmdb_to_code(rc), "cache %s: cannot begin a write: %s",
-                            c->dir, mdb_strerror(rc));
-        goto fail_begin;
-    }
+    rc = 0;
 
-    rc = put_items(c, txn, ns, items, n, err);
-    if (rc)
-        goto fail_txn;
-
-    rc = mdb_txn_commit(txn);
-    txn = NULL; /* a commit frees the transaction even when it fails */
-    if (rc == MDB_MAP_FULL) {
-        rc = hapi_error_set(err, HAPI_ECACHE, "cache %s: cache full (%s)", c->dir,
-                            mdb_strerror(rc));
-        goto fail_begin;
-    }
-    if (rc) {
-        /* Errno values here are the disk's (ENOSPC, EIO): the store failed, the caller goes on uncached. */
-        rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc), "cache %s: commit: %s",
-                            c->dir, mdb_strerror(rc));
-        goto fail_begin;
-    }
+out:
     pthread_mutex_unlock(&c->write_lock);
-    return 0;
+    return rc;
+}
 
-fail_txn:
-    /* MDB_MAP_FULL and other put errors leave the transaction unusable: drop the whole batch. */
-    mdb_txn_abort(txn);
-fail_begin:
+/* ---- maintenance ---- */
+
+int hapi_cache_flush_access(hapi_cache *c, hapi_error *err)
+{
+    MDB_txn *txn;
+    uint64_t stamp = 0, applied = 0;
+    int rc;
+
+    if (!c)
+        return hapi_error_set(err, HAPI_EINVAL, "cache flush: missing argument");
+    pthread_mutex_lock(&c->write_lock);
+    drain_take(c);
+    if (c->drain_used == 0) {
+        rc = 0;
+        goto out;
+    }
+    if ((rc = write_begin(c, &txn, err)) != 0)
+        goto out;
+    rc = stamp_first(c, txn, &stamp);
+    if (rc == 0)
+        rc = apply_accesses(c, txn, &stamp, &applied);
+    if (rc == 0)
+        rc = mdb_txn_commit(txn);
+    else
+        mdb_txn_abort(txn);
+    if (rc) {
+        rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc),
+                            "cache %s: applying the access log: %s", c->dir, mdb_strerror(rc));
+        goto out;
+    }
+    drain_done(c);
+    rc = applied > INT32_MAX ? INT32_MAX : (int)applied;
+out:
+    pthread_mutex_unlock(&c->write_lock);
+    return rc;
+}
+
+int hapi_cache_evict_path(hapi_cache *c, const hapi_cache_namespace *ns, const char *path,
+                          hapi_error *err)
+{
+    uint8_t keybuf[HAPI_CACHE__KEY_MAX];
+    MDB_txn *txn;
+    int rc;
+
+    if (!c || !ns || !path)
+        return hapi_error_set(err, HAPI_EINVAL, "cache evict: missing argument");
+    MDB_val k = { .mv_size = hapi_cache__key_make(ns, path, keybuf), .mv_data = keybuf };
+    pthread_mutex_lock(&c->write_lock);
+    if ((rc = write_begin(c, &txn, err)) != 0)
+        goto out;
+    rc = mdb_del(txn, c->features_dbi, &k, NULL);
+    if (rc == MDB_NOTFOUND) {
+        mdb_txn_abort(txn);
+        rc = 0;
+        goto out;
+    }
+    if (rc == 0)
+        rc = unlink_lru(c, txn, keybuf, k.mv_size);
+    if (rc == 0)
+        rc = mdb_txn_commit(txn);
+    else
+        mdb_txn_abort(txn);
+    if (rc) {
+        rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc),
+                            "cache %s: evict %s: %s", c->dir, path, mdb_strerror(rc));
+        goto out;
+    }
+    rc = 1;
+out:
+    pthread_mutex_unlock(&c->write_lock);
+    return rc;
+}
+
+/* Removes up to REMOVE_BATCH entries of ns in txn; *removed counts them, *done says the range is empty. */
+static int remove_range(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns,
+                        uint64_t *removed, bool *done)
+{
+    MDB_cursor *cur;
+    MDB_val k, v;
+    uint64_t n = 0;
+    int rc = mdb_cursor_open(txn, c->features_dbi, &cur);
+    if (rc)
+        return rc;
+    *done = false;
+    while (n < REMOVE_BATCH) {
+        uint8_t key[HAPI_CACHE__KEY_MAX];
+        /* The namespace's first remaining entry: a fresh seek each time, simple and O(log n). */
+        k = (MDB_val){ .mv_size = HAPI_CACHE_NAMESPACE_SIZE, .mv_data = (void *)ns->bytes };
+        rc = mdb_cursor_get(cur, &k, &v, MDB_SET_RANGE);
+        if (rc)
+            break;
+        if (k.mv_size < HAPI_CACHE_NAMESPACE_SIZE || k.mv_size > sizeof(key) ||
+            memcmp(k.mv_data, ns->bytes, HAPI_CACHE_NAMESPACE_SIZE) != 0) {
+            rc = MDB_NOTFOUND;
+            break;
+        }
+        size_t len = k.mv_size;
+        memcpy(key, k.mv_data, len);
+        if ((rc = mdb_cursor_del(cur, 0)) != 0 || (rc = unlink_lru(c, txn, key, len)) != 0)
+            break;
+        n++;
+    }
+    mdb_cursor_close(cur);
+    *removed = n;
+    if (rc == MDB_NOTFOUND) {
+        *done = true;
+        rc = 0;
+    }
+    return rc;
+}
+
+int hapi_cache_evict_all(hapi_cache *c, const hapi_cache_namespace *ns, hapi_error *err)
+{
+    MDB_txn *txn;
+    uint64_t total = 0;
+    bool done = false;
+    int rc = 0;
+
+    if (!c)
+        return hapi_error_set(err, HAPI_EINVAL, "cache evict: missing argument");
+    pthread_mutex_lock(&c->write_lock);
+    while (!done) {
+        uint64_t n = 0;
+        if ((rc = write_begin(c, &txn, err)) != 0)
+            goto out;
+        if (!ns) {
+            /* Everything: dropping whole databases frees their pages without walking the values. */
+            MDB_stat st;
+            rc = mdb_stat(txn, c->features_dbi, &st);
+            n = rc == 0 ? st.ms_entries : 0;
+            if (rc == 0)
+                rc = mdb_drop(txn, c->features_dbi, 0);
+            if (rc == 0)
+                rc = mdb_drop(txn, c->lru_dbi, 0);
+            if (rc == 0)
+                rc = mdb_drop(txn, c->stamps_dbi, 0);
+            done = true;
+        } else {
+            rc = remove_range(c, txn, ns, &n, &done);
+        }
+        if (rc == 0)
+            rc = mdb_txn_commit(txn);
+        else
+            mdb_txn_abort(txn);
+        if (rc) {
+            rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc),
+                                "cache %s: evicting %s: %s", c->dir,
+                                ns ? "a namespace" : "everything", mdb_strerror(rc));
+            goto out;
+        }
+        total += n;
+    }
+    rc = total > INT32_MAX ? INT32_MAX : (int)total;
+out:
     pthread_mutex_unlock(&c->write_lock);
     return rc;
 }
@@ -769,6 +1619,8 @@ int hapi_cache_stats_get(hapi_cache *c, hapi_cache_stats *st)
     MDB_txn *txn;
     MDB_stat ms, envst;
     MDB_envinfo info;
+    MDB_val k, v;
+    uint64_t free_pages = 0, total = 0;
     int rc;
 
     if (st)
@@ -780,16 +1632,83 @@ int hapi_cache_stats_get(hapi_cache *c, hapi_cache_stats *st)
         return HAPI_ECACHE; /* the map is stale or being resized: try after the next put */
     if (rc)
         return lmdb_to_code(rc);
-    /* All three read the map: do it while the lookup keeps a remap away. */
+    /* All of these read the map: do it while the lookup keeps a remap away. */
     if ((rc = mdb_stat(txn, c->features_dbi, &ms)) == 0 &&
-        (rc = mdb_env_info(c->env, &info)) == 0)
-        rc = mdb_env_stat(c->env, &envst);
+        (rc = mdb_env_info(c->env, &info)) == 0 &&
+        (rc = mdb_env_stat(c->env, &envst)) == 0)
+        rc = count_free_pages(txn, &free_pages);
+    if (rc == 0) {
+        k = (MDB_val){ .mv_size = strlen(EVICTIONS_KEY), .mv_data = EVICTIONS_KEY };
+        rc = mdb_get(txn, c->meta_dbi, &k, &v);
+        if (rc == 0 && v.mv_size == 8)
+            total = get_le64(v.mv_data);
+        if (rc == MDB_NOTFOUND)
+            rc = 0;
+    }
     read_end(c, txn);
     if (rc)
         return lmdb_to_code(rc);
     st->entries = ms.ms_entries;
     st->bytes_used = ((uint64_t)info.me_last_pgno + 1) * envst.ms_psize;
     st->map_size = info.me_mapsize;
+    st->bytes_free = free_pages * envst.ms_psize;
+    st->hits = counter_get(&c->hits);
+    st->misses = counter_get(&c->misses);
+    st->stale = counter_get(&c->stale);
+    st->bad = counter_get(&c->bad);
+    st->busy = counter_get(&c->busy);
+    st->errors = counter_get(&c->errors);
+    st->hit_mean_us = st->hits ? (double)counter_get(&c->hit_ns) / (double)st->hits / 1000 : 0;
+    st->evictions = counter_get(&c->evictions);
+    st->evictions_total = total;
+    st->accesses_dropped = counter_get(&c->accesses_dropped);
+    st->reset_at_open = c->reset_at_open;
+    return 0;
+}
+
+int hapi_cache_namespace_stats_get(hapi_cache *c, const hapi_cache_namespace *ns,
+                                   hapi_cache_namespace_stats *st)
+{
+    MDB_txn *txn;
+    MDB_cursor *cur;
+    MDB_val k, v;
+    hapi_cache_namespace_stats s = { 0 };
+    int rc;
+
+    if (st)
+        *st = (hapi_cache_namespace_stats){ 0 };
+    if (!c || !ns || !st)
+        return HAPI_EINVAL;
+    rc = read_begin(c, &txn);
+    if (rc == 1)
+        return HAPI_ECACHE;
+    if (rc)
+        return lmdb_to_code(rc);
+    rc = mdb_cursor_open(txn, c->features_dbi, &cur);
+    if (rc == 0) {
+        /*
+         * The leaf node holds a value's size: for values in overflow pages,
+         * LMDB computes their address without reading them, so the walk
+         * touches leaf pages only.
+         */
+        k = (MDB_val){ .mv_size = HAPI_CACHE_NAMESPACE_SIZE, .mv_data = (void *)ns->bytes };
+        MDB_cursor_op op = MDB_SET_RANGE;
+        while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
+            op = MDB_NEXT;
+            if (k.mv_size < HAPI_CACHE_NAMESPACE_SIZE ||
+                memcmp(k.mv_data, ns->bytes, HAPI_CACHE_NAMESPACE_SIZE) != 0)
+                break;
+            s.entries++;
+            s.bytes += v.mv_size;
+        }
+        mdb_cursor_close(cur);
+        if (rc == MDB_NOTFOUND)
+            rc = 0;
+    }
+    read_end(c, txn);
+    if (rc)
+        return lmdb_to_code(rc);
+    *st = s;
     return 0;
 }
 
@@ -798,3 +1717,72 @@ int hapi_cache_stats_get(hapi_cache *c, hapi_cache_stats *st)
 MDB_env *hapi_cache__env(hapi_cache *c) { return c->env; }
 MDB_dbi hapi_cache__features_dbi(hapi_cache *c) { return c->features_dbi; }
 int hapi_cache__stale_readers_cleared(const hapi_cache *c) { return c->stale_readers_cleared; }
+uint64_t hapi_cache__evict_ns(hapi_cache *c) { return counter_get(&c->evict_ns); }
+
+long hapi_cache__check_index(hapi_cache *c, char *msg, size_t msg_size)
+{
+    MDB_txn *txn;
+    MDB_cursor *cur = NULL;
+    MDB_stat f, l, s;
+    MDB_val k, v, x;
+    MDB_cursor_op op = MDB_FIRST;
+    long result = -1;
+    int rc;
+
+    snprintf(msg, msg_size, "ok");
+    if (read_begin(c, &txn) != 0) {
+        snprintf(msg, msg_size, "cannot begin a read");
+        return -1;
+    }
+    if ((rc = mdb_stat(txn, c->features_dbi, &f)) || (rc = mdb_stat(txn, c->lru_dbi, &l)) ||
+        (rc = mdb_stat(txn, c->stamps_dbi, &s)) ||
+        (rc = mdb_cursor_open(txn, c->lru_dbi, &cur))) {
+        snprintf(msg, msg_size, "%s", mdb_strerror(rc));
+        goto out;
+    }
+    if (f.ms_entries != l.ms_entries || f.ms_entries != s.ms_entries) {
+        snprintf(msg, msg_size, "features %zu, lru %zu, stamps %zu entries", f.ms_entries,
+                 l.ms_entries, s.ms_entries);
+        goto out;
+    }
+    while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
+        op = MDB_NEXT;
+        if (mdb_get(txn, c->features_dbi, &v, &x) != 0) {
+            snprintf(msg, msg_size, "an lru record without its feature");
+            goto out;
+        }
+        if (mdb_get(txn, c->stamps_dbi, &v, &x) != 0 || x.mv_size != k.mv_size ||
+            memcmp(x.mv_data, k.mv_data, k.mv_size) != 0) {
+            snprintf(msg, msg_size, "an lru record whose stamp differs");
+            goto out;
+        }
+    }
+    result = (long)f.ms_entries;
+out:
+    if (cur)
+        mdb_cursor_close(cur);
+    read_end(c, txn);
+    return result;
+}
+
+int hapi_cache__walk_lru(hapi_cache *c, int (*fn)(const void *, size_t, void *), void *arg)
+{
+    MDB_txn *txn;
+    MDB_cursor *cur;
+    MDB_val k, v;
+    MDB_cursor_op op = MDB_FIRST;
+    int rc = read_begin(c, &txn);
+    if (rc)
+        return rc == 1 ? HAPI_ECACHE : lmdb_to_code(rc);
+    rc = mdb_cursor_open(txn, c->lru_dbi, &cur);
+    if (rc == 0) {
+        while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
+            op = MDB_NEXT;
+            if (fn(v.mv_data, v.mv_size, arg))
+                break;
+        }
+        mdb_cursor_close(cur);
+    }
+    read_end(c, txn);
+    return rc == 0 || rc == MDB_NOTFOUND ? 0 : lmdb_to_code(rc);
+}

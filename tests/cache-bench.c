@@ -1,4 +1,4 @@
-/* cache-bench.c — measures the feature store: hit latency and bytes of store per entry beyond the features. */
+/* cache-bench.c — measures the feature store: hit latency with LRU logging, bytes per entry, put, flush and eviction costs. */
 #include <errno.h>
 #include <ftw.h>
 #include <limits.h>
@@ -11,7 +11,12 @@
 #include "cache.h"
 #include "cache-int.h"
 
-enum { ENTRIES = 10000, BATCH = 64, LOOKUPS = 200000 };
+/*
+ * ENTRIES per store, extrapolated to 100k; lookups flush the access log every
+ * FLUSH_EVERY hits (outside the timed call), as the daemon's periodic flush
+ * would, so that every timed hit pays for logging rather than for a drop.
+ */
+enum { ENTRIES = 20000, BATCH = 64, LOOKUPS = 200000, FLUSH_EVERY = 2000 };
 
 static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
 {
@@ -30,7 +35,39 @@ static void path_of(char *out, size_t n, unsigned i)
     snprintf(out, n, "train/n%08u/ILSVRC2012_val_%08u.JPEG", i / 100, i);
 }
 
-/* One run: fill a fresh store with ENTRIES values of size bytes, then time random hits. */
+/* Fills c with ENTRIES values of size bytes in batches; returns the time taken (ns), 0 on failure. */
+static uint64_t fill_store(hapi_cache *c, const hapi_cache_namespace *ns, const uint8_t *data,
+                           size_t size)
+{
+    static char paths[BATCH][96];
+    hapi_cache_item items[BATCH];
+    hapi_source_id id = { .size = 110000, .mtime_ns = 1, .ctime_ns = 2, .ino = 3 };
+    hapi_error err = { 0 };
+    uint64_t t0 = hapi_now_ns();
+    for (unsigned base = 0; base < ENTRIES; base += BATCH) {
+        unsigned n = ENTRIES - base < BATCH ? ENTRIES - base : BATCH;
+        for (unsigned j = 0; j < n; j++) {
+            path_of(paths[j], sizeof(paths[j]), base + j);
+            items[j] = (hapi_cache_item){ .path = paths[j], .id = id, .data = data, .size = size };
+            items[j].id.ino = base + j;
+        }
+        if (hapi_cache_put(c, ns, items, n, &err) != 0) {
+            fprintf(stderr, "put: %s\n", err.message);
+            return 0;
+        }
+    }
+    return hapi_now_ns() - t0;
+}
+
+static long long file_size(const char *dir)
+{
+    char file[PATH_MAX];
+    struct stat sb;
+    snprintf(file, sizeof(file), "%s/data.mdb", dir);
+    return stat(file, &sb) == 0 ? (long long)sb.st_size : -1;
+}
+
+/* One run: fill a fresh store with ENTRIES values of size bytes, then time random hits and the rest. */
 static int bench(size_t size)
 {
     char dir[] = "/tmp/hapi-cache-bench-XXXXXX";
@@ -39,8 +76,6 @@ static int bench(size_t size)
     hapi_cache_namespace ns;
     uint8_t digest[16] = { 0 };
     hapi_source_id id = { .size = 110000, .mtime_ns = 1, .ctime_ns = 2, .ino = 3 };
-    static char paths[BATCH][96];
-    hapi_cache_item items[BATCH];
     uint8_t *data = malloc(size);
     uint64_t *lat = malloc(sizeof(*lat) * LOOKUPS);
     int rc = -1;
@@ -54,29 +89,20 @@ static int bench(size_t size)
         fprintf(stderr, "open: %s\n", err.message);
         goto out_dir;
     }
-
-    uint64_t t0 = hapi_now_ns();
-    for (unsigned base = 0; base < ENTRIES; base += BATCH) {
-        unsigned n = ENTRIES - base < BATCH ? ENTRIES - base : BATCH;
-        for (unsigned j = 0; j < n; j++) {
-            path_of(paths[j], sizeof(paths[j]), base + j);
-            items[j] = (hapi_cache_item){ .path = paths[j], .id = id, .data = data, .size = size };
-            items[j].id.ino = base + j;
-        }
-        if ((rc = hapi_cache_put(c, &ns, items, n, &err)) != 0) {
-            fprintf(stderr, "put: %s\n", err.message);
-            goto out_close;
-        }
+    uint64_t put_ns = fill_store(c, &ns, data, size);
+    if (!put_ns) {
+        rc = -1;
+        goto out_close;
     }
-    uint64_t put_ns = hapi_now_ns() - t0;
 
     /*
      * Random hits through the API (pooled transaction, header and checksum
-     * checks), twice: the first pass pays the first touch of each mapped page
-     * after the puts (as a first epoch would), the second is steady state.
+     * checks, access logging), twice: the first pass pays the first touch of
+     * each mapped page after the puts (as a first epoch would), the second is
+     * steady state. The log is applied every FLUSH_EVERY hits, timed apart.
      */
     unsigned seed = 12345;
-    uint64_t sum = 0;
+    uint64_t sum = 0, flush_ns = 0, flushed = 0;
     double mean[2], p50[2], p99[2];
     for (int pass = 0; pass < 2; pass++) {
         for (int r = 0; r < LOOKUPS; r++) {
@@ -96,6 +122,17 @@ static int bench(size_t size)
                 rc = -1;
                 goto out_close;
             }
+            if ((r + 1) % FLUSH_EVERY == 0) {
+                uint64_t f0 = hapi_now_ns();
+                int n = hapi_cache_flush_access(c, &err);
+                flush_ns += hapi_now_ns() - f0;
+                if (n < 0) {
+                    fprintf(stderr, "flush: %s\n", err.message);
+                    rc = -1;
+                    goto out_close;
+                }
+                flushed += (uint64_t)n;
+            }
         }
         qsort(lat, LOOKUPS, sizeof(*lat), cmp_u64);
         mean[pass] = 0;
@@ -106,7 +143,7 @@ static int bench(size_t size)
         p99[pass] = (double)lat[LOOKUPS * 99 / 100] / 1000;
     }
 
-    /* The same lookups at the bare LMDB layer: one txn begin/get/abort, no checks. */
+    /* The same lookups at the bare LMDB layer: one txn renew/get/reset, no checks, no logging. */
     MDB_env *env = hapi_cache__env(c);
     MDB_dbi dbi = hapi_cache__features_dbi(c);
     MDB_txn *txn = NULL;
@@ -126,26 +163,68 @@ static int bench(size_t size)
     double raw = (double)(hapi_now_ns() - raw0) / LOOKUPS;
     mdb_txn_abort(txn);
 
+    /* Per-namespace counts on demand: a walk of the namespace's keys. */
+    hapi_cache_namespace_stats nst;
+    uint64_t s0 = hapi_now_ns();
+    enum { SCANS = 20 };
+    for (int i = 0; i < SCANS; i++)
+        hapi_cache_namespace_stats_get(c, &ns, &nst);
+    double scan_ms = (double)(hapi_now_ns() - s0) / SCANS / 1e6;
+
     hapi_cache_stats st;
     hapi_cache_stats_get(c, &st);
     hapi_cache_close(c);
     c = NULL;
-    char file[sizeof(dir) + 16];
-    struct stat sb;
-    snprintf(file, sizeof(file), "%s/data.mdb", dir);
-    stat(file, &sb);
+    long long fsize = file_size(dir);
+    double per_entry = (double)(st.bytes_used - st.bytes_free) / ENTRIES;
 
-    printf("value %5zu B, %d entries: put %.1f us/entry (batches of %d)\n"
-           "  hit, first touch: mean %.2f us, p50 %.2f, p99 %.2f; "
-           "steady: mean %.2f us, p50 %.2f, p99 %.2f; bare LMDB renew+get+reset %.2f us\n",
+    printf("value %5zu B, %d entries: put %.1f us/entry (batches of %d, LRU index included)\n"
+           "  hit, first touch: mean %.2f us, p50 %.2f, p99 %.2f; steady: mean %.2f us, p50 %.2f, "
+           "p99 %.2f; get's own mean %.2f us; bare LMDB renew+get+reset %.2f us\n"
+           "  access log: %.2f us per access applied (%llu applied, flushes of %d)\n",
            size, ENTRIES, (double)put_ns / ENTRIES / 1000, BATCH, mean[0], p50[0], p99[0],
-           mean[1], p50[1], p99[1], raw / 1000);
-    printf("  store: data.mdb %lld B, used %llu B, %d entries -> %.0f B/entry, "
-           "%.0f B/entry beyond the %zu feature bytes (%.1f%%)  [checksum %llu]\n",
-           (long long)sb.st_size, (unsigned long long)st.bytes_used, ENTRIES,
-           (double)sb.st_size / ENTRIES, (double)sb.st_size / ENTRIES - (double)size, size,
-           100.0 * ((double)sb.st_size / ENTRIES - (double)size) / (double)size,
-           (unsigned long long)sum % 10);
+           mean[1], p50[1], p99[1], st.hit_mean_us, raw / 1000,
+           flushed ? (double)flush_ns / (double)flushed / 1000 : 0.0,
+           (unsigned long long)flushed, FLUSH_EVERY);
+    printf("  store: data.mdb %lld B, in use %llu B -> %.0f B/entry, %.0f B/entry beyond the "
+           "%zu feature bytes (%.1f%%); 100k entries: %.0f MiB\n"
+           "  namespace stats walk: %.2f ms for %llu entries (%.2f ms per 100k)  [checksum %llu]\n",
+           fsize, (unsigned long long)(st.bytes_used - st.bytes_free), per_entry,
+           per_entry - (double)size, size, 100.0 * (per_entry - (double)size) / (double)size,
+           per_entry * 100000 / 1048576, scan_ms, (unsigned long long)nst.entries,
+           scan_ms * 100000 / (double)ENTRIES, (unsigned long long)sum % 10);
+
+    /*
+     * Eviction: the same puts into a map that holds about a third of them,
+     * timing the eviction transactions (from the store's internal counter).
+     */
+    char dir2[] = "/tmp/hapi-cache-bench-XXXXXX";
+    if (!mkdtemp(dir2)) {
+        rc = -1;
+        goto out_dir;
+    }
+    hapi_cache_options opt = { .max_bytes = (uint64_t)(per_entry * ENTRIES / 3) };
+    if ((rc = hapi_cache_open(dir2, &opt, &c, &err)) != 0) {
+        fprintf(stderr, "open: %s\n", err.message);
+        nftw(dir2, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        goto out_dir;
+    }
+    uint64_t bounded_ns = fill_store(c, &ns, data, size);
+    uint64_t evict_ns = hapi_cache__evict_ns(c);
+    hapi_cache_stats_get(c, &st);
+    hapi_cache_close(c);
+    c = NULL;
+    nftw(dir2, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    if (!bounded_ns || !st.evictions) {
+        fprintf(stderr, "bounded fill failed or evicted nothing\n");
+        rc = -1;
+        goto out_dir;
+    }
+    printf("  eviction: map %.1f MiB, %llu of %d entries evicted, %llu kept: put %.1f us/entry "
+           "all included; eviction transactions %.2f us per entry evicted\n",
+           (double)opt.max_bytes / 1048576, (unsigned long long)st.evictions, ENTRIES,
+           (unsigned long long)st.entries, (double)bounded_ns / ENTRIES / 1000,
+           (double)evict_ns / (double)st.evictions / 1000);
     rc = 0;
 
 out_close:
@@ -160,7 +239,7 @@ out:
 
 int main(void)
 {
-    static const size_t sizes[] = { 4096, 4096 + 128, 8192 };
+    static const size_t sizes[] = { 2048, 4096, 8192 };
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++)
         if (bench(sizes[i]) != 0)
             return 1;

@@ -10,9 +10,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cache.h"
@@ -233,6 +235,11 @@ START_TEST(identity_change_is_miss)
     hapi_source_id id = ID;
     id.size++;
     expect_miss(c, &ns, "a.jpg", id);
+    hapi_cache_value v;
+    ck_assert_int_eq(hapi_cache_get(c, &ns, "a.jpg", &id, &v), 0);
+    ck_assert_int_eq(v.miss, HAPI_CACHE_MISS_STALE);
+    ck_assert_int_eq(hapi_cache_get(c, &ns, "b.jpg", &id, &v), 0);
+    ck_assert_int_eq(v.miss, HAPI_CACHE_MISS_ABSENT);
     id = ID;
     id.mtime_ns++;
     expect_miss(c, &ns, "a.jpg", id);
@@ -353,8 +360,15 @@ START_TEST(corrupt_value_is_miss)
     for (int i = 0; i < N; i++) {
         raw_edit(c, &ns, cases[i].path, cases[i].edit);
         expect_miss(c, &ns, cases[i].path, ID);
+        hapi_cache_value v;
+        ck_assert_int_eq(hapi_cache_get(c, &ns, cases[i].path, &ID, &v), 0);
+        ck_assert_msg(v.miss == HAPI_CACHE_MISS_BAD, "%s: miss %d", cases[i].path, v.miss);
     }
     expect_hit(c, &ns, "intact.jpg", ID, buf, sizeof(buf));
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.bad, 2 * N); /* each corrupt entry was looked up twice */
+    ck_assert_uint_eq(st.hits, 1);
 
     /* A new put repairs a corrupt entry. */
     fill(buf, sizeof(buf), "data.jpg", 0);
@@ -633,10 +647,11 @@ START_TEST(open_newer_format)
 {
     uint8_t record[16];
     memcpy(record, "hapifs-cache", 12);
-    record[12] = 2; /* little-endian 2 */
+    record[12] = 3; /* little-endian 3 */
     record[13] = record[14] = record[15] = 0;
     make_store("meta", "format", record, sizeof(record));
-    expect_open_error(tmp, HAPI_ECORRUPT, "format version 2");
+    expect_open_error(tmp, HAPI_ECORRUPT, "format version 3");
+    expect_open_error(tmp, HAPI_ECORRUPT, "use cache_reset=1");
 }
 END_TEST
 
@@ -850,43 +865,733 @@ END_TEST
 
 /* ---- limits and arguments ---- */
 
-START_TEST(map_full)
+/* Asserts the LRU index agrees with the features; returns the number of entries. */
+static long check_index(hapi_cache *c)
+{
+    char msg[128];
+    long n = hapi_cache__check_index(c, msg, sizeof(msg));
+    ck_assert_msg(n >= 0, "index: %s", msg);
+    return n;
+}
+
+/* A put into a full store evicts and succeeds; every lookup is byte-correct or a miss. */
+START_TEST(map_full_never_fails)
 {
     hapi_cache *c = open_ok(tmp, 1 << 20);
     hapi_cache_namespace ns = make_ns(3);
-    enum { B = 16 };
+    enum { B = 16, BATCHES = 100 };
     static uint8_t bufs[B][8192];
     char paths[B][32];
     hapi_cache_item items[B];
     hapi_error err = { 0 };
-    int rc = 0, batch;
+    long hits = 0, misses = 0;
 
-    for (batch = 0; batch < 100; batch++) {
+    for (int batch = 0; batch < BATCHES; batch++) {
         for (int i = 0; i < B; i++) {
             snprintf(paths[i], sizeof(paths[i]), "b%d/%d.jpg", batch, i);
             fill(bufs[i], sizeof(bufs[i]), paths[i], 0);
             items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = bufs[i],
                                           .size = sizeof(bufs[i]) };
         }
-        rc = hapi_cache_put(c, &ns, items, B, &err);
-        if (rc)
-            break;
+        int rc = hapi_cache_put(c, &ns, items, B, &err);
+        ck_assert_msg(rc == 0, "batch %d: %d %s", batch, rc, err.message);
+        /* The batch just put is all there. */
+        for (int i = 0; i < B; i++)
+            expect_hit(c, &ns, paths[i], ID, bufs[i], sizeof(bufs[i]));
     }
-    ck_assert_int_gt(batch, 0);
-    ck_assert_int_eq(rc, HAPI_ECACHE);
-    ck_assert_int_eq(err.code, HAPI_ECACHE);
-    ck_assert_msg(strstr(err.message, "cache full"), "message: %s", err.message);
-    /* The failed batch left nothing; earlier batches are intact. */
-    for (int i = 0; i < B; i++)
-        expect_miss(c, &ns, paths[i], ID);
-    snprintf(paths[0], sizeof(paths[0]), "b0/3.jpg");
-    fill(bufs[0], sizeof(bufs[0]), paths[0], 0);
-    expect_hit(c, &ns, paths[0], ID, bufs[0], sizeof(bufs[0]));
+    for (int batch = 0; batch < BATCHES; batch++) {
+        for (int i = 0; i < B; i++) {
+            char path[32];
+            hapi_cache_value v;
+            snprintf(path, sizeof(path), "b%d/%d.jpg", batch, i);
+            int rc = hapi_cache_get(c, &ns, path, &ID, &v);
+            ck_assert_int_ge(rc, 0);
+            if (rc == 1) {
+                fill(bufs[0], sizeof(bufs[0]), path, 0);
+                ck_assert_uint_eq(v.size, sizeof(bufs[0]));
+                ck_assert_mem_eq(v.data, bufs[0], sizeof(bufs[0]));
+                hapi_cache_release(c, &v);
+                hits++;
+            } else {
+                ck_assert_int_eq(v.miss, HAPI_CACHE_MISS_ABSENT);
+                misses++;
+            }
+        }
+    }
     hapi_cache_stats st;
     ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
-    ck_assert_uint_eq(st.entries, (uint64_t)batch * B);
+    ck_assert_uint_gt(st.evictions, 0);
+    ck_assert_uint_eq(st.evictions_total, st.evictions);
+    ck_assert_uint_eq(st.entries, (uint64_t)hits);
+    ck_assert_uint_eq(st.entries + st.evictions, (uint64_t)BATCHES * B);
     ck_assert_uint_le(st.bytes_used, st.map_size);
+    ck_assert_int_eq(check_index(c), hits);
+    fprintf(stderr, "map_full_never_fails: %ld of %d entries kept in 1 MiB, %llu evicted\n", hits,
+            BATCHES * B, (unsigned long long)st.evictions);
+
+    /* A value that can never fit the map is refused, clearly, and nothing is lost. */
+    size_t big = 2 << 20;
+    uint8_t *huge = malloc(big);
+    fill(huge, big, "huge.jpg", 0);
+    hapi_cache_item it = { .path = "huge.jpg", .id = ID, .data = huge, .size = big };
+    ck_assert_int_eq(hapi_cache_put(c, &ns, &it, 1, &err), HAPI_ECACHE);
+    ck_assert_msg(strstr(err.message, "too large"), "message: %s", err.message);
+    ck_assert_int_eq(check_index(c), hits);
+    /*
+     * One of almost half the map evicts most entries and is stored. (Larger
+     * ones may find no contiguous run of free pages even in an empty store:
+     * LMDB does not compact. Real maps are thousands of times a value.)
+     */
+    it.size = 480 * 1024;
+    fill(huge, it.size, "huge.jpg", 0);
+    int rc = hapi_cache_put(c, &ns, &it, 1, &err);
+    ck_assert_msg(rc == 0, "put %zu bytes: %d %s", it.size, rc, err.message);
+    expect_hit(c, &ns, "huge.jpg", ID, huge, it.size);
+    free(huge);
+    check_index(c);
     hapi_cache_close(c);
+}
+END_TEST
+
+/*
+ * Mixed sizes in a small map split the free space into runs too short for
+ * the largest values (MDB_MAP_FULL with free pages left): puts still succeed.
+ */
+START_TEST(fragmentation_never_fails)
+{
+    hapi_cache *c = open_ok(tmp, 2 << 20);
+    hapi_cache_namespace ns = make_ns(3);
+    static const size_t sizes[] = { 700, 2048, 4096, 8192, 20000, 60000 };
+    static uint8_t buf[60000];
+    hapi_error err = { 0 };
+    unsigned seed = 7;
+
+    for (int i = 0; i < 1500; i++) {
+        char path[32];
+        size_t size = sizes[rand_r(&seed) % 6];
+        snprintf(path, sizeof(path), "f/%d.jpg", i);
+        fill(buf, size, path, 0);
+        hapi_cache_item it = { .path = path, .id = ID, .data = buf, .size = size };
+        int rc = hapi_cache_put(c, &ns, &it, 1, &err);
+        ck_assert_msg(rc == 0, "put %d (%zu bytes): %d %s", i, size, rc, err.message);
+        expect_hit(c, &ns, path, ID, buf, size);
+    }
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_gt(st.evictions, 0);
+    ck_assert_uint_le(st.bytes_used, st.map_size);
+    check_index(c);
+    hapi_cache_close(c);
+}
+END_TEST
+
+/* Recently read entries survive eviction; entries neither read nor written since go first. */
+START_TEST(lru_order)
+{
+    hapi_cache *c = open_ok(tmp, 1 << 20);
+    hapi_cache_namespace ns = make_ns(3);
+    static uint8_t buf[4096];
+    char path[32];
+
+    /* 80 entries of 2 overflow pages: ~170 of the map's 256 pages, under the high mark. */
+    for (int i = 0; i < 80; i++) {
+        snprintf(path, sizeof(path), "a/%d.jpg", i);
+        fill(buf, sizeof(buf), path, 0);
+        put_one(c, &ns, path, ID, buf, sizeof(buf));
+    }
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.evictions, 0);
+
+    /* Read the 20 oldest: they become the newest. */
+    for (int i = 0; i < 20; i++) {
+        snprintf(path, sizeof(path), "a/%d.jpg", i);
+        fill(buf, sizeof(buf), path, 0);
+        expect_hit(c, &ns, path, ID, buf, sizeof(buf));
+    }
+    hapi_error err = { 0 };
+    ck_assert_int_eq(hapi_cache_flush_access(c, &err), 20);
+    ck_assert_int_eq(hapi_cache_flush_access(c, &err), 0);
+
+    /* Put new entries until 20 or more were evicted. */
+    int n;
+    for (n = 0; n < 200; n++) {
+        ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+        if (st.evictions >= 20)
+            break;
+        snprintf(path, sizeof(path), "new/%d.jpg", n);
+        fill(buf, sizeof(buf), path, 0);
+        put_one(c, &ns, path, ID, buf, sizeof(buf));
+    }
+    ck_assert_uint_ge(st.evictions, 20);
+    ck_assert_uint_lt(st.evictions, 80); /* the read ones are behind the 60 unread */
+    for (int i = 0; i < 80; i++) {
+        snprintf(path, sizeof(path), "a/%d.jpg", i);
+        fill(buf, sizeof(buf), path, 0);
+        if (i < 20)
+            expect_hit(c, &ns, path, ID, buf, sizeof(buf)); /* read recently: kept */
+        else if ((uint64_t)i < 20 + st.evictions)
+            expect_miss(c, &ns, path, ID);                  /* oldest: evicted, in order */
+        else
+            expect_hit(c, &ns, path, ID, buf, sizeof(buf));
+    }
+    /* Every new entry is newer than all of those. */
+    for (int i = 0; i < n; i++) {
+        snprintf(path, sizeof(path), "new/%d.jpg", i);
+        fill(buf, sizeof(buf), path, 0);
+        expect_hit(c, &ns, path, ID, buf, sizeof(buf));
+    }
+    check_index(c);
+    hapi_cache_close(c);
+}
+END_TEST
+
+/* Stale keys in the access log (evicted or removed since) are skipped; the log survives reopen via close. */
+START_TEST(access_log_edge_cases)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    uint8_t buf[100];
+    hapi_error err = { 0 };
+    fill(buf, sizeof(buf), "x.jpg", 0);
+    put_one(c, &ns, "x.jpg", ID, buf, sizeof(buf));
+    put_one(c, &ns, "y.jpg", ID, buf, sizeof(buf));
+    expect_hit(c, &ns, "x.jpg", ID, buf, sizeof(buf));
+    expect_hit(c, &ns, "y.jpg", ID, buf, sizeof(buf));
+    ck_assert_int_eq(hapi_cache_evict_path(c, &ns, "x.jpg", &err), 1);
+    ck_assert_int_eq(hapi_cache_flush_access(c, &err), 1); /* x is gone: only y applies */
+    ck_assert_int_eq(check_index(c), 1);
+    hapi_cache_close(c);
+}
+END_TEST
+
+static void put_many(hapi_cache *c, const hapi_cache_namespace *ns, const char *prefix, int n,
+                     size_t size)
+{
+    enum { B = 256 };
+    static uint8_t bufs[B][128];
+    static char paths[B][48];
+    hapi_cache_item items[B];
+    hapi_error err = { 0 };
+    ck_assert_uint_le(size, sizeof(bufs[0]));
+    for (int base = 0; base < n; base += B) {
+        int m = n - base < B ? n - base : B;
+        for (int i = 0; i < m; i++) {
+            snprintf(paths[i], sizeof(paths[i]), "%s/%d.jpg", prefix, base + i);
+            fill(bufs[i], size, paths[i], 0);
+            items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = bufs[i],
+                                          .size = size };
+        }
+        ck_assert_int_eq(hapi_cache_put(c, ns, items, (size_t)m, &err), 0);
+    }
+}
+
+START_TEST(evict_path_and_all)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace a = make_ns(3), b = make_ns(4);
+    hapi_cache_namespace_stats ns;
+    hapi_error err = { 0 };
+    uint8_t buf[100];
+
+    /* More than one removal batch in a. */
+    put_many(c, &a, "p", 5000, 100);
+    put_many(c, &b, "p", 300, 100);
+    ck_assert_int_eq(hapi_cache_namespace_stats_get(c, &a, &ns), 0);
+    ck_assert_uint_eq(ns.entries, 5000);
+    ck_assert_uint_eq(ns.bytes, 5000 * (64 + 100));
+
+    /* One path of one namespace. */
+    fill(buf, sizeof(buf), "p/7.jpg", 0);
+    expect_hit(c, &a, "p/7.jpg", ID, buf, sizeof(buf));
+    ck_assert_int_eq(hapi_cache_evict_path(c, &a, "p/7.jpg", &err), 1);
+    ck_assert_int_eq(hapi_cache_evict_path(c, &a, "p/7.jpg", &err), 0);
+    ck_assert_int_eq(hapi_cache_evict_path(c, &a, "nothing.jpg", &err), 0);
+    expect_miss(c, &a, "p/7.jpg", ID);
+    expect_hit(c, &b, "p/7.jpg", ID, buf, sizeof(buf));
+    ck_assert_int_eq(hapi_cache_namespace_stats_get(c, &a, &ns), 0);
+    ck_assert_uint_eq(ns.entries, 4999);
+    ck_assert_int_eq(check_index(c), 5299);
+
+    /* A whole namespace; the other keeps everything. */
+    ck_assert_int_eq(hapi_cache_evict_all(c, &a, &err), 4999);
+    ck_assert_int_eq(hapi_cache_evict_all(c, &a, &err), 0);
+    expect_miss(c, &a, "p/8.jpg", ID);
+    fill(buf, sizeof(buf), "p/299.jpg", 0);
+    expect_hit(c, &b, "p/299.jpg", ID, buf, sizeof(buf));
+    ck_assert_int_eq(hapi_cache_namespace_stats_get(c, &a, &ns), 0);
+    ck_assert_uint_eq(ns.entries, 0);
+    ck_assert_uint_eq(ns.bytes, 0);
+    ck_assert_int_eq(hapi_cache_namespace_stats_get(c, &b, &ns), 0);
+    ck_assert_uint_eq(ns.entries, 300);
+    ck_assert_int_eq(check_index(c), 300);
+
+    /* Everything; the store stays usable and removals are not evictions. */
+    ck_assert_int_eq(hapi_cache_evict_all(c, NULL, &err), 300);
+    expect_miss(c, &b, "p/299.jpg", ID);
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.entries, 0);
+    ck_assert_uint_eq(st.evictions, 0);
+    ck_assert_int_eq(check_index(c), 0);
+    put_one(c, &b, "p/299.jpg", ID, buf, sizeof(buf));
+    expect_hit(c, &b, "p/299.jpg", ID, buf, sizeof(buf));
+    ck_assert_int_eq(check_index(c), 1);
+    hapi_cache_close(c);
+
+    /* The removals are durable. */
+    c = open_ok(tmp, 0);
+    expect_miss(c, &a, "p/8.jpg", ID);
+    expect_hit(c, &b, "p/299.jpg", ID, buf, sizeof(buf));
+    hapi_cache_close(c);
+}
+END_TEST
+
+START_TEST(counters)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    uint8_t buf[4096];
+    fill(buf, sizeof(buf), "a.jpg", 0);
+    put_one(c, &ns, "a.jpg", ID, buf, sizeof(buf));
+    for (int i = 0; i < 10; i++)
+        expect_hit(c, &ns, "a.jpg", ID, buf, sizeof(buf));
+    for (int i = 0; i < 3; i++)
+        expect_miss(c, &ns, "b.jpg", ID);
+    hapi_source_id id = ID;
+    id.mtime_ns++;
+    expect_miss(c, &ns, "a.jpg", id);
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.hits, 10);
+    ck_assert_uint_eq(st.misses, 3);
+    ck_assert_uint_eq(st.stale, 1);
+    ck_assert_uint_eq(st.bad, 0);
+    ck_assert_uint_eq(st.errors, 0);
+    ck_assert(st.hit_mean_us > 0 && st.hit_mean_us < 10000);
+    ck_assert_int_eq(st.reset_at_open, 0);
+    hapi_cache_namespace_stats ns_st;
+    ck_assert_int_eq(hapi_cache_namespace_stats_get(c, &ns, &ns_st), 0);
+    ck_assert_uint_eq(ns_st.entries, 1);
+    ck_assert_uint_eq(ns_st.bytes, 64 + 4096);
+    hapi_cache_close(c);
+}
+END_TEST
+
+/* A store of format 1 (no LRU index) is indexed on open and keeps its entries. */
+START_TEST(upgrade_from_v1)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    put_many(c, &ns, "u", 300, 100);
+    hapi_cache_close(c);
+
+    /* Make it a version-1 store: no "lru", no "stamps", format 1. */
+    MDB_env *env;
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    uint8_t record[16];
+    memcpy(record, "hapifs-cache", 12);
+    record[12] = 1;
+    record[13] = record[14] = record[15] = 0;
+    ck_assert_int_eq(mdb_env_create(&env), 0);
+    ck_assert_int_eq(mdb_env_set_maxdbs(env, 8), 0);
+    ck_assert_int_eq(mdb_env_open(env, tmp, 0, 0644), 0);
+    ck_assert_int_eq(mdb_txn_begin(env, NULL, 0, &txn), 0);
+    ck_assert_int_eq(mdb_dbi_open(txn, "lru", 0, &dbi), 0);
+    ck_assert_int_eq(mdb_drop(txn, dbi, 1), 0);
+    ck_assert_int_eq(mdb_dbi_open(txn, "stamps", 0, &dbi), 0);
+    ck_assert_int_eq(mdb_drop(txn, dbi, 1), 0);
+    ck_assert_int_eq(mdb_dbi_open(txn, "meta", 0, &dbi), 0);
+    MDB_val k = { .mv_size = 6, .mv_data = "format" }, v = { .mv_size = 16, .mv_data = record };
+    ck_assert_int_eq(mdb_put(txn, dbi, &k, &v, 0), 0);
+    ck_assert_int_eq(mdb_txn_commit(txn), 0);
+    mdb_env_close(env);
+
+    c = open_ok(tmp, 0);
+    ck_assert_int_eq(check_index(c), 300);
+    uint8_t buf[100];
+    fill(buf, sizeof(buf), "u/299.jpg", 0);
+    expect_hit(c, &ns, "u/299.jpg", ID, buf, sizeof(buf));
+    ck_assert_int_eq(hapi_cache_evict_all(c, &ns, NULL), 300);
+    ck_assert_int_eq(check_index(c), 0);
+    hapi_cache_close(c);
+}
+END_TEST
+
+/* ---- reset ---- */
+
+static hapi_cache *open_reset(const char *dir, int reset, int *rc, hapi_error *err)
+{
+    hapi_cache_options opt = { .reset = reset };
+    hapi_cache *c = NULL;
+    *rc = hapi_cache_open(dir, &opt, &c, err);
+    return c;
+}
+
+START_TEST(reset_garbage_store)
+{
+    static uint8_t junk[16384];
+    hapi_error err = { 0 };
+    int rc;
+    memset(junk, 'x', sizeof(junk));
+    write_file(tmp, "data.mdb", junk, sizeof(junk));
+    write_file(tmp, "other.txt", "keep", 4);
+
+    /* Without reset: refused, with the way out in the message. */
+    hapi_cache *c = open_reset(tmp, 0, &rc, &err);
+    ck_assert_int_eq(rc, HAPI_ECORRUPT);
+    ck_assert_ptr_null(c);
+    ck_assert_msg(strstr(err.message, "data.mdb") && strstr(err.message, "use cache_reset=1"),
+                  "message: %s", err.message);
+
+    /* With reset: a working, empty store; the old file is kept aside, nothing else touched. */
+    c = open_reset(tmp, 1, &rc, &err);
+    ck_assert_msg(rc == 0, "reset: %d %s", rc, err.message);
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.entries, 0);
+    ck_assert_int_eq(st.reset_at_open, 1);
+    hapi_cache_namespace ns = make_ns(3);
+    uint8_t buf[4096];
+    fill(buf, sizeof(buf), "a.jpg", 0);
+    put_one(c, &ns, "a.jpg", ID, buf, sizeof(buf));
+    expect_hit(c, &ns, "a.jpg", ID, buf, sizeof(buf));
+    hapi_cache_close(c);
+
+    char path[PATH_MAX + 32];
+    struct stat sb;
+    snprintf(path, sizeof(path), "%s/data.mdb.reset", tmp);
+    ck_assert_int_eq(stat(path, &sb), 0);
+    ck_assert_int_eq(sb.st_size, sizeof(junk));
+    snprintf(path, sizeof(path), "%s/other.txt", tmp);
+    ck_assert_int_eq(stat(path, &sb), 0);
+
+    /* A good store is not reset by reset=1. */
+    c = open_reset(tmp, 1, &rc, &err);
+    ck_assert_int_eq(rc, 0);
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_int_eq(st.reset_at_open, 0);
+    expect_hit(c, &ns, "a.jpg", ID, buf, sizeof(buf));
+    hapi_cache_close(c);
+}
+END_TEST
+
+START_TEST(reset_foreign_store)
+{
+    hapi_error err = { 0 };
+    int rc;
+    make_store(NULL, "hello", "world", 5);
+    hapi_cache *c = open_reset(tmp, 0, &rc, &err);
+    ck_assert_int_eq(rc, HAPI_ECORRUPT);
+    ck_assert_ptr_nonnull(strstr(err.message, "use cache_reset=1"));
+
+    /* Not while another process has the foreign store open. */
+    int ready[2], quit[2];
+    ck_assert_int_eq(pipe(ready), 0);
+    ck_assert_int_eq(pipe(quit), 0);
+    pid_t holder = fork();
+    ck_assert_int_ge(holder, 0);
+    if (holder == 0) {
+        MDB_env *env;
+        char ch = 'y';
+        close(quit[1]);
+        if (mdb_env_create(&env) != 0 || mdb_env_open(env, tmp, 0, 0644) != 0)
+            ch = 'n';
+        if (write(ready[1], &ch, 1) != 1)
+            _exit(2);
+        while (read(quit[0], &ch, 1) > 0) { }
+        mdb_env_close(env);
+        _exit(0);
+    }
+    close(quit[0]);
+    char ch = 0;
+    ck_assert_int_eq(read(ready[0], &ch, 1), 1);
+    ck_assert_int_eq(ch, 'y');
+    c = open_reset(tmp, 1, &rc, &err);
+    ck_assert_int_eq(rc, HAPI_ECORRUPT);
+    ck_assert_ptr_null(c);
+    ck_assert_msg(strstr(err.message, "another process"), "message: %s", err.message);
+    close(quit[1]);
+    int status;
+    ck_assert_int_eq(waitpid(holder, &status, 0), holder);
+    close(ready[0]);
+    close(ready[1]);
+
+    c = open_reset(tmp, 1, &rc, &err);
+    ck_assert_msg(rc == 0, "reset: %d %s", rc, err.message);
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_eq(st.entries, 0);
+    ck_assert_int_eq(st.reset_at_open, 1);
+    hapi_cache_close(c);
+}
+END_TEST
+
+/* ---- several processes ---- */
+
+static void send_char(int fd, char ch)
+{
+    if (write(fd, &ch, 1) != 1)
+        _exit(3);
+}
+
+static char recv_char(int fd)
+{
+    char ch = 0;
+    if (read(fd, &ch, 1) != 1)
+        return 0;
+    return ch;
+}
+
+/*
+ * Two processes put into and read from one store at once, each in its own
+ * namespace, under the same paths with different bytes, in a map small
+ * enough that both evict. Each verifies every hit. First, one evicts
+ * everything while the other holds a value: MVCC keeps the held bytes.
+ */
+static int two_process_worker(const char *dir, int who, int to_peer, int from_peer)
+{
+    hapi_cache_options opt = { .max_bytes = 4 << 20 };
+    hapi_cache *c = NULL;
+    hapi_cache_namespace ns = make_ns(10 + who);
+    static uint8_t buf[8][4096], want[4096];
+    char paths[8][32];
+    hapi_cache_item items[8];
+    int bad = 0;
+
+    if (hapi_cache_open(dir, &opt, &c, NULL) != 0)
+        return 100;
+    /* Phase 1: process 0 holds a value while process 1 evicts everything and refills. */
+    if (who == 0) {
+        hapi_cache_value v;
+        snprintf(paths[0], sizeof(paths[0]), "held.jpg");
+        fill(buf[0], 4096, paths[0], (uint64_t)who);
+        items[0] = (hapi_cache_item){ .path = paths[0], .id = ID, .data = buf[0], .size = 4096 };
+        if (hapi_cache_put(c, &ns, items, 1, NULL) != 0)
+            return 101;
+        if (hapi_cache_get(c, &ns, "held.jpg", &ID, &v) != 1)
+            return 102;
+        send_char(to_peer, 'h');
+        if (recv_char(from_peer) != 'e')
+            return 103;
+        if (v.size != 4096 || memcmp(v.data, buf[0], 4096) != 0)
+            return 104; /* the held snapshot changed under us */
+        hapi_cache_release(c, &v);
+        if (hapi_cache_get(c, &ns, "held.jpg", &ID, &v) != 0)
+            return 105; /* but the entry is gone for new lookups */
+    } else {
+        if (recv_char(from_peer) != 'h')
+            return 106;
+        /*
+         * Everything goes, and new entries take the room. (Not too many
+         * writes: pages freed after the peer's snapshot stay pinned while it
+         * holds its value, so each write here takes new pages.)
+         */
+        if (hapi_cache_evict_all(c, NULL, NULL) < 1)
+            return 107;
+        for (int i = 0; i < 8; i++) {
+            snprintf(paths[i], sizeof(paths[i]), i ? "fill/%d.jpg" : "held.jpg", i);
+            fill(buf[i], 4096, paths[i], 1);
+            items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = buf[i],
+                                          .size = 4096 };
+        }
+        for (int i = 0; i < 4; i++)
+            if (hapi_cache_put(c, &ns, items, 8, NULL) != 0)
+                return 108;
+        send_char(to_peer, 'e');
+    }
+
+    /* Phase 2: both at once, same paths, own namespaces. */
+    unsigned seed = 1234u + (unsigned)who;
+    uint64_t t_end = hapi_now_ns() + 1500000000u;
+    long hits = 0;
+    for (int round = 0; hapi_now_ns() < t_end; round++) {
+        for (int i = 0; i < 8; i++) {
+            snprintf(paths[i], sizeof(paths[i]), "s/%d.jpg", (round * 8 + i) % 2000);
+            fill(buf[i], 4096, paths[i], (uint64_t)who);
+            items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = buf[i],
+                                          .size = 4096 };
+        }
+        hapi_error err = { 0 };
+        if (hapi_cache_put(c, &ns, items, 8, &err) != 0) {
+            fprintf(stderr, "process %d: %s\n", who, err.message);
+            return 110;
+        }
+        for (int r = 0; r < 16; r++) {
+            char path[32];
+            hapi_cache_value v;
+            snprintf(path, sizeof(path), "s/%d.jpg", (unsigned)rand_r(&seed) % 2000);
+            int rc = hapi_cache_get(c, &ns, path, &ID, &v);
+            if (rc < 0)
+                return 111;
+            if (rc == 1) {
+                fill(want, 4096, path, (uint64_t)who);
+                if (v.size != 4096 || memcmp(v.data, want, 4096) != 0)
+                    bad++;
+                hapi_cache_release(c, &v);
+                hits++;
+            }
+        }
+    }
+    hapi_cache_stats st;
+    if (hapi_cache_stats_get(c, &st) != 0)
+        return 112;
+    char msg[128];
+    if (hapi_cache__check_index(c, msg, sizeof(msg)) < 0)
+        return 113;
+    fprintf(stderr, "process %d: %ld hits, %llu evicted here, %llu in all\n", who, hits,
+            (unsigned long long)st.evictions, (unsigned long long)st.evictions_total);
+    hapi_cache_close(c);
+    if (bad)
+        return 120;
+    return hits > 0 ? 0 : 121;
+}
+
+START_TEST(two_processes_share)
+{
+    int to_child[2], to_parent[2], result[2];
+    ck_assert_int_eq(pipe(to_child), 0);
+    ck_assert_int_eq(pipe(to_parent), 0);
+    ck_assert_int_eq(pipe(result), 0);
+    /* Fork first: each process opens its own handle. */
+    pid_t child = fork();
+    ck_assert_int_ge(child, 0);
+    if (child == 0) {
+        /* Only our own ends stay open, so that a peer that gave up reads as end-of-file. */
+        close(to_child[1]);
+        close(to_parent[0]);
+        close(result[0]);
+        char code = (char)two_process_worker(tmp, 1, to_parent[1], to_child[0]);
+        send_char(result[1], (char)(code + 1));
+        _exit(0);
+    }
+    close(to_child[0]);
+    close(to_parent[1]);
+    close(result[1]);
+    int mine = two_process_worker(tmp, 0, to_child[1], to_parent[0]);
+    close(to_child[1]);
+    int theirs = recv_char(result[0]) - 1;
+    int status;
+    ck_assert_int_eq(waitpid(child, &status, 0), child);
+    ck_assert_msg(mine == 0 && theirs == 0, "parent: step %d failed, child: step %d failed",
+                  mine, theirs);
+    close(to_parent[0]);
+    close(result[0]);
+    hapi_cache *c = open_ok(tmp, 4 << 20);
+    hapi_cache_stats st;
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_gt(st.evictions_total, 0);
+    check_index(c);
+    hapi_cache_close(c);
+}
+END_TEST
+
+/* ---- crash safety ---- */
+
+static size_t crash_size(const char *path) { return strlen(path) % 2 ? 8192 : 4096; }
+
+/* A child that puts batches (and reads) until it is killed. */
+static void crash_child(const char *dir, int iteration)
+{
+    hapi_cache_options opt = { .max_bytes = 2 << 20 };
+    hapi_cache *c = NULL;
+    hapi_cache_namespace ns = make_ns(3);
+    static uint8_t bufs[8][8192];
+    char paths[8][48];
+    hapi_cache_item items[8];
+    if (hapi_cache_open(dir, &opt, &c, NULL) != 0)
+        _exit(1);
+    for (int seq = 0;; seq++) {
+        for (int i = 0; i < 8; i++) {
+            snprintf(paths[i], sizeof(paths[i]), "k/%d/%d/%d.jpg", iteration, seq, i);
+            fill(bufs[i], crash_size(paths[i]), paths[i], 0);
+            items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = bufs[i],
+                                          .size = crash_size(paths[i]) };
+        }
+        if (hapi_cache_put(c, &ns, items, 8, NULL) != 0)
+            _exit(2);
+        hapi_cache_value v;
+        if (hapi_cache_get(c, &ns, paths[seq % 8], &ID, &v) == 1)
+            hapi_cache_release(c, &v); /* lookups (and their access log) are killed too */
+        if (seq % 16 == 0)
+            hapi_cache_flush_access(c, NULL);
+    }
+}
+
+/* Reopens the store and checks every entry it holds; returns their number. */
+static long crash_verify(void)
+{
+    hapi_cache *c = open_ok(tmp, 2 << 20);
+    hapi_cache_namespace ns = make_ns(3);
+    static uint8_t want[8192];
+    MDB_txn *txn;
+    MDB_cursor *cur;
+    MDB_val k, v;
+    MDB_cursor_op op = MDB_FIRST;
+    long n = 0;
+
+    long indexed = check_index(c);
+    ck_assert_int_eq(mdb_txn_begin(hapi_cache__env(c), NULL, MDB_RDONLY, &txn), 0);
+    ck_assert_int_eq(mdb_cursor_open(txn, hapi_cache__features_dbi(c), &cur), 0);
+    while (mdb_cursor_get(cur, &k, &v, op) == 0) {
+        char path[64];
+        hapi_cache_value val;
+        op = MDB_NEXT;
+        ck_assert_uint_gt(k.mv_size, 16);
+        ck_assert_uint_lt(k.mv_size - 16, sizeof(path));
+        memcpy(path, (const char *)k.mv_data + 16, k.mv_size - 16);
+        path[k.mv_size - 16] = '\0';
+        size_t size = crash_size(path);
+        fill(want, size, path, 0);
+        int rc = hapi_cache_get(c, &ns, path, &ID, &val);
+        ck_assert_msg(rc == 1, "%s: present but not a hit (%d, miss %d)", path, rc, val.miss);
+        ck_assert_uint_eq(val.size, size);
+        ck_assert_msg(memcmp(val.data, want, size) == 0, "%s: wrong bytes", path);
+        hapi_cache_release(c, &val);
+        n++;
+    }
+    mdb_cursor_close(cur);
+    mdb_txn_abort(txn);
+    ck_assert_int_eq(n, indexed);
+    /* And the store takes writes again. */
+    fill(want, 4096, "after.jpg", 0);
+    put_one(c, &ns, "after.jpg", ID, want, 4096);
+    expect_hit(c, &ns, "after.jpg", ID, want, 4096);
+    ck_assert_int_eq(hapi_cache_evict_path(c, &ns, "after.jpg", NULL), 1);
+    hapi_cache_close(c);
+    return n;
+}
+
+/* kill -9 at random moments of a process busy putting, evicting and reading; every reopen serves correct bytes. */
+START_TEST(kill9_loop)
+{
+    unsigned seed = (unsigned)getpid();
+    long total = 0;
+    int evicting = 0;
+    fprintf(stderr, "kill9_loop: seed %u\n", seed);
+    for (int it = 0; it < 20; it++) {
+        pid_t child = fork();
+        ck_assert_int_ge(child, 0);
+        if (child == 0)
+            crash_child(tmp, it);
+        struct timespec ts = { 0, (1 + rand_r(&seed) % 50) * 1000000L };
+        nanosleep(&ts, NULL);
+        kill(child, SIGKILL);
+        int status;
+        ck_assert_int_eq(waitpid(child, &status, 0), child);
+        ck_assert_msg(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
+                      "iteration %d: the child ended by itself (status %d)", it, status);
+        total += crash_verify();
+        hapi_cache *c = open_ok(tmp, 2 << 20);
+        hapi_cache_stats st;
+        ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+        evicting = st.evictions_total > 0;
+        hapi_cache_close(c);
+    }
+    fprintf(stderr, "kill9_loop: %ld entries verified over 20 kills; evictions %s\n", total,
+            evicting ? "happened" : "did not happen");
+    ck_assert_int_gt(total, 0);
 }
 END_TEST
 
@@ -958,7 +1663,17 @@ static Suite *cache_suite(void)
     ADD_TCASE(s, stale_reader_cleared);
     ADD_TCASE(s, map_resized_by_other_process);
     ADD_TCASE(s, long_paths);
-    ADD_TCASE(s, map_full);
+    ADD_TCASE(s, map_full_never_fails);
+    ADD_TCASE(s, fragmentation_never_fails);
+    ADD_TCASE(s, lru_order);
+    ADD_TCASE(s, access_log_edge_cases);
+    ADD_TCASE(s, evict_path_and_all);
+    ADD_TCASE(s, counters);
+    ADD_TCASE(s, upgrade_from_v1);
+    ADD_TCASE(s, reset_garbage_store);
+    ADD_TCASE(s, reset_foreign_store);
+    ADD_TCASE(s, two_processes_share);
+    ADD_TCASE(s, kill9_loop);
     ADD_TCASE(s, bad_arguments);
     return s;
 }
