@@ -114,16 +114,39 @@ static json_t *render_batcher(hapi_fs *fs)
                      "mem_waits", (json_int_t)b.mem_waits);
 }
 
+static json_t *render_cache(hapi_fs *fs)
+{
+    hapi_cache_stats cs = { 0 };
+    hapi_cache_namespace_stats ns = { 0 };
+    hapi_cache_stats_get(fs->cache, &cs);
+    hapi_cache_namespace_stats_get(fs->cache, &fs->ns, &ns);
+    return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:I, "
+                     "s:{s:I, s:I}}",
+                     "entries", (json_int_t)cs.entries,
+                     "bytes_used", (json_int_t)cs.bytes_used,
+                     "bytes_free", (json_int_t)cs.bytes_free,
+                     "size_limit", (json_int_t)cs.map_size,
+                     "feat_size", (json_int_t)fs->feat_size,
+                     "hits", (json_int_t)cs.hits,
+                     "misses", (json_int_t)cs.misses,
+                     "stale", (json_int_t)cs.stale,
+                     "bad", (json_int_t)cs.bad,
+                     "evictions", (json_int_t)cs.evictions,
+                     "evictions_total", (json_int_t)cs.evictions_total,
+                     "collected", (json_int_t)atomic_load(&fs->stats.collected),
+                     "hit_latency_us", cs.hit_mean_us,
+                     "accesses_dropped", (json_int_t)cs.accesses_dropped,
+                     "namespace", "entries", (json_int_t)ns.entries,
+                     "bytes", (json_int_t)ns.bytes);
+}
+
 static json_t *render_stats(hapi_fs *fs)
 {
     hapi_fs_stats *s = &fs->stats;
-    hapi_cache_stats cs = { 0 };
-    hapi_cache_stats_get(fs->cache, &cs);
     uint64_t hits = atomic_load(&s->hits);
     double uptime = (double)(hapi_now_ns() - fs->started_ns) / 1e9;
     return json_pack(
-        "{s:f, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, s:o, s:o, s:{s:I, s:I, s:I, s:I}, "
-        "s:{s:I}}",
+        "{s:f, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, s:o, s:o, s:o, s:{s:I}}",
         "uptime_s", uptime,
         "feat",
           "reads", (json_int_t)atomic_load(&s->feat_reads),
@@ -136,9 +159,7 @@ static json_t *render_stats(hapi_fs *fs)
           "hit_latency_us", hits ? (double)atomic_load(&s->hit_ns) / 1e3 / (double)hits : 0.0,
         "batcher", render_batcher(fs),
         "warm", render_warm(fs),
-        "cache",
-          "entries", (json_int_t)cs.entries, "bytes_used", (json_int_t)cs.bytes_used,
-          "size_limit", (json_int_t)cs.map_size, "feat_size", (json_int_t)fs->feat_size,
+        "cache", render_cache(fs),
         "passthrough",
           "bytes", (json_int_t)atomic_load(&s->passthrough_bytes));
 }
@@ -146,7 +167,9 @@ static json_t *render_stats(hapi_fs *fs)
 static const char ctl_help[] =
     "# write one command per line to this file:\n"
     "#   warm [PATH]   compute the features of PATH (default: everything) in the background;\n"
-    "#                 progress in .hapifs/stats under \"warm\"\n";
+    "#                 progress in .hapifs/stats under \"warm\"\n"
+    "#   evict [all]   drop this mount's cached features (they are computed again when read)\n"
+    "#   evict PATH    drop those of an image, or of every image beneath a directory\n";
 
 /* A path given to a command: relative to the mount, beneath it, existing in the source. */
 static int command_path(hapi_fs *fs, const char *word, char **out, hapi_error *err)
@@ -200,7 +223,21 @@ static int run_line(hapi_fs *fs, char *line, hapi_error *err)
             return hapi_error_set(err, rc, "cannot start the warm-up: %s", hapi_strerror(rc));
         return 0;
     }
-    return hapi_error_set(err, -EINVAL, "unknown command '%s' (known: warm)", words[0]);
+    if (strcmp(words[0], "evict") == 0) {
+        if (n > 2)
+            return hapi_error_set(err, -EINVAL, "usage: evict [all|PATH]");
+        char *path = NULL;
+        int rc = command_path(fs, n == 2 && strcmp(words[1], "all") != 0 ? words[1] : "", &path,
+                              err);
+        if (rc < 0)
+            return rc;
+        rc = hapi_feat_evict(fs, path, err);
+        if (rc >= 0)
+            hapi_log(HAPI_LOG_INFO, "evicted %d entries of '%s'", rc, path);
+        free(path);
+        return rc < 0 ? (rc > HAPI_ERRNO_BASE ? rc : -EIO) : 0;
+    }
+    return hapi_error_set(err, -EINVAL, "unknown command '%s' (known: warm, evict)", words[0]);
 }
 
 int hapi_ctl_command(hapi_fs *fs, const char *text, size_t len, hapi_error *err)

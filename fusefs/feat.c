@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ---------------------------------------------------------- source files */
@@ -186,8 +187,15 @@ static int reply_from_cache(fuse_req_t req, hapi_fs *fs, const char *path,
             return 1;
         }
         hapi_cache_release(fs->cache, &val);
+        atomic_fetch_add(&fs->stats.bad, 1);
         hapi_log(HAPI_LOG_WARNING, "%s: cached features have %zu bytes, expected %zu; recomputing",
                  path, val.size, fs->sample_bytes);
+    } else if (rc == 0 && val.miss == HAPI_CACHE_MISS_STALE) {
+        atomic_fetch_add(&fs->stats.stale, 1); /* the source changed: recompute */
+    } else if (rc == 0 && val.miss == HAPI_CACHE_MISS_BAD) {
+        atomic_fetch_add(&fs->stats.bad, 1);
+        hapi_log(HAPI_LOG_WARNING, "%s: cached features are damaged (length or checksum); "
+                 "recomputing", path);
     } else if (rc < 0) {
         hapi_log(HAPI_LOG_WARNING, "%s: cache lookup failed: %s", path, hapi_strerror(rc));
     }
@@ -356,6 +364,80 @@ int hapi_warm_finished(hapi_fs *fs)
            atomic_load(&fs->warm.completed) >= atomic_load(&fs->warm.submitted);
 }
 
+/* ---------------------------------------------------------------- eviction */
+
+void hapi_feat_collect(hapi_fs *fs, const char *path)
+{
+    hapi_error err = { 0 };
+    int rc = hapi_cache_evict_path(fs->cache, &fs->ns, path, &err);
+    if (rc == 1)
+        atomic_fetch_add(&fs->stats.collected, 1);
+    else if (rc < 0)
+        hapi_log(HAPI_LOG_WARNING, "%s: cannot remove the features of a deleted source: %s",
+                 path, err.message);
+}
+
+struct evict_walk {
+    int count;
+    int rc;
+    hapi_error *err;
+};
+
+static int evict_one(hapi_fs *fs, const char *path, void *arg)
+{
+    struct evict_walk *w = arg;
+    int rc = hapi_cache_evict_path(fs->cache, &fs->ns, path, w->err);
+    if (rc < 0)
+        return w->rc = rc;
+    w->count += rc;
+    return 0;
+}
+
+int hapi_feat_evict(hapi_fs *fs, const char *path, hapi_error *err)
+{
+    if (!*path)
+        return hapi_cache_evict_all(fs->cache, &fs->ns, err);
+    struct stat st;
+    int fd = hapi_fs_open_beneath(fs->source_fd, path, O_PATH);
+    if (fd < 0)
+        return hapi_error_set(err, fd, "'%s': %s", path, hapi_strerror(fd));
+    int rc = fstat(fd, &st) < 0 ? -errno : 0;
+    close(fd);
+    if (rc < 0)
+        return hapi_error_set(err, rc, "'%s': %s", path, hapi_strerror(rc));
+    if (S_ISREG(st.st_mode))
+        return hapi_cache_evict_path(fs->cache, &fs->ns, path, err);
+    struct evict_walk w = { 0, 0, err };
+    rc = walk_images(fs, path, evict_one, &w);
+    return rc < 0 ? rc : w.count;
+}
+
+/*
+ * The keeper applies the cache's access log (the hits since the last write)
+ * to its LRU order once a second, so an epoch of pure hits still tells the
+ * cache what is in use. Puts apply it too; this covers the time between.
+ */
+static void *keeper_main(void *arg)
+{
+    hapi_fs *fs = arg;
+    pthread_mutex_lock(&fs->keeper_lock);
+    while (!fs->keeper_stop) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += 1;
+        pthread_cond_timedwait(&fs->keeper_cond, &fs->keeper_lock, &ts);
+        if (fs->keeper_stop)
+            break;
+        pthread_mutex_unlock(&fs->keeper_lock);
+        hapi_error err = { 0 };
+        if (hapi_cache_flush_access(fs->cache, &err) < 0)
+            hapi_log(HAPI_LOG_DEBUG, "cache access log: %s", err.message);
+        pthread_mutex_lock(&fs->keeper_lock);
+    }
+    pthread_mutex_unlock(&fs->keeper_lock);
+    return NULL;
+}
+
 /* ------------------------------------------------------------- life cycle */
 
 int hapi_feat_start(hapi_fs *fs, hapi_error *err)
@@ -371,13 +453,32 @@ int hapi_feat_start(hapi_fs *fs, hapi_error *err)
         .ctx = fs,
     };
     pthread_mutex_init(&fs->warm.lock, NULL);
-    return hapi_batcher_new(fs->ex, &cfg, &fs->batcher, err);
+    int rc = hapi_batcher_new(fs->ex, &cfg, &fs->batcher, err);
+    if (rc < 0)
+        return rc;
+    pthread_mutex_init(&fs->keeper_lock, NULL);
+    pthread_cond_init(&fs->keeper_cond, NULL);
+    if ((rc = pthread_create(&fs->keeper, NULL, keeper_main, fs)) != 0)
+        hapi_log(HAPI_LOG_WARNING, "cannot start the cache keeper: %s", hapi_strerror(-rc));
+    else
+        fs->keeper_running = 1;
+    return 0;
 }
 
 void hapi_feat_stop(hapi_fs *fs)
 {
     if (!fs->batcher)
         return;
+    if (fs->keeper_running) {
+        pthread_mutex_lock(&fs->keeper_lock);
+        fs->keeper_stop = 1;
+        pthread_cond_signal(&fs->keeper_cond);
+        pthread_mutex_unlock(&fs->keeper_lock);
+        pthread_join(fs->keeper, NULL);
+        fs->keeper_running = 0;
+        pthread_mutex_destroy(&fs->keeper_lock);
+        pthread_cond_destroy(&fs->keeper_cond);
+    }
     atomic_store(&fs->warm.stop, 1);
     hapi_batcher_stop(fs->batcher); /* wakes a warm-up waiting for queue room */
     if (fs->warm.running)

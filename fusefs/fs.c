@@ -350,6 +350,8 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
             *path = image;
             return 0;
         }
+        if (rc == -ENOENT)
+            hapi_feat_collect(fs, image); /* deleted: its features go too */
         free(image);
         /* Not a feature of an image: maybe a real file of that name. */
     }
@@ -456,6 +458,8 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     }
     if ((rc = node_get(fs, ino, &kind, &path)) < 0 ||
         (rc = stat_beneath(fs->source_fd, path, &src)) < 0) {
+        if (rc == -ENOENT && path && kind == HAPI_NODE_FEAT)
+            hapi_feat_collect(fs, path);
         fuse_reply_err(req, -rc);
         free(path);
         return;
@@ -783,8 +787,11 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     h->kind = kind;
     if (kind == HAPI_NODE_FEAT) {
         /* The source is read when the features are computed; here it must only exist. */
-        if ((rc = hapi_feat_identity(fs, path, &h->id)) < 0)
+        if ((rc = hapi_feat_identity(fs, path, &h->id)) < 0) {
+            if (rc == -ENOENT)
+                hapi_feat_collect(fs, path);
             goto fail;
+        }
         h->path = path;
         path = NULL;
         /* Features are immutable for a given source identity and namespace. */
@@ -1027,7 +1034,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     if ((rc = hapi_extractor_open(&cfg, &fs->ex, err)) < 0)
         goto fail;
 
-    hapi_cache_options copt = { .max_bytes = opt->cache_size };
+    hapi_cache_options copt = { .max_bytes = opt->cache_size, .reset = opt->cache_reset };
     if ((rc = hapi_cache_open(opt->cache_dir, &copt, &fs->cache, err)) < 0)
         goto fail;
 

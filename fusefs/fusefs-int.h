@@ -32,6 +32,7 @@ typedef struct hapi_fs_options {
     int mode;              /* enum hapi_preprocess_mode */
     uint64_t max_pixels;
     uint64_t cache_size;   /* bytes */
+    int cache_reset;       /* replace a corrupt or foreign cache store */
     int threads;           /* FUSE worker threads (max) */
     int torch_threads;     /* libtorch intra-op threads */
     int batch;             /* storage-side batch */
@@ -121,6 +122,9 @@ typedef struct hapi_fs_stats {
     atomic_uint_fast64_t inference_ns;    /* time in the model */
     atomic_uint_fast64_t hit_ns;          /* time in cache lookups that hit */
     atomic_uint_fast64_t passthrough_bytes;
+    atomic_uint_fast64_t stale;           /* lookups that found an older version's features */
+    atomic_uint_fast64_t bad;             /* lookups that found damaged entries */
+    atomic_uint_fast64_t collected;       /* entries of deleted sources removed */
 } hapi_fs_stats;
 
 /* The mounted filesystem: one per daemon, passed to every handler as userdata. */
@@ -137,6 +141,11 @@ typedef struct hapi_fs {
     size_t sample_bytes;
     uint64_t feat_size;          /* header + data */
     hapi_batcher *batcher;
+    pthread_t keeper;             /* applies the cache's access log now and then */
+    int keeper_running;
+    pthread_mutex_t keeper_lock;
+    pthread_cond_t keeper_cond;
+    int keeper_stop;
     struct {
         pthread_mutex_t lock;     /* starting and joining the walker */
         pthread_t thread;
@@ -194,6 +203,12 @@ void hapi_feat_stop(hapi_fs *fs);
 /* Replies to a read of the .feat of source path, opened with identity *id. */
 void hapi_feat_read(fuse_req_t req, hapi_fs *fs, const char *path, const hapi_source_id *id,
                     size_t size, off_t off);
+
+/* Removes the cached features of a source found deleted (path relative to the source). */
+void hapi_feat_collect(hapi_fs *fs, const char *path);
+
+/* Removes this namespace's entries for path: an image, or every image beneath a directory ("" = all). Returns the count or < 0. */
+int hapi_feat_evict(hapi_fs *fs, const char *path, hapi_error *err);
 
 /* The identity of a regular source file. Returns 0 or -errno. */
 int hapi_feat_identity(hapi_fs *fs, const char *path, hapi_source_id *id);

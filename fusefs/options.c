@@ -19,7 +19,7 @@
 struct raw_options {
     char *model, *split, *freeze, *dtype, *preprocess, *cache, *cache_size;
     char *threads, *torch_threads, *show_raw, *max_pixels, *device, *log;
-    char *batch, *batch_wait, *decode_threads, *mem, *warm;
+    char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
     char *nonopt[3];
     int nonopts;
     int helper;
@@ -51,6 +51,7 @@ static const struct fuse_opt option_table[] = {
     RAW("decode_threads=%s", decode_threads),
     RAW("mem=%s", mem),
     RAW("warm=%s", warm),
+    RAW("cache_reset=%s", cache_reset),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-d", KEY_DEBUG),
     FUSE_OPT_KEY("debug", KEY_DEBUG),
@@ -153,6 +154,7 @@ void hapi_fs_usage(const char *prog)
            "    preprocess=exact|fast  torchvision-exact decode, or DCT-scaled decode (default exact)\n"
            "    cache=DIR            feature cache directory (default " HAPI_DEFAULT_CACHE_DIR ")\n"
            "    cache_size=SIZE      bound on the cache, e.g. 20G (default: 1/4 of free space)\n"
+           "    cache_reset=0|1      replace a corrupt or foreign cache instead of failing\n"
            "    threads=N            FUSE worker threads (default 32)\n"
            "    torch_threads=N      libtorch intra-op threads (default: cores)\n"
            "    batch=N              storage-side batch (default 16)\n"
@@ -376,6 +378,12 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
             return hapi_error_set(err, HAPI_EINVAL, "warm=%s: expected 0 or 1", raw->warm);
         o->warm = (int)v;
     }
+    if (raw->cache_reset) {
+        if (parse_int(raw->cache_reset, 0, 1, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "cache_reset=%s: expected 0 or 1",
+                                  raw->cache_reset);
+        o->cache_reset = (int)v;
+    }
     if (raw->show_raw) {
         if (parse_int(raw->show_raw, 0, 1, &v) < 0)
             return hapi_error_set(err, HAPI_EINVAL, "show_raw=%s: expected 0 or 1", raw->show_raw);
@@ -475,6 +483,7 @@ out:
     free(raw.decode_threads);
     free(raw.mem);
     free(raw.warm);
+    free(raw.cache_reset);
     free(raw.bad_option);
     free(raw.kernel_opts);
     for (int i = 0; i < raw.nonopts; i++)
