@@ -65,6 +65,26 @@
  */
 #define HIGH_PERCENT 95
 #define LOW_PERCENT 85
+/*
+ * Pages kept free beyond the high mark whatever the map's size: eviction is
+ * itself a write (copy-on-write of the touched leaf and branch pages, the
+ * free list), and pages freed by the last two transactions are not reusable
+ * yet. With 5% of a small map (13 pages of 1 MiB) a full store could not even
+ * evict, and froze: every later put was refused.
+ */
+#define RESERVE_PAGES 64 /* or an eighth of a smaller map */
+
+/* The high and low marks of a map of map pages, in pages. */
+static void marks(uint64_t map, uint64_t *high, uint64_t *low)
+{
+    uint64_t h = map * HIGH_PERCENT / 100;
+    uint64_t reserve = map / 8 < RESERVE_PAGES ? map / 8 : RESERVE_PAGES;
+    if (map - h < reserve)
+        h = map - reserve;
+    uint64_t gap = map * (HIGH_PERCENT - LOW_PERCENT) / 100;
+    *high = h;
+    *low = h > gap ? h - gap : 0;
+}
 #define EVICT_BATCH 512
 /* Attempts of a put after MDB_MAP_FULL, each after evicting more than the last. */
 #define PUT_RETRIES 12
@@ -677,7 +697,9 @@ static int eviction_goal(hapi_cache *c, uint64_t need, uint64_t *goal)
     uint64_t map = (uint64_t)info.me_mapsize / c->psize;
     uint64_t used = (uint64_t)info.me_last_pgno + 1;
     uint64_t need_pages = (need + c->psize - 1) / c->psize;
-    if ((used + need_pages) * 100 <= map * HIGH_PERCENT)
+    uint64_t high, low;
+    marks(map, &high, &low);
+    if (used + need_pages <= high)
         return 0;
     rc = read_begin(c, &rtxn);
     if (rc == 1)
@@ -689,9 +711,8 @@ static int eviction_goal(hapi_cache *c, uint64_t need, uint64_t *goal)
     if (rc)
         return rc;
     used = free_pages < used ? used - free_pages : 0;
-    if ((used + need_pages) * 100 <= map * HIGH_PERCENT)
+    if (used + need_pages <= high)
         return 0;
-    uint64_t low = map * LOW_PERCENT / 100;
     *goal = (used + need_pages - (low < used + need_pages ? low : used + need_pages)) * c->psize;
     return 0;
 }
@@ -1381,9 +1402,14 @@ int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
     }
     drain_take(c);
 
-    /* Evict first when the put would take the store past the high mark. */
+    /*
+     * Evict first when the put would take the store past the high mark. The
+     * same transaction applies the access log: each access rewrites about
+     * three small LRU index records, pages that count as much as the values
+     * (a full store after an epoch of hits jammed on exactly that).
+     */
     uint64_t goal = 0;
-    if (eviction_goal(c, need, &goal) == 0 && goal > 0) {
+    if (eviction_goal(c, need + 3 * (uint64_t)c->drain_used, &goal) == 0 && goal > 0) {
         if ((rc = evict(c, goal, &evicted, err)) != 0)
             goto out;
     }
