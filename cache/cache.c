@@ -755,7 +755,7 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
     uint64_t freed = 0, total = 0, stamp = 0;
     unsigned batch = EVICT_BATCH;
     int waits = 0;
-    bool empty = false;
+    bool empty = false, skip_apply = false;
     int rc = 0;
 
     *evicted = 0;
@@ -768,7 +768,14 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
 
         if ((rc = write_begin(c, &txn, err)) != 0)
             return rc;
-        bool applied = c->drain_used > 0;
+        /*
+         * The hits logged since the last write are applied first, so that
+         * what was just read is not what goes. But after an epoch of hits
+         * that is hundreds of index rewrites, and in a full store they alone
+         * can overflow the map: then this batch goes without them (by the
+         * slightly older order), and the next applies them in the room made.
+         */
+        bool applied = c->drain_used > 0 && !skip_apply;
         rc = stamp_first(c, txn, &stamp);
         if (rc == 0 && applied)
             rc = apply_accesses(c, txn, &stamp, NULL);
@@ -815,6 +822,10 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
         } else {
             mdb_txn_abort(txn);
         }
+        if (rc == MDB_MAP_FULL && applied) {
+            skip_apply = true;
+            continue;
+        }
         if (rc == MDB_MAP_FULL && batch > 1) {
             batch /= 2;
             continue;
@@ -832,6 +843,7 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
                                   mdb_strerror(rc));
         if (applied)
             drain_done(c);
+        skip_apply = false;
         freed += batch_freed;
         total += n;
         empty = batch_empty;

