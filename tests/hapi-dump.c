@@ -1,5 +1,6 @@
 /* hapi-dump.c — test tool: writes the preprocessed tensor of an image as .npy, or times decode and preprocess. */
 #include "extractor.h"
+#include "fusefs-int.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -57,25 +58,18 @@ out:
 /* Writes a float32 C-order array as .npy 1.0 with the data starting at a multiple of 64. */
 static int write_npy(const char *path, const float *v, int ndim, const long *shape)
 {
-    char dict[256], header[320];
+    char header[HAPI_NPY_HEADER_MAX];
+    int64_t dims[HAPI_MAX_DIMS];
     size_t count = 1;
-    int n = snprintf(dict, sizeof(dict), "{'descr': '<f4', 'fortran_order': False, 'shape': (");
     for (int i = 0; i < ndim; i++) {
-        n += snprintf(dict + n, sizeof(dict) - (size_t)n, "%ld,%s", shape[i],
-                      i + 1 < ndim ? " " : "");
+        dims[i] = shape[i];
         count *= (size_t)shape[i];
     }
-    n += snprintf(dict + n, sizeof(dict) - (size_t)n, "), }");
-    /* magic (6) + version (2) + header length (2) + dict + padding + '\n' */
-    size_t total = 10 + (size_t)n + 1;
-    size_t padded = (total + 63) / 64 * 64;
-    size_t hlen = padded - 10;
-    memcpy(header, "\x93NUMPY\x01\x00", 8);
-    header[8] = (char)(hlen & 0xff);
-    header[9] = (char)(hlen >> 8);
-    memcpy(header + 10, dict, (size_t)n);
-    memset(header + 10 + n, ' ', hlen - (size_t)n - 1);
-    header[padded - 1] = '\n';
+    /* the daemon's own .npy header, so the tests compare like with like */
+    int len = hapi_npy_header(header, HAPI_DTYPE_FP32, dims, ndim);
+    if (len < 0)
+        return -EINVAL;
+    size_t padded = (size_t)len;
 
     FILE *f = fopen(path, "wb");
     if (!f)

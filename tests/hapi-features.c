@@ -1,5 +1,6 @@
 /* hapi-features.c — test tool: writes the features of images as .npy, or times decode, preprocess and inference. */
 #include "extractor.h"
+#include "fusefs-int.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -70,22 +71,12 @@ out:
 static int write_npy(const char *path, const void *data, size_t bytes, int dtype,
                      const hapi_stage_info *info)
 {
-    char dict[512], header[640];
-    int n = snprintf(dict, sizeof(dict), "{'descr': '%s', 'fortran_order': False, 'shape': (",
-                     dtype == HAPI_DTYPE_FP16 ? "<f2" : "<f4");
-    for (int d = 0; d < info->ndim; d++)
-        n += snprintf(dict + n, sizeof(dict) - (size_t)n, "%lld,%s", (long long)info->shape[d],
-                      d + 1 < info->ndim ? " " : "");
-    n += snprintf(dict + n, sizeof(dict) - (size_t)n, "), }");
-    /* magic (6) + version (2) + header length (2) + dict + padding + '\n' */
-    size_t padded = (10 + (size_t)n + 1 + 63) / 64 * 64;
-    size_t hlen = padded - 10;
-    memcpy(header, "\x93NUMPY\x01\x00", 8);
-    header[8] = (char)(hlen & 0xff);
-    header[9] = (char)(hlen >> 8);
-    memcpy(header + 10, dict, (size_t)n);
-    memset(header + 10 + n, ' ', hlen - (size_t)n - 1);
-    header[padded - 1] = '\n';
+    char header[HAPI_NPY_HEADER_MAX];
+    /* the daemon's own .npy header, so the tests compare like with like */
+    int len = hapi_npy_header(header, dtype, info->shape, info->ndim);
+    if (len < 0)
+        return -EINVAL;
+    size_t padded = (size_t)len;
 
     FILE *f = fopen(path, "wb");
     if (!f)
