@@ -542,6 +542,22 @@ static void drain_take(hapi_cache *c)
 
 /* ---- the LRU index ---- */
 
+/*
+ * Deletes the "lru" record that a "stamps" value names. The stamp is copied
+ * first: it points into a page the deletion may change. A record already
+ * gone is fine.
+ */
+static int drop_lru_record(hapi_cache *c, MDB_txn *txn, const MDB_val *stamp)
+{
+    uint8_t o[HAPI_CACHE__STAMP_SIZE];
+    if (stamp->mv_size != sizeof(o))
+        return MDB_CORRUPTED;
+    memcpy(o, stamp->mv_data, sizeof(o));
+    MDB_val ok = { .mv_size = sizeof(o), .mv_data = o };
+    int rc = mdb_del(txn, c->lru_dbi, &ok, NULL);
+    return rc == MDB_NOTFOUND ? 0 : rc;
+}
+
 /* The first stamp a write transaction hands out: one more than the newest. */
 static int stamp_first(hapi_cache *c, MDB_txn *txn, uint64_t *stamp)
 {
@@ -581,14 +597,7 @@ static int touch(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
     if (rc == MDB_NOTFOUND && must_exist)
         return rc;
     if (rc == 0) {
-        /* Copy: old points into a page the deletion may change. */
-        uint8_t o[HAPI_CACHE__STAMP_SIZE];
-        if (old.mv_size != sizeof(o))
-            return MDB_CORRUPTED;
-        memcpy(o, old.mv_data, sizeof(o));
-        MDB_val ok = { .mv_size = sizeof(o), .mv_data = o };
-        rc = mdb_del(txn, c->lru_dbi, &ok, NULL);
-        if (rc && rc != MDB_NOTFOUND)
+        if ((rc = drop_lru_record(c, txn, &old)) != 0)
             return rc;
     } else if (rc != MDB_NOTFOUND) {
         return rc;
@@ -606,18 +615,12 @@ static int touch(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
 static int unlink_lru(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len)
 {
     MDB_val k = { .mv_size = key_len, .mv_data = (void *)key }, old;
-    uint8_t o[HAPI_CACHE__STAMP_SIZE];
     int rc = mdb_get(txn, c->stamps_dbi, &k, &old);
     if (rc == MDB_NOTFOUND)
         return 0;
     if (rc)
         return rc;
-    if (old.mv_size != sizeof(o))
-        return MDB_CORRUPTED;
-    memcpy(o, old.mv_data, sizeof(o));
-    MDB_val ok = { .mv_size = sizeof(o), .mv_data = o };
-    rc = mdb_del(txn, c->lru_dbi, &ok, NULL);
-    if (rc && rc != MDB_NOTFOUND)
+    if ((rc = drop_lru_record(c, txn, &old)) != 0)
         return rc;
     return mdb_del(txn, c->stamps_dbi, &k, NULL);
 }
