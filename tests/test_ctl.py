@@ -1,0 +1,147 @@
+"""hapifs-ctl against a real mount: status, stats, errors, warm with progress, evict, exit codes."""
+import json
+import subprocess
+
+import pytest
+
+from conftest import BUILD_ROOT
+from test_throughput import make_tree
+
+CTL = BUILD_ROOT / "tools" / "hapifs-ctl"
+
+
+def ctl(*args, cwd=None, timeout=300):
+    if not CTL.exists():
+        pytest.skip(f"{CTL} is not built (set HAPI_BUILD_ROOT)")
+    return subprocess.run([str(CTL), *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    src = tmp_path / "src"
+    return src, make_tree(src, classes=2, per_class=6, size=(64, 80))
+
+
+def test_status_and_stats_after_reads(tree, mounter, models):
+    src, paths = tree
+    m = mounter(src, model=models())
+    for p in paths[:5]:
+        (m.path / (p + ".feat")).read_bytes()
+
+    r = ctl("--json", "stats", m.path)
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    assert stats["feat"]["computed"] == 5
+    assert stats["cache"]["namespace"]["entries"] == 5
+    assert stats["feat"]["reads"] >= 5 and stats["feat"]["failed"] == 0
+    assert {"feat", "batcher", "warm", "cache"} <= set(stats)
+
+    r = ctl("stats", m.path)
+    assert r.returncode == 0, r.stderr
+    for section in ("feat:", "batcher:", "warm:", "cache:"):
+        assert section in r.stdout.splitlines()
+
+    # run from inside the mount: the mountpoint is found by walking up
+    r = ctl("status", cwd=m.path / "class1")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()}
+    config = m.ctl("config")
+    assert str(src) in lines["source"]
+    assert config["model"]["arch"] in lines["model"]
+    index = config["split"]["index"]
+    assert f"index {index}: stages [0, {index}) of {len(config['model']['stages'])}" in lines["split"]
+    assert f"through '{config['split']['stage']}'" in lines["split"]
+    assert config["split"]["dtype"] in lines["features"]
+    assert config["cache"]["namespace"][:12] in lines["cache"]
+    assert ": 5 entries" in lines["cache"]
+    f = m.ctl("stats")["feat"]
+    assert lines["reads"].split(None, 1)[1] == (
+        f"{f['reads']} (hits {f['hits']}, misses {f['misses']}, computed 5, failed 0)")
+    assert lines["warm"].split()[1] == "idle"
+
+    r = ctl("--json", "config", m.path)
+    assert r.returncode == 0 and json.loads(r.stdout)["source"] == str(src)
+
+
+def test_errors_show_the_corrupt_image(tree, mounter, models):
+    src, paths = tree
+    m = mounter(src, model=models())
+    assert ctl("errors", m.path).stdout.strip() == "no errors"
+    (src / "class0" / "broken.jpg").write_bytes(b"not a jpeg at all" * 20)
+    with pytest.raises(OSError):
+        (m.path / "class0" / "broken.jpg.feat").read_bytes()
+    r = ctl("errors", m.path)
+    assert r.returncode == 0, r.stderr
+    assert "class0/broken.jpg" in r.stdout
+    errs = json.loads(ctl("--json", "errors", m.path).stdout)
+    assert errs["errors"][-1]["path"] == "class0/broken.jpg"
+
+
+def test_warm_computes_everything_with_progress(tree, mounter, models):
+    src, paths = tree
+    m = mounter(src, model=models(), batch=2)
+    r = ctl("--json", "warm", m.path)
+    assert r.returncode == 0, r.stderr
+    warm = json.loads(r.stdout)
+    assert warm["state"] == "done"
+    assert warm["total"] == len(paths) and warm["done"] == len(paths)
+    assert warm["computed"] == len(paths)
+    assert "warm [" in r.stderr and f"{len(paths)}/{len(paths)}" in r.stderr
+    stats = m.ctl("stats")
+    assert stats["warm"]["state"] == "done"
+    assert stats["cache"]["namespace"]["entries"] == len(paths)
+
+    # a second warm-up of one directory, from inside it: all cached now
+    r = ctl("warm", ".", cwd=m.path / "class0")
+    assert r.returncode == 0, r.stderr
+    stats = m.ctl("stats")
+    assert stats["warm"]["path"] == "class0" and stats["warm"]["cached"] == len(paths) // 2
+
+
+def test_evict_path_drops_its_entries(tree, mounter, models):
+    src, paths = tree
+    m = mounter(src, model=models())
+    for p in paths:
+        (m.path / (p + ".feat")).read_bytes()
+    assert m.ctl("stats")["cache"]["namespace"]["entries"] == len(paths)
+
+    r = ctl("--json", "evict", "class1", m.path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"command": "evict", "path": "class1",
+                                    "evicted": len(paths) // 2, "entries": len(paths) // 2}
+    assert m.ctl("stats")["cache"]["namespace"]["entries"] == len(paths) // 2
+
+    # a .feat named by its absolute path in the mount stands for its image
+    r = ctl("evict", m.path / (paths[0] + ".feat"))
+    assert r.returncode == 0, r.stderr
+    assert m.ctl("stats")["cache"]["namespace"]["entries"] == len(paths) // 2 - 1
+
+    r = ctl("evict", "all", m.path)
+    assert r.returncode == 0, r.stderr
+    assert m.ctl("stats")["cache"]["namespace"]["entries"] == 0
+
+
+def test_exit_codes(tree, mounter, models, tmp_path):
+    src, _ = tree
+    m = mounter(src, model=models())
+    plain = tmp_path / "plain"
+    plain.mkdir()
+
+    r = ctl("status", plain)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"hapifs-ctl: {plain}: not a hapifs mount (no .hapifs/config)"
+    r = ctl("stats", cwd=plain)
+    assert r.returncode == 2 and "not a hapifs mount" in r.stderr
+
+    r = ctl("frobnicate", m.path)
+    assert r.returncode == 1
+    assert r.stderr.startswith("hapifs-ctl: unknown command 'frobnicate'") and "usage:" in r.stderr
+    assert ctl("--bogus", "status", m.path).returncode == 1
+    assert ctl().returncode == 1
+
+    r = ctl("evict", "nosuch", m.path)
+    assert r.returncode == 3
+    assert r.stderr.strip() == "hapifs-ctl: evict nosuch: No such file or directory"
+    for line in r.stderr.splitlines():
+        assert line.startswith("hapifs-ctl: ")

@@ -1,0 +1,483 @@
+/* hapifs-ctl.c — the operator's client of a mount's .hapifs/ files: status, stats, warm-up, eviction. */
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { EXIT_USAGE = 1, EXIT_NOT_MOUNT = 2, EXIT_REFUSED = 3 };
+
+static const char usage_text[] =
+    "usage: hapifs-ctl [--json] COMMAND [ARGS] [MOUNTPOINT]\n"
+    "\n"
+    "commands:\n"
+    "    status             one screen: model, split, features, cache, reads, warm-up\n"
+    "    stats              the mount's counters (feat, batcher, warm, cache)\n"
+    "    config             the mount's configuration\n"
+    "    errors             the recent errors\n"
+    "    warm [PATH]        compute the features of PATH (default: everything), showing progress\n"
+    "    evict [all|PATH]   drop cached features of the mount, or of PATH\n"
+    "\n"
+    "MOUNTPOINT defaults to the hapifs mount containing the current directory.\n"
+    "    --json             print JSON\n"
+    "    -h, --help         this help\n";
+
+static int json_output;
+
+static void say(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("hapifs-ctl: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+static int has_config(const char *dir)
+{
+    char path[PATH_MAX + 32];
+    struct stat st;
+    snprintf(path, sizeof(path), "%s/.hapifs/config", strcmp(dir, "/") ? dir : "");
+    return stat(path, &st) == 0;
+}
+
+/* Walks up from dir (absolute) to the nearest directory with .hapifs/config; 1 if found. */
+static int walk_up(const char *dir, char *mnt)
+{
+    snprintf(mnt, PATH_MAX, "%s", dir);
+    for (;;) {
+        if (has_config(mnt))
+            return 1;
+        char *slash = strrchr(mnt, '/');
+        if (!slash || strcmp(mnt, "/") == 0)
+            return 0;
+        slash[slash == mnt ? 1 : 0] = '\0';
+    }
+}
+
+/* Fills mnt (PATH_MAX) with the mount's absolute path: the one given, else the one holding
+   path (if it exists), else the one holding the current directory. Returns 0 or an exit code
+   after saying why. */
+static int find_mount(const char *arg, const char *path, char *mnt)
+{
+    char start[PATH_MAX];
+    if (arg) {
+        if (!realpath(arg, mnt) || !has_config(mnt)) {
+            say("%s: not a hapifs mount (no .hapifs/config)", arg);
+            return EXIT_NOT_MOUNT;
+        }
+        return 0;
+    }
+    if (path && realpath(path, start) && walk_up(start, mnt))
+        return 0;
+    if (!getcwd(start, sizeof(start))) {
+        say("cannot find the current directory: %s", strerror(errno));
+        return EXIT_NOT_MOUNT;
+    }
+    if (walk_up(start, mnt))
+        return 0;
+    say("%s: not a hapifs mount (no .hapifs/config)", start);
+    return EXIT_NOT_MOUNT;
+}
+
+/* Reads MNT/.hapifs/NAME; NULL after saying why. The caller owns the result. */
+static json_t *load(const char *mnt, const char *name)
+{
+    char path[PATH_MAX + 32];
+    json_error_t err;
+    snprintf(path, sizeof(path), "%s/.hapifs/%s", mnt, name);
+    json_t *j = json_load_file(path, 0, &err);
+    if (!j)
+        say("%s: %s", path, err.text);
+    return j;
+}
+
+/* The value at a dotted path such as "cache.namespace.entries", or NULL. Borrowed. */
+static json_t *get(json_t *o, const char *path)
+{
+    char key[64];
+    while (o && *path) {
+        size_t n = strcspn(path, ".");
+        snprintf(key, sizeof(key), "%.*s", (int)n, path);
+        o = json_object_get(o, key);
+        path += n + (path[n] == '.');
+    }
+    return o;
+}
+
+static double num(json_t *o, const char *path) { return json_number_value(get(o, path)); }
+
+static const char *str(json_t *o, const char *path)
+{
+    const char *s = json_string_value(get(o, path));
+    return s ? s : "?";
+}
+
+static const char *human_size(double bytes, char *buf, size_t size)
+{
+    static const char *units[] = { "B", "KiB", "MiB", "GiB", "TiB" };
+    int u = 0;
+    while (bytes >= 1024 && u < 4) {
+        bytes /= 1024;
+        u++;
+    }
+    snprintf(buf, size, u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
+    return buf;
+}
+
+static const char *human_time(double s, char *buf, size_t size)
+{
+    if (s < 0)
+        snprintf(buf, size, "?");
+    else if (s < 60)
+        snprintf(buf, size, "%.0fs", s);
+    else if (s < 3600)
+        snprintf(buf, size, "%dm%02ds", (int)s / 60, (int)s % 60);
+    else
+        snprintf(buf, size, "%dh%02dm", (int)(s / 3600), (int)s % 3600 / 60);
+    return buf;
+}
+
+static void print_scalar(json_t *v)
+{
+    if (json_is_string(v))
+        fputs(json_string_value(v), stdout);
+    else if (json_is_real(v))
+        printf("%.3f", json_real_value(v));
+    else {
+        char *s = json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY | JSON_REAL_PRECISION(6));
+        fputs(s ? s : "?", stdout);
+        free(s);
+    }
+}
+
+/* Objects become indented sections, in the order the mount wrote them. */
+static void print_object(json_t *o, int depth)
+{
+    const char *key;
+    json_t *v;
+    json_object_foreach(o, key, v) {
+        printf("%*s%s:", depth * 2, "", key);
+        if (json_is_object(v)) {
+            putchar('\n');
+            print_object(v, depth + 1);
+            continue;
+        }
+        /* A list of objects (the model's stages) gets a line per element. */
+        if (json_is_array(v) && json_is_object(json_array_get(v, 0))) {
+            size_t i;
+            json_t *e;
+            putchar('\n');
+            json_array_foreach(v, i, e) {
+                printf("%*s- ", depth * 2 + 2, "");
+                print_scalar(e);
+                putchar('\n');
+            }
+            continue;
+        }
+        putchar(' ');
+        print_scalar(v);
+        putchar('\n');
+    }
+}
+
+static void print_warm_line(json_t *w)
+{
+    char a[32];
+    const char *state = str(w, "state");
+    printf("%-10s %s", "warm", state);
+    if (strcmp(state, "idle") != 0) {
+        double total = num(w, "total"), done = num(w, "done");
+        printf(" '/%s': %.0f/%.0f (%.0f%%), computed %.0f, cached %.0f, skipped %.0f, %.1f/s, "
+               "%s %s", str(w, "path"), done, total, total > 0 ? 100 * done / total : 100.0,
+               num(w, "computed"), num(w, "cached"), num(w, "skipped"), num(w, "rate_per_s"),
+               strcmp(state, "done") ? "ETA" : "took",
+               human_time(strcmp(state, "done") ? num(w, "eta_s") : num(w, "elapsed_s"), a,
+                          sizeof(a)));
+    }
+    putchar('\n');
+}
+
+static int cmd_status(const char *mnt)
+{
+    json_t *config = load(mnt, "config"), *stats = config ? load(mnt, "stats") : NULL;
+    if (!stats) {
+        json_decref(config);
+        return EXIT_NOT_MOUNT;
+    }
+    if (json_output) {
+        json_t *both = json_pack("{s:O, s:O}", "config", config, "stats", stats);
+        json_dumpf(both, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        putchar('\n');
+        json_decref(both);
+        goto out;
+    }
+    char s1[32], s2[32], s3[32], t[32];
+    char *shape = json_dumps(get(config, "split.shape"), JSON_COMPACT);
+    printf("%-10s %s (hapifs %s, up %s)\n", "mount", mnt, str(config, "version"),
+           human_time(num(stats, "uptime_s"), t, sizeof(t)));
+    printf("%-10s %s\n", "source", str(config, "source"));
+    printf("%-10s %s  %s\n", "model", str(config, "model.arch"), str(config, "model.path"));
+    printf("%-10s index %.0f: stages [0, %.0f) of %zu, through '%s', output %s\n", "split",
+           num(config, "split.index"), num(config, "split.index"),
+           json_array_size(get(config, "model.stages")), str(config, "split.stage"),
+           shape ? shape : "?");
+    printf("%-10s %s, %s per file\n", "features", str(config, "split.dtype"),
+           human_size(num(config, "split.feat_size"), s1, sizeof(s1)));
+    printf("%-10s %s namespace %.12s: %.0f entries, %s (all: %.0f entries, %s of %s)\n",
+           "cache", str(config, "cache.dir"), str(config, "cache.namespace"),
+           num(stats, "cache.namespace.entries"),
+           human_size(num(stats, "cache.namespace.bytes"), s1, sizeof(s1)),
+           num(stats, "cache.entries"), human_size(num(stats, "cache.bytes_used"), s2, sizeof(s2)),
+           human_size(num(stats, "cache.size_limit"), s3, sizeof(s3)));
+    printf("%-10s %.0f (hits %.0f, misses %.0f, computed %.0f, failed %.0f)\n", "reads",
+           num(stats, "feat.reads"), num(stats, "feat.hits"), num(stats, "feat.misses"),
+           num(stats, "feat.computed"), num(stats, "feat.failed"));
+    print_warm_line(get(stats, "warm"));
+    free(shape);
+out:
+    json_decref(config);
+    json_decref(stats);
+    return 0;
+}
+
+/* stats, config: the JSON as it is, or as indented sections. */
+static int cmd_show(const char *mnt, const char *name)
+{
+    json_t *j = load(mnt, name);
+    if (!j)
+        return EXIT_NOT_MOUNT;
+    if (json_output) {
+        json_dumpf(j, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        putchar('\n');
+    } else {
+        print_object(j, 0);
+    }
+    json_decref(j);
+    return 0;
+}
+
+static int cmd_errors(const char *mnt)
+{
+    json_t *j = load(mnt, "errors");
+    if (!j)
+        return EXIT_NOT_MOUNT;
+    json_t *list = json_object_get(j, "errors"), *e;
+    size_t i;
+    if (json_output) {
+        json_dumpf(j, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        putchar('\n');
+    } else if (json_array_size(list) == 0) {
+        puts("no errors");
+    } else {
+        if (num(j, "count") > (double)json_array_size(list))
+            printf("%.0f errors since the mount; the last %zu:\n", num(j, "count"),
+                   json_array_size(list));
+        json_array_foreach(list, i, e) {
+            printf("%s  %s  %s", str(e, "time"), str(e, "path"), str(e, "error"));
+            if (num(e, "repeats") > 0)
+                printf(" (repeated %.0f times)", num(e, "repeats"));
+            putchar('\n');
+        }
+    }
+    json_decref(j);
+    return 0;
+}
+
+/* Turns PATH (in the mount, from the current directory, or relative to the mount's root) into
+   the source name the ctl file expects: x.jpg.feat becomes x.jpg. */
+static int source_name(const char *mnt, const char *arg, char *out, size_t size)
+{
+    char real[PATH_MAX];
+    size_t n = strlen(mnt);
+    const char *rel = arg;
+    if (realpath(arg, real) && strncmp(real, mnt, n) == 0 && (real[n] == '/' || !real[n]))
+        rel = real + n;
+    else if (arg[0] == '/') {
+        if (strncmp(arg, mnt, n) != 0 || (arg[n] != '/' && arg[n]))
+            return say("%s: not beneath the mount %s", arg, mnt), EXIT_USAGE;
+        rel = arg + n;
+    }
+    while (*rel == '/')
+        rel++;
+    if (strpbrk(rel, " \t\r\n"))
+        return say("'%s': the ctl file takes no paths with blanks", arg), EXIT_USAGE;
+    snprintf(out, size, "%s", rel);
+    size_t len = strlen(out);
+    while (len && out[len - 1] == '/')
+        out[--len] = '\0';
+    static const char *images[] = { ".jpg.feat", ".jpeg.feat", ".png.feat" };
+    for (int i = 0; i < 3; i++) {
+        size_t k = strlen(images[i]);
+        if (len > k && strcasecmp(out + len - k, images[i]) == 0)
+            out[len - 5] = '\0';
+    }
+    return 0;
+}
+
+/* Writes one command line to ctl; returns 0 or EXIT_REFUSED after printing the errno text. */
+static int send(const char *mnt, const char *command, const char *path)
+{
+    char file[PATH_MAX + 32], line[PATH_MAX + 32];
+    int n = snprintf(line, sizeof(line), "%s%s%s\n", command, *path ? " " : "", path);
+    snprintf(file, sizeof(file), "%s/.hapifs/ctl", mnt);
+    int fd = open(file, O_WRONLY);
+    int rc = fd < 0 || write(fd, line, (size_t)n) != n ? -errno : 0;
+    if (fd >= 0 && close(fd) < 0 && rc == 0)
+        rc = -errno;
+    if (rc < 0) {
+        say("%s%s%s: %s", command, *path ? " " : "", path, strerror(-rc));
+        return EXIT_REFUSED;
+    }
+    return 0;
+}
+
+static void draw_progress(json_t *w, int tty)
+{
+    char bar[31], eta[32];
+    double total = num(w, "total"), done = num(w, "done");
+    if (strcmp(str(w, "state"), "counting") == 0) {
+        fprintf(stderr, "%swarm: counting files... %.0f%s", tty ? "\r" : "", total,
+                tty ? "\033[K" : "\n");
+        return;
+    }
+    double frac = total > 0 ? done / total : 1;
+    int fill = (int)(frac * 30);
+    for (int i = 0; i < 30; i++)
+        bar[i] = i < fill ? '#' : '-';
+    bar[30] = '\0';
+    fprintf(stderr, "%swarm [%s] %.0f/%.0f %5.1f%%  %.1f/s  ETA %s%s", tty ? "\r" : "", bar, done,
+            total, 100 * frac, num(w, "rate_per_s"), human_time(num(w, "eta_s"), eta, sizeof(eta)),
+            tty ? "\033[K" : "\n");
+}
+
+static int cmd_warm(const char *mnt, const char *path)
+{
+    int rc = send(mnt, "warm", path);
+    if (rc)
+        return rc;
+    int tty = isatty(STDERR_FILENO);
+    double last_done = -1;
+    time_t last_line = 0;
+    for (;;) {
+        json_t *stats = load(mnt, "stats");
+        if (!stats)
+            return EXIT_NOT_MOUNT;
+        json_t *w = get(stats, "warm");
+        int finished = strcmp(str(w, "state"), "done") == 0;
+        /* Away from a terminal a line per second at most, and only when something moved. */
+        if (tty || finished || (num(w, "done") != last_done && time(NULL) != last_line)) {
+            draw_progress(w, tty);
+            last_done = num(w, "done");
+            last_line = time(NULL);
+        }
+        if (finished) {
+            if (tty)
+                fputc('\n', stderr);
+            if (json_output) {
+                json_dumpf(w, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+                putchar('\n');
+            } else {
+                print_warm_line(w);
+            }
+            json_decref(stats);
+            return 0;
+        }
+        json_decref(stats);
+        nanosleep(&(struct timespec){ .tv_nsec = 250 * 1000 * 1000 }, NULL);
+    }
+}
+
+static int cmd_evict(const char *mnt, const char *path)
+{
+    json_t *before = load(mnt, "stats");
+    if (!before)
+        return EXIT_NOT_MOUNT;
+    int rc = send(mnt, "evict", *path ? path : "all");
+    json_t *after = rc ? NULL : load(mnt, "stats");
+    if (!rc && !after)
+        rc = EXIT_NOT_MOUNT;
+    if (!rc) {
+        double was = num(before, "cache.namespace.entries");
+        double now = num(after, "cache.namespace.entries");
+        double gone = was > now ? was - now : 0;
+        if (json_output) {
+            json_t *result = json_pack("{s:s, s:s, s:I, s:I}", "command", "evict", "path",
+                                       *path ? path : "all", "evicted", (json_int_t)gone,
+                                       "entries", (json_int_t)now);
+            json_dumpf(result, stdout, JSON_COMPACT | JSON_PRESERVE_ORDER);
+            putchar('\n');
+            json_decref(result);
+        } else
+            printf("evicted %.0f cached features of '%s'; %.0f left in this mount's namespace\n",
+                   gone, *path ? path : "all", now);
+    }
+    json_decref(before);
+    json_decref(after);
+    return rc;
+}
+
+int main(int argc, char *argv[])
+{
+    const char *words[4];
+    int n = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0)
+            json_output = 1;
+        else if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0)
+            return fputs(usage_text, stdout), 0;
+        else if (argv[i][0] == '-' && argv[i][1] && strcmp(argv[i], "--") != 0)
+            return say("unknown option '%s'", argv[i]), fputs(usage_text, stderr), EXIT_USAGE;
+        else if (n == 4)
+            return say("too many arguments"), fputs(usage_text, stderr), EXIT_USAGE;
+        else if (strcmp(argv[i], "--") != 0)
+            words[n++] = argv[i];
+    }
+    if (n == 0)
+        return say("no command given"), fputs(usage_text, stderr), EXIT_USAGE;
+    const char *cmd = words[0];
+    int takes_path = strcmp(cmd, "warm") == 0 || strcmp(cmd, "evict") == 0;
+    int known = takes_path || strcmp(cmd, "status") == 0 || strcmp(cmd, "stats") == 0 ||
+                strcmp(cmd, "config") == 0 || strcmp(cmd, "errors") == 0;
+    if (!known)
+        return say("unknown command '%s'", cmd), fputs(usage_text, stderr), EXIT_USAGE;
+    if (n > 2 + takes_path)
+        return say("too many arguments for %s", cmd), fputs(usage_text, stderr), EXIT_USAGE;
+
+    /* warm and evict take [PATH] [MOUNTPOINT]: a lone word is the mountpoint if it is one. */
+    const char *path = NULL, *mount_arg = NULL;
+    if (takes_path && n == 3) {
+        path = words[1];
+        mount_arg = words[2];
+    } else if (n == 2) {
+        if (takes_path && (strcmp(words[1], "all") == 0 || !has_config(words[1])))
+            path = words[1];
+        else
+            mount_arg = words[1];
+    }
+    char mnt[PATH_MAX];
+    int rc = find_mount(mount_arg, path && strcmp(path, "all") ? path : NULL, mnt);
+    if (rc)
+        return rc;
+
+    char name[PATH_MAX] = "";
+    if (path && strcmp(path, "all") != 0 && (rc = source_name(mnt, path, name, sizeof(name))))
+        return rc;
+    if (strcmp(cmd, "status") == 0)
+        return cmd_status(mnt);
+    if (strcmp(cmd, "errors") == 0)
+        return cmd_errors(mnt);
+    if (strcmp(cmd, "warm") == 0)
+        return cmd_warm(mnt, name);
+    if (strcmp(cmd, "evict") == 0)
+        return cmd_evict(mnt, name);
+    return cmd_show(mnt, cmd);
+}
