@@ -2,9 +2,7 @@
 #include "fusefs-int.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <jansson.h>
-#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -185,12 +183,11 @@ static int command_path(hapi_fs *fs, const char *word, char **out, hapi_error *e
     size_t len = strlen(path);
     while (len && path[len - 1] == '/')
         path[--len] = '\0';
-    int fd = hapi_fs_open_beneath(fs->source_fd, path, O_PATH);
-    if (fd < 0) {
+    struct stat st;
+    if (hapi_fs_stat_beneath(fs->source_fd, path, &st) < 0) {
         free(path);
         return hapi_error_set(err, -ENOENT, "'%s': no such file or directory", word);
     }
-    close(fd);
     *out = path;
     return 0;
 }

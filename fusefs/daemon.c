@@ -155,7 +155,6 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         report(status_fd, prog, -EINVAL, "cannot create the FUSE session (bad FUSE option?)");
         goto out;
     }
-    fs.se = se;
     if (fuse_set_signal_handlers(se) < 0) {
         report(status_fd, prog, -EINVAL, "cannot install signal handlers");
         goto out;

@@ -26,11 +26,7 @@ static void identity_of(const struct stat *st, hapi_source_id *id)
 int hapi_feat_identity(hapi_fs *fs, const char *path, hapi_source_id *id)
 {
     struct stat st;
-    int fd = hapi_fs_open_beneath(fs->source_fd, path, O_PATH);
-    if (fd < 0)
-        return fd;
-    int rc = fstat(fd, &st) < 0 ? -errno : 0;
-    close(fd);
+    int rc = hapi_fs_stat_beneath(fs->source_fd, path, &st);
     if (rc == 0 && !S_ISREG(st.st_mode))
         rc = -EINVAL;
     if (rc == 0)
@@ -259,11 +255,8 @@ static int walk_images(hapi_fs *fs, const char *dir, int (*fn)(hapi_fs *, const 
             rc = fn(fs, child, arg);
         } else if (de->d_type == DT_LNK || de->d_type == DT_UNKNOWN) {
             struct stat st;
-            int lfd = hapi_fs_open_beneath(fs->source_fd, child, O_PATH);
-            if (lfd >= 0 && fstat(lfd, &st) == 0 && S_ISDIR(st.st_mode))
+            if (hapi_fs_stat_beneath(fs->source_fd, child, &st) == 0 && S_ISDIR(st.st_mode))
                 rc = walk_images(fs, child, fn, arg);
-            if (lfd >= 0)
-                close(lfd);
         }
         free(child);
     }
@@ -398,11 +391,7 @@ int hapi_feat_evict(hapi_fs *fs, const char *path, hapi_error *err)
     if (!*path)
         return hapi_cache_evict_all(fs->cache, &fs->ns, err);
     struct stat st;
-    int fd = hapi_fs_open_beneath(fs->source_fd, path, O_PATH);
-    if (fd < 0)
-        return hapi_error_set(err, fd, "'%s': %s", path, hapi_strerror(fd));
-    int rc = fstat(fd, &st) < 0 ? -errno : 0;
-    close(fd);
+    int rc = hapi_fs_stat_beneath(fs->source_fd, path, &st);
     if (rc < 0)
         return hapi_error_set(err, rc, "'%s': %s", path, hapi_strerror(rc));
     if (S_ISREG(st.st_mode))

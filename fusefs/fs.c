@@ -181,8 +181,7 @@ int hapi_fs_open_beneath(int root_fd, const char *path, int flags)
     return (int)fd;
 }
 
-/* stat() of a path beneath the root, following symlinks that stay beneath it. */
-static int stat_beneath(int root_fd, const char *path, struct stat *st)
+int hapi_fs_stat_beneath(int root_fd, const char *path, struct stat *st)
 {
     int fd = hapi_fs_open_beneath(root_fd, path, O_PATH);
     if (fd < 0)
@@ -259,6 +258,16 @@ static int ctl_index(const char *name)
         if (strcmp(name, hapi_ctl_files[i]) == 0)
             return i;
     return -1;
+}
+
+/* The index in hapi_ctl_files of a control file's node id, or -1. */
+static int ctl_file_index(fuse_ino_t ino)
+{
+    int i = (int)((ino & ~CTL_BASE) - 2);
+    if (ino == CTL_DIR_ID || i < 0 ||
+        i >= (int)(sizeof(hapi_ctl_files) / sizeof(*hapi_ctl_files)) - 1)
+        return -1;
+    return i;
 }
 
 /* A control file's size is that of its content now; reads use direct I/O anyway. */
@@ -342,7 +351,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
         free(image_name);
         if (!image)
             return -ENOMEM;
-        rc = stat_beneath(fs->source_fd, image, &src);
+        rc = hapi_fs_stat_beneath(fs->source_fd, image, &src);
         if (rc == 0 && S_ISREG(src.st_mode)) {
             *kind = HAPI_NODE_FEAT;
             e->ino = node_id_for(fs, &src, 1);
@@ -359,7 +368,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
     char *child = join_path(parent_path, name);
     if (!child)
         return -ENOMEM;
-    rc = stat_beneath(fs->source_fd, child, &src);
+    rc = hapi_fs_stat_beneath(fs->source_fd, child, &src);
     if (rc < 0)
         goto fail;
     if (S_ISDIR(src.st_mode)) {
@@ -447,8 +456,8 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         return;
     }
     if (ino & CTL_BASE) {
-        int i = (int)((ino & ~CTL_BASE) - 2);
-        if (i < 0 || i >= (int)(sizeof(hapi_ctl_files) / sizeof(*hapi_ctl_files)) - 1) {
+        int i = ctl_file_index(ino);
+        if (i < 0) {
             fuse_reply_err(req, ENOENT);
             return;
         }
@@ -457,7 +466,7 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         return;
     }
     if ((rc = node_get(fs, ino, &kind, &path)) < 0 ||
-        (rc = stat_beneath(fs->source_fd, path, &src)) < 0) {
+        (rc = hapi_fs_stat_beneath(fs->source_fd, path, &src)) < 0) {
         if (rc == -ENOENT && path && kind == HAPI_NODE_FEAT)
             hapi_feat_collect(fs, path);
         fuse_reply_err(req, -rc);
@@ -562,7 +571,7 @@ static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct 
             rc = -ENOMEM;
             break;
         }
-        if (stat_beneath(fs->source_fd, child, &src) == 0) {
+        if (hapi_fs_stat_beneath(fs->source_fd, child, &src) == 0) {
             if (S_ISDIR(src.st_mode)) {
                 source_attr(fs, &src, node_id_for(fs, &src, 0), &st);
                 rc = dir_add(d, name, "", HAPI_NODE_DIR, child, &st);
@@ -724,15 +733,6 @@ static void open_file_free(struct open_file *h)
     free(h->path);
     free(h->text);
     free(h);
-}
-
-static int ctl_file_index(fuse_ino_t ino)
-{
-    int i = (int)((ino & ~CTL_BASE) - 2);
-    if (ino == CTL_DIR_ID || i < 0 ||
-        i >= (int)(sizeof(hapi_ctl_files) / sizeof(*hapi_ctl_files)) - 1)
-        return -1;
-    return i;
 }
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)

@@ -118,8 +118,6 @@ typedef struct hapi_fs_stats {
     atomic_uint_fast64_t computed;        /* samples computed */
     atomic_uint_fast64_t errors;          /* .feat reads that failed (a kernel retry counts again) */
     atomic_uint_fast64_t cache_put_failures;
-    atomic_uint_fast64_t decode_ns;       /* time reading + decoding + preprocessing */
-    atomic_uint_fast64_t inference_ns;    /* time in the model */
     atomic_uint_fast64_t hit_ns;          /* time in cache lookups that hit */
     atomic_uint_fast64_t passthrough_bytes;
     atomic_uint_fast64_t stale;           /* lookups that found an older version's features */
@@ -164,7 +162,6 @@ typedef struct hapi_fs {
     hapi_fs_stats stats;
     uint64_t started_ns;
     time_t started_realtime;
-    struct fuse_session *se;
 } hapi_fs;
 
 /* The low-level operations, with userdata a hapi_fs. */
@@ -227,5 +224,8 @@ int hapi_fs_errno(int code);
  * Returns an fd or -errno (-EXDEV for an escaping path, mapped to -ENOENT).
  */
 int hapi_fs_open_beneath(int root_fd, const char *path, int flags);
+
+/* stat() of a path beneath the root, following symlinks that stay beneath it. Returns 0 or -errno. */
+int hapi_fs_stat_beneath(int root_fd, const char *path, struct stat *st);
 
 #endif
