@@ -331,7 +331,12 @@ static int run_batch(hapi_batcher *b, float *input, int n, void *output, hapi_er
 {
     size_t in_stride = b->tensor_floats;
     size_t out_size = (size_t)n * b->sample_bytes;
-    int rc = hapi_model_run(hapi_extractor_model(b->ex), b->split, input, n, b->dtype, output,
+    int rc;
+    if (b->cfg.fault_oom_above > 0 && n > b->cfg.fault_oom_above)
+        rc = hapi_error_set(err, HAPI_EOOM, "out of memory (injected above %d samples)",
+                            b->cfg.fault_oom_above);
+    else
+        rc = hapi_model_run(hapi_extractor_model(b->ex), b->split, input, n, b->dtype, output,
                             out_size, err);
     if (rc != HAPI_EOOM || n == 1)
         return rc;
@@ -389,10 +394,24 @@ static void *inference_main(void *arg)
                 continue;
             }
         }
+        if (b->batch > cap) {
+            /* hapi_batcher_set_batch() raised the batch: grow the buffers first. */
+            struct job **nj = realloc(jobs, (size_t)b->batch * sizeof(*jobs));
+            jobs = nj ? nj : jobs;
+            hapi_batch_result *nr = realloc(results, (size_t)b->batch * sizeof(*results));
+            results = nr ? nr : results;
+            float *ni = realloc(input, (size_t)b->batch * b->tensor_floats * sizeof(float));
+            input = ni ? ni : input;
+            char *no = realloc(output, (size_t)b->batch * b->sample_bytes);
+            output = no ? no : output;
+            if (nj && nr && ni && no)
+                cap = b->batch;
+        }
         int n = 0;
-        for (int p = 0; p < HAPI_PRIORITY_COUNT && n < b->batch; p++) {
+        int take = b->batch < cap ? b->batch : cap;
+        for (int p = 0; p < HAPI_PRIORITY_COUNT && n < take; p++) {
             struct job *j;
-            while (n < b->batch && (j = list_pop(&b->ready[p])) != NULL) {
+            while (n < take && (j = list_pop(&b->ready[p])) != NULL) {
                 j->state = JOB_RUNNING;
                 jobs[n++] = j;
             }
@@ -458,9 +477,10 @@ int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_ba
     int rc;
 
     *out = NULL;
-    if (!ex || !cfg || cfg->batch < 1 || cfg->batch > 4096 || cfg->decode_threads < 1 ||
+    if (!ex || !cfg || cfg->batch < 1 || cfg->batch > HAPI_BATCH_MAX || cfg->decode_threads < 1 ||
         cfg->decode_threads > 256 || cfg->max_wait_us < 0 || cfg->tag_size > HAPI_BATCHER_TAG_MAX ||
-        !cfg->load || !cfg->sink)
+        !cfg->load || !cfg->sink || cfg->split < 0 ||
+        cfg->split > hapi_model_num_stages(hapi_extractor_model(ex)))
         return hapi_error_set(err, HAPI_EINVAL, "bad batcher configuration");
     b = calloc(1, sizeof(*b));
     if (!b)
@@ -468,9 +488,9 @@ int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_ba
     b->ex = ex;
     b->cfg = *cfg;
     b->batch = cfg->batch;
-    b->split = hapi_extractor_split(ex);
+    b->split = cfg->split > 0 ? cfg->split : hapi_extractor_split(ex);
     b->dtype = hapi_extractor_dtype(ex);
-    b->sample_bytes = hapi_extractor_sample_bytes(ex);
+    b->sample_bytes = hapi_extractor_split_bytes(ex, b->split);
     size_t crop = (size_t)hapi_extractor_preprocess(ex)->crop;
     b->tensor_floats = 3 * crop * crop;
     b->mem_estimate = b->tensor_floats * sizeof(float) * 2;
@@ -642,6 +662,19 @@ int hapi_batcher_throttle(hapi_batcher *b, int priority, size_t limit)
     pthread_mutex_unlock(&b->lock);
     return rc;
 }
+
+int hapi_batcher_set_batch(hapi_batcher *b, int batch)
+{
+    if (batch < 1 || batch > HAPI_BATCH_MAX)
+        return HAPI_EINVAL;
+    pthread_mutex_lock(&b->lock);
+    b->batch = batch;
+    pthread_cond_signal(&b->ready_cond);
+    pthread_mutex_unlock(&b->lock);
+    return 0;
+}
+
+int hapi_batcher_split(const hapi_batcher *b) { return b->split; }
 
 void hapi_batcher_stats_get(hapi_batcher *b, hapi_batcher_stats *st)
 {

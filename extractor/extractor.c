@@ -307,6 +307,16 @@ int hapi_extractor_freeze(const hapi_extractor *ex) { return ex->freeze; }
 int hapi_extractor_dtype(const hapi_extractor *ex) { return ex->dtype; }
 const hapi_stage_info *hapi_extractor_output(const hapi_extractor *ex) { return &ex->output; }
 size_t hapi_extractor_sample_bytes(const hapi_extractor *ex) { return ex->sample_bytes; }
+size_t hapi_extractor_split_bytes(const hapi_extractor *ex, int split)
+{
+    hapi_stage_info info;
+    if (hapi_model_stage(ex->model, split - 1, &info) < 0 || info.ndim == 0)
+        return 0;
+    size_t elements = 1;
+    for (int d = 0; d < info.ndim; d++)
+        elements *= (size_t)info.shape[d];
+    return elements * (ex->dtype == HAPI_DTYPE_FP16 ? 2 : 4);
+}
 const uint8_t *hapi_extractor_model_digest(const hapi_extractor *ex) { return ex->digest; }
 
 int hapi_extractor_compute(hapi_extractor *ex, hapi_decoder *dec, const void *data, size_t size,

@@ -117,6 +117,7 @@ typedef struct hapi_stage_info {
     char name[HAPI_STAGE_NAME_MAX];
     int ndim;
     int64_t shape[HAPI_MAX_DIMS];
+    uint64_t param_bytes;   /* its weights and buffers, as loaded */
 } hapi_stage_info;
 
 typedef struct hapi_model_options {
@@ -185,6 +186,20 @@ int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info) HAPI
 int hapi_model_run(hapi_model *m, int split, const float *input, int batch,
                    int dtype, void *output, size_t output_size, hapi_error *err) HAPI_NOEXCEPT;
 
+/* Called by hapi_model_measure() just before (after = 0) and after (1) stage runs. */
+typedef void (*hapi_model_hook_fn)(void *ctx, int stage, int after);
+
+/*
+ * Runs every stage once, in order, on batch samples of random input of the
+ * probed shape (each stage on the previous one's output), and writes each
+ * stage's own wall time to stage_ns[0 .. num_stages). hook (may be NULL) runs
+ * outside the timed part around every stage, e.g. to measure memory.
+ * Not while another thread probes m; runs alongside hapi_model_run().
+ * Returns 0, HAPI_EINVAL (not probed, bad batch), HAPI_EOOM, HAPI_EMODEL.
+ */
+int hapi_model_measure(hapi_model *m, int batch, hapi_model_hook_fn hook, void *ctx,
+                       uint64_t *stage_ns, hapi_error *err) HAPI_NOEXCEPT;
+
 /* --------------------------------------------------------------- extractor */
 
 /* Where a mount's features come from: a model, a split, a dtype, a preprocessing. */
@@ -241,6 +256,8 @@ int hapi_extractor_dtype(const hapi_extractor *ex);
 const hapi_stage_info *hapi_extractor_output(const hapi_extractor *ex);
 /* Bytes of one sample's features: elements * (2 or 4). */
 size_t hapi_extractor_sample_bytes(const hapi_extractor *ex);
+/* The same at another split (1..num_stages), in ex's dtype; 0 for a bad split. */
+size_t hapi_extractor_split_bytes(const hapi_extractor *ex, int split);
 /* XXH3-128 of the model file's bytes. */
 const uint8_t *hapi_extractor_model_digest(const hapi_extractor *ex);
 
@@ -303,8 +320,11 @@ typedef struct hapi_batch_result {
  */
 typedef void (*hapi_batcher_sink_fn)(void *ctx, const hapi_batch_result *results, size_t n);
 
+#define HAPI_BATCH_MAX 4096
+
 typedef struct hapi_batcher_config {
-    int batch;               /* samples per inference, >= 1 */
+    int batch;               /* samples per inference, 1..HAPI_BATCH_MAX */
+    int split;               /* stages [0, split) run; 0 = the extractor's split */
     int max_wait_us;         /* how long a partial batch waits for more demand */
     int decode_threads;      /* >= 1 */
     uint64_t mem_budget;     /* bytes of in-flight source bytes, images and tensors; 0 = none */
@@ -312,6 +332,8 @@ typedef struct hapi_batcher_config {
     hapi_batcher_load_fn load;
     hapi_batcher_sink_fn sink;
     void *ctx;
+    int fault_oom_above;     /* testing: an inference of more samples fails as out of
+                                memory, as libtorch's would (0 = never) */
 } hapi_batcher_config;
 
 /*
@@ -377,6 +399,15 @@ typedef struct hapi_batcher_stats {
     uint64_t mem_waits;                   /* times a decode thread waited for the budget */
     int batch;                            /* current batch size */
 } hapi_batcher_stats;
+
+/*
+ * Sets the batch size for the next inferences (an operator's or the policy's
+ * choice; out-of-memory may halve it again). Returns 0 or HAPI_EINVAL.
+ */
+int hapi_batcher_set_batch(hapi_batcher *b, int batch);
+
+/* The split the batcher runs. */
+int hapi_batcher_split(const hapi_batcher *b);
 
 /* Fills *st. Thread-safe. */
 void hapi_batcher_stats_get(hapi_batcher *b, hapi_batcher_stats *st);

@@ -173,6 +173,11 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
                                   path, child.name.c_str());
         std::memcpy(info.name, child.name.c_str(), child.name.size() + 1);
         torch::jit::Module stage = child.value;
+        // Weights are counted before freezing turns them into constants.
+        for (const auto &t : stage.parameters())
+            info.param_bytes += (uint64_t)t.numel() * t.element_size();
+        for (const auto &t : stage.buffers())
+            info.param_bytes += (uint64_t)t.numel() * t.element_size();
         stage.eval();
         if (optimize) {
             // freeze() folds batch-norm into convolutions and inlines attributes;
@@ -279,6 +284,40 @@ int model_run(hapi_model *m, int split, const float *input, int batch, int dtype
     return 0;
 }
 
+int model_measure(hapi_model *m, int batch, hapi_model_hook_fn hook, void *ctx,
+                  uint64_t *stage_ns, hapi_error *err)
+{
+    if (!m->probed)
+        return hapi_error_set(err, HAPI_EINVAL, "measure before hapi_model_probe()");
+    if (batch < 1 || !stage_ns)
+        return hapi_error_set(err, HAPI_EINVAL, "measure: bad batch (%d) or null buffer", batch);
+    c10::InferenceMode guard;
+    torch::Tensor x = torch::randn({batch, m->channels, m->height, m->width},
+                                   torch::TensorOptions().dtype(torch::kFloat).device(m->device));
+    for (size_t i = 0; i < m->stages.size(); i++) {
+        if (hook)
+            hook(ctx, (int)i, 0);
+        uint64_t t0 = hapi_now_ns();
+        try {
+            torch::Tensor y = m->stages[i].forward({x}).toTensor();
+            if (!m->device.is_cpu())
+                y = y.cpu();  // waits for the device, so the time is the stage's
+            x = y;
+        } catch (const c10::Error &e) {
+            std::string what = std::string("stage ") + m->info[i].name;
+            return error_from_c10(e, HAPI_EMODEL, what.c_str(), err);
+        } catch (const std::runtime_error &e) {
+            return stage_error(e, m->info[i].name, err);
+        }
+        stage_ns[i] = hapi_now_ns() - t0;
+        if (hook)
+            hook(ctx, (int)i, 1);
+        if (!m->device.is_cpu())
+            x = x.to(m->device);
+    }
+    return 0;
+}
+
 }  // namespace
 
 // Wraps an entry point: every exception becomes a code and a one-line message.
@@ -359,6 +398,17 @@ int hapi_model_run(hapi_model *m, int split, const float *input, int batch, int 
         return model_run(m, split, input, batch, dtype, output, output_size, err);
     }
     HAPI_MODEL_CATCH("run")
+}
+
+int hapi_model_measure(hapi_model *m, int batch, hapi_model_hook_fn hook, void *ctx,
+                       uint64_t *stage_ns, hapi_error *err) noexcept
+{
+    if (!m)
+        return hapi_error_set(err, HAPI_EINVAL, "measure: null model");
+    try {
+        return model_measure(m, batch, hook, ctx, stage_ns, err);
+    }
+    HAPI_MODEL_CATCH("measure")
 }
 
 }  // extern "C"

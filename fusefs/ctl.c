@@ -46,7 +46,7 @@ static json_t *render_config(hapi_fs *fs)
         "split",
           "index", split, "stage", out->name, "freeze", hapi_extractor_freeze(fs->ex),
           "shape", shape_json(out),
-          "stages_after", json_pack("[i, i]", split, n),
+          "stages_after", json_pack("[i, i]", split, hapi_extractor_freeze(fs->ex)),
           "dtype", o->dtype == HAPI_DTYPE_FP16 ? "float16" : "float32",
           "feat_size", (json_int_t)fs->feat_size,
         "preprocess",

@@ -1,0 +1,312 @@
+/* policy.c — the choice of split and batch from a profile, the link and the memory budget, and why. */
+#include "policy.h"
+
+#include <ctype.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+/* -------------------------------------------------------------- rates */
+
+int hapi_policy_parse_rate(const char *text, double *bits_per_s, hapi_error *err)
+{
+    static const struct { const char *prefix; double factor; } prefixes[] = {
+        { "Ki", 1024.0 }, { "Mi", 1048576.0 }, { "Gi", 1073741824.0 },
+        { "Ti", 1099511627776.0 }, { "k", 1e3 }, { "K", 1e3 }, { "M", 1e6 }, { "m", 1e6 },
+        { "G", 1e9 }, { "g", 1e9 }, { "T", 1e12 }, { "t", 1e12 }, { "", 1.0 },
+    };
+    char *end;
+    if (!text || !*text)
+        return hapi_error_set(err, HAPI_EINVAL, "empty link rate");
+    double v = strtod(text, &end);
+    if (end == text || !isfinite(v) || v <= 0)
+        return hapi_error_set(err, HAPI_EINVAL,
+                              "link rate '%s': expected a positive number and a unit, "
+                              "e.g. 1Gbit or 125MB/s", text);
+    while (*end == ' ')
+        end++;
+    if (!*end)
+        return hapi_error_set(err, HAPI_EINVAL,
+                              "link rate '%s' has no unit: write e.g. %sGbit (bits/s) or "
+                              "%sMB/s (bytes/s)", text, text, text);
+    for (size_t i = 0; i < sizeof(prefixes) / sizeof(*prefixes); i++) {
+        size_t n = strlen(prefixes[i].prefix);
+        if (strncmp(end, prefixes[i].prefix, n) != 0)
+            continue;
+        const char *unit = end + n;
+        if (strcasecmp(unit, "bit") == 0 || strcasecmp(unit, "bit/s") == 0 ||
+            strcasecmp(unit, "bits") == 0 || strcasecmp(unit, "bits/s") == 0 ||
+            strcmp(unit, "b/s") == 0) {
+            *bits_per_s = v * prefixes[i].factor;
+            return 0;
+        }
+        if (strcmp(unit, "B/s") == 0 || strcmp(unit, "B") == 0) {
+            *bits_per_s = v * prefixes[i].factor * 8;
+            return 0;
+        }
+    }
+    if (strcasestr(end, "bps"))
+        return hapi_error_set(err, HAPI_EINVAL,
+                              "link rate '%s': 'bps' is ambiguous (tc reads it as bytes); "
+                              "write Mbit or MB/s", text);
+    return hapi_error_set(err, HAPI_EINVAL,
+                          "link rate '%s': unknown unit '%s' (use bit, kbit, Mbit, Gbit, "
+                          "or B/s, kB/s, MB/s, GB/s, MiB/s, ...)", text, end);
+}
+
+void hapi_policy_format_rate(double bps, char *buf, size_t size)
+{
+    if (bps >= 1e12)
+        snprintf(buf, size, "%.4g Tbit/s", bps / 1e12);
+    else if (bps >= 1e9)
+        snprintf(buf, size, "%.4g Gbit/s", bps / 1e9);
+    else if (bps >= 1e6)
+        snprintf(buf, size, "%.4g Mbit/s", bps / 1e6);
+    else if (bps >= 1e3)
+        snprintf(buf, size, "%.4g kbit/s", bps / 1e3);
+    else
+        snprintf(buf, size, "%.4g bit/s", bps);
+}
+
+/* ------------------------------------------------------------- choice */
+
+static double max3(double a, double b, double c)
+{
+    double m = a > b ? a : b;
+    return m > c ? m : c;
+}
+
+static const char *bound_of(double storage, double link, double compute)
+{
+    if (storage >= link && storage >= compute)
+        return "storage";
+    return link >= compute ? "link" : "compute";
+}
+
+/* Storage-side memory at split and batch: the model's part and two batches of input tensors. */
+static double memory_at(const hapi_policy_input *in, int split, int batch)
+{
+    return hapi_profile_memory(in->profile, split, batch) + 2.0 * batch * (double)in->input_bytes;
+}
+
+static int pick_batch(const hapi_policy_input *in, int split)
+{
+    if (in->batch > 0)
+        return in->batch;
+    int best = 1;
+    for (int b = 2; b <= HAPI_POLICY_BATCH_CAP; b *= 2)
+        if (!in->mem_budget || memory_at(in, split, b) <= (double)in->mem_budget)
+            best = b;
+    return best;
+}
+
+static void estimate(const hapi_policy_input *in, int split, hapi_policy_candidate *c,
+                     double samples)
+{
+    const hapi_profile *p = in->profile;
+    const hapi_profile_stage *s = &p->stage[split - 1];
+    int train_batch = p->batches[p->nbatches - 1];
+
+    memset(c, 0, sizeof(*c));
+    c->split = split;
+    snprintf(c->name, sizeof(c->name), "%s", s->name);
+    c->batch = pick_batch(in, split);
+    c->mem_bytes = memory_at(in, split, c->batch);
+    c->fits = !in->mem_budget || memory_at(in, split, 1) <= (double)in->mem_budget;
+
+    size_t feat = (size_t)s->out_elems * (in->dtype == HAPI_DTYPE_FP16 ? 2 : 4);
+    c->file_bytes = (uint64_t)(in->header_bytes + feat);
+
+    /* Decode overlaps inference only when there are cores for both. */
+    double infer = hapi_profile_ms(p, 0, split, c->batch);
+    double decode = in->decode_ms / (in->decode_threads > 0 ? in->decode_threads : 1);
+    c->storage_ms = p->cores >= p->threads + in->decode_threads ? fmax(infer, decode)
+                                                                : infer + in->decode_ms;
+    c->link_ms = ((double)c->file_bytes + HAPI_POLICY_FILE_OVERHEAD) * 8.0 / in->link_bps * 1e3;
+    c->compute_ms = hapi_profile_ms(p, split, in->freeze, train_batch) / in->client_speed;
+
+    /* What is cached costs a hit; what does not fit the cache is computed every epoch. */
+    double cached = in->cached[split];
+    cached = cached < 0 ? 0 : cached > 1 ? 1 : cached;
+    double fit = 1.0;
+    if (in->cache_room && in->samples) {
+        double need = (double)in->samples * (double)(feat + in->cache_entry_overhead);
+        fit = need > 0 ? fmin(1.0, (double)in->cache_room / need) : 1.0;
+    }
+    if (cached > fit)
+        fit = cached;
+    double cold_storage = (1 - cached) * c->storage_ms + cached * in->hit_ms;
+    double warm_storage = (1 - fit) * c->storage_ms + fit * in->hit_ms;
+    double cold = max3(cold_storage, c->link_ms, c->compute_ms);
+    double warm = max3(warm_storage, c->link_ms, c->compute_ms);
+    c->cold_bound = bound_of(cold_storage, c->link_ms, c->compute_ms);
+    c->warm_bound = bound_of(warm_storage, c->link_ms, c->compute_ms);
+    c->cold_s = cold * samples / 1e3;
+    c->warm_s = warm * samples / 1e3;
+    c->total_s = c->cold_s + (in->epochs - 1) * c->warm_s;
+}
+
+static void estimate_raw(const hapi_policy_input *in, hapi_policy_candidate *c, double samples)
+{
+    const hapi_profile *p = in->profile;
+    memset(c, 0, sizeof(*c));
+    snprintf(c->name, sizeof(c->name), "raw");
+    c->file_bytes = (uint64_t)in->source_bytes;
+    c->fits = 1;
+    c->storage_ms = in->hit_ms; /* serving a file */
+    c->link_ms = (in->source_bytes + HAPI_POLICY_FILE_OVERHEAD) * 8.0 / in->link_bps * 1e3;
+    c->compute_ms = (in->decode_ms + hapi_profile_ms(p, 0, in->freeze, p->batches[p->nbatches - 1])) /
+                    in->client_speed;
+    double t = max3(c->storage_ms, c->link_ms, c->compute_ms);
+    c->cold_bound = c->warm_bound = bound_of(c->storage_ms, c->link_ms, c->compute_ms);
+    c->cold_s = c->warm_s = t * samples / 1e3;
+    c->total_s = c->cold_s * in->epochs;
+}
+
+static int better(const hapi_policy_candidate *a, const hapi_policy_candidate *b)
+{
+    if (a->fits != b->fits)
+        return a->fits;
+    /* within half a percent, fewer bytes on the link wins */
+    if (fabs(a->total_s - b->total_s) <= 0.005 * fmax(a->total_s, b->total_s))
+        return a->file_bytes < b->file_bytes;
+    return a->total_s < b->total_s;
+}
+
+static void fmt_time(double s, char *buf, size_t size)
+{
+    if (s >= 3600)
+        snprintf(buf, size, "%.1f h", s / 3600);
+    else if (s >= 60)
+        snprintf(buf, size, "%.1f min", s / 60);
+    else if (s >= 1)
+        snprintf(buf, size, "%.2f s", s);
+    else
+        snprintf(buf, size, "%.1f ms", s * 1e3);
+}
+
+int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hapi_error *err)
+{
+    memset(out, 0, sizeof(*out));
+    const hapi_profile *p = in ? in->profile : NULL;
+    if (!p || p->nstages < 1 || p->nstages > HAPI_PROFILE_MAX_STAGES || p->nbatches < 1)
+        return hapi_error_set(err, HAPI_EINVAL, "policy: no profile");
+    if (in->freeze < 1 || in->freeze > p->nstages)
+        return hapi_error_set(err, HAPI_EINVAL, "policy: freeze %d out of range 1..%d",
+                              in->freeze, p->nstages);
+    if (!(in->link_bps > 0) || !(in->client_speed > 0) || in->epochs < 1 || in->batch < 0 ||
+        in->batch > HAPI_BATCH_MAX)
+        return hapi_error_set(err, HAPI_EINVAL,
+                              "policy: link rate, client speed, epochs and batch must be positive");
+    if (in->split < 0 || in->split > in->freeze)
+        return hapi_error_set(err, HAPI_EINVAL,
+                              "policy: split %d is past the freeze index %d (stages [0, %d) are "
+                              "frozen)", in->split, in->freeze, in->freeze);
+
+    double samples = in->samples ? (double)in->samples : 1000.0;
+    out->samples = samples;
+    out->ncand = in->freeze;
+    int best = 0;
+    for (int s = 1; s <= in->freeze; s++) {
+        estimate(in, s, &out->cand[s - 1], samples);
+        if (s > 1 && better(&out->cand[s - 1], &out->cand[best]))
+            best = s - 1;
+    }
+    estimate_raw(in, &out->raw, samples);
+    int chosen = in->split ? in->split - 1 : best;
+    out->index = chosen;
+    out->split = out->cand[chosen].split;
+    out->batch = out->cand[chosen].batch;
+
+    /* Why: the winner against the runner-up and the usual pipeline. */
+    const hapi_policy_candidate *w = &out->cand[best], *c = &out->cand[chosen];
+    int second = -1;
+    for (int i = 0; i < out->ncand; i++)
+        if (i != best && (second < 0 || better(&out->cand[i], &out->cand[second])))
+            second = i;
+    char t1[32], t2[32], t3[32];
+    fmt_time(w->total_s, t1, sizeof(t1));
+    int n = 0;
+    size_t sz = sizeof(out->why);
+    if (in->split)
+        n += snprintf(out->why + n, sz - (size_t)n,
+                      "split %d (%s) was set by the operator (estimated %s over %d epochs); "
+                      "the policy would pick %s (split %d): ",
+                      c->split, c->name, (fmt_time(c->total_s, t3, sizeof(t3)), t3), in->epochs,
+                      w->name, w->split);
+    if (second >= 0) {
+        const hapi_policy_candidate *r = &out->cand[second];
+        fmt_time(r->total_s, t2, sizeof(t2));
+        n += snprintf(out->why + n, sz - (size_t)n,
+                      "%s has the least estimated time over %d epochs, %s, against %s for %s "
+                      "(+%.0f%%). ",
+                      w->name, in->epochs, t1, t2, r->name,
+                      w->total_s > 0 ? (r->total_s / w->total_s - 1) * 100 : 0.0);
+    } else {
+        n += snprintf(out->why + n, sz - (size_t)n, "%s is the only frozen split: %s over %d "
+                      "epochs. ", w->name, t1, in->epochs);
+    }
+    if (n < (int)sz)
+        n += snprintf(out->why + n, sz - (size_t)n,
+                      "Its first epoch is bound by the %s tier, later ones by the %s. ",
+                      w->cold_bound, w->warm_bound);
+    if (n < (int)sz && out->raw.total_s > 0 && w->total_s > 0)
+        n += snprintf(out->why + n, sz - (size_t)n,
+                      "Raw images would take %.1fx as long and move %.1fx the bytes.",
+                      out->raw.total_s / w->total_s,
+                      (out->raw.file_bytes + HAPI_POLICY_FILE_OVERHEAD) /
+                          (double)(w->file_bytes + HAPI_POLICY_FILE_OVERHEAD));
+    if (!w->fits && n < (int)sz)
+        snprintf(out->why + n, sz - (size_t)n,
+                 " No split fits mem=%llu at batch 1: raise mem.",
+                 (unsigned long long)in->mem_budget);
+    return 0;
+}
+
+/* --------------------------------------------------------------- JSON */
+
+static json_t *candidate_json(const hapi_policy_candidate *c, double cached, int chosen)
+{
+    return json_pack("{s:i, s:s, s:i, s:I, s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:s, s:s, s:f, s:b, s:b}",
+                     "split", c->split, "stage", c->name, "batch", c->batch, "memory",
+                     (json_int_t)c->mem_bytes, "file_bytes", (json_int_t)c->file_bytes,
+                     "storage_ms", c->storage_ms, "link_ms", c->link_ms, "compute_ms",
+                     c->compute_ms, "cold_epoch_s", c->cold_s, "warm_epoch_s", c->warm_s,
+                     "total_s", c->total_s, "cold_bound", c->cold_bound, "warm_bound",
+                     c->warm_bound, "cached", cached, "fits", c->fits, "chosen", chosen);
+}
+
+char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice *c)
+{
+    char rate[32];
+    hapi_policy_format_rate(in->link_bps, rate, sizeof(rate));
+    json_t *cands = json_array();
+    for (int i = 0; i < c->ncand; i++)
+        json_array_append_new(cands, candidate_json(&c->cand[i], in->cached[c->cand[i].split],
+                                                    i == c->index));
+    json_t *root = json_pack(
+        "{s:{s:s, s:f, s:f, s:I, s:i, s:i, s:s, s:f, s:f, s:f, s:I, s:I, s:s, s:s}, "
+        "s:{s:i, s:s, s:i, s:s}, s:s, s:f, s:o, s:o}",
+        "inputs",
+          "link", rate, "link_bps", in->link_bps, "client_speed", in->client_speed,
+          "mem_budget", (json_int_t)in->mem_budget, "freeze", in->freeze, "epochs", in->epochs,
+          "dtype", in->dtype == HAPI_DTYPE_FP16 ? "float16" : "float32",
+          "decode_ms", in->decode_ms, "source_bytes", in->source_bytes, "hit_ms", in->hit_ms,
+          "samples", (json_int_t)in->samples, "cache_room", (json_int_t)in->cache_room,
+          "batch", in->batch ? "fixed" : "auto", "split", in->split ? "fixed" : "auto",
+        "choice",
+          "split", c->split, "stage", c->cand[c->index].name, "batch", c->batch,
+          "by", in->split ? "operator" : "policy",
+        "why", c->why,
+        "epoch_samples", c->samples,
+        "candidates", cands,
+        "raw", candidate_json(&c->raw, 0, 0));
+    if (!root)
+        return NULL;
+    char *text = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(root);
+    return text;
+}

@@ -1,0 +1,185 @@
+/* policy.h — where to split the network and how big a storage-side batch: a measured profile and a pure choice. */
+#ifndef HAPI_POLICY_H
+#define HAPI_POLICY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "extractor.h"
+#include "hapi.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ----------------------------------------------------------------- profile */
+
+#define HAPI_PROFILE_MAX_STAGES 64
+#define HAPI_PROFILE_MAX_BATCHES 4
+#define HAPI_PROFILE_VERSION 1
+
+/* What one stage costs on this node, measured. */
+typedef struct hapi_profile_stage {
+    char name[HAPI_STAGE_NAME_MAX];
+    int ndim;
+    int64_t shape[HAPI_MAX_DIMS];   /* output of one sample */
+    uint64_t out_elems;             /* elements of that output */
+    uint64_t param_bytes;           /* weights and buffers */
+    double ms[HAPI_PROFILE_MAX_BATCHES]; /* wall ms per sample at hapi_profile.batches[i] */
+    /* working memory while the stage runs (its output and temporaries, not its
+       input): about mem_fixed + mem_per_sample * batch bytes */
+    double mem_fixed;
+    double mem_per_sample;
+} hapi_profile_stage;
+
+/* A model's profile on one node: a function of (model digest, device, threads). */
+typedef struct hapi_profile {
+    int version;
+    char model_digest[33];          /* hex */
+    char device[32];
+    int threads;                    /* libtorch intra-op threads it ran with */
+    int cores;                      /* online CPUs of the node */
+    int nbatches;
+    int batches[HAPI_PROFILE_MAX_BATCHES]; /* ascending */
+    int nstages;
+    hapi_profile_stage stage[HAPI_PROFILE_MAX_STAGES];
+    uint64_t runtime_bytes;         /* resident memory with the model loaded (libraries, weights) */
+    int mem_measured;               /* 1: peaks measured with the kernel's high-water mark;
+                                       0: estimated from tensor sizes (no /proc) */
+    double seconds;                 /* how long measuring took */
+    int64_t measured_at;            /* unix time */
+} hapi_profile;
+
+/*
+ * Measures m (probed; nothing else may run inference meanwhile, or the figures
+ * are disturbed): every stage at batches 1, 4 and 16 (a batch only when twice
+ * its widest activation stays under max_batch_bytes; 0 = no cap), the median of three timed
+ * runs after warm-up runs, and each stage's peak memory at the smallest and
+ * largest batch. digest is the model file's XXH3-128, device and threads what
+ * it runs with. Returns 0, or an error of hapi_model_measure().
+ */
+int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *device,
+                         int threads, uint64_t max_batch_bytes, hapi_profile *out,
+                         hapi_error *err);
+
+/* The profile as JSON text (malloc'd, caller frees), or NULL when out of memory. */
+char *hapi_profile_to_json(const hapi_profile *p);
+
+/* Parses JSON text written by hapi_profile_to_json(). Returns 0 or HAPI_EINVAL (says what). */
+int hapi_profile_from_json(const char *text, hapi_profile *out, hapi_error *err);
+
+/*
+ * The file name a profile of (digest, device, threads) is stored under in a
+ * cache directory: "profile-<digest>-<device>-t<threads>.json" into buf.
+ */
+void hapi_profile_file_name(const uint8_t digest[16], const char *device, int threads,
+                            char *buf, size_t size);
+
+/* Reads a stored profile. Returns 0, -ENOENT (none), -errno, or HAPI_EINVAL (unreadable: says why). */
+int hapi_profile_load(const char *path, hapi_profile *out, hapi_error *err);
+
+/* Stores a profile atomically (a temporary file renamed). Returns 0 or -errno. */
+int hapi_profile_save(const char *path, const hapi_profile *p, hapi_error *err);
+
+/*
+ * Milliseconds per sample of stages [from, to) at batch (interpolated between
+ * the measured batches; the largest measured beyond them).
+ */
+double hapi_profile_ms(const hapi_profile *p, int from, int to, int batch);
+
+/*
+ * Peak working memory in bytes of running stages [0, split) at batch: the
+ * weights of those stages plus the largest stage's working memory.
+ */
+double hapi_profile_memory(const hapi_profile *p, int split, int batch);
+
+/* ------------------------------------------------------------------ choice */
+
+#define HAPI_POLICY_EPOCHS_DEFAULT 5
+#define HAPI_POLICY_LINK_DEFAULT 1e9         /* bits/s when link= is not given */
+#define HAPI_POLICY_BATCH_CAP 64             /* batch=auto never goes beyond */
+#define HAPI_POLICY_FILE_OVERHEAD 512        /* bytes on the link per file beyond its content:
+                                                protocol messages to open, read and close it */
+
+/* Everything the choice depends on. The function reads nothing else. */
+typedef struct hapi_policy_input {
+    const hapi_profile *profile;
+    double link_bps;          /* link rate, bits per second (> 0) */
+    double client_speed;      /* compute tier's speed relative to this node (> 0) */
+    uint64_t mem_budget;      /* storage-side bytes: weights, inference, images in flight */
+    int freeze;               /* stages [0, freeze) are frozen: candidates 1..freeze */
+    int epochs;               /* expected epochs (>= 1) */
+    int dtype;                /* enum hapi_dtype */
+    int decode_threads;
+    size_t header_bytes;      /* .npy header of a .feat */
+    size_t input_bytes;       /* one preprocessed sample, fp32 */
+    double decode_ms;         /* decode + preprocess per sample on this node (measured) */
+    double source_bytes;      /* mean size of a source image (for the raw reference) */
+    double hit_ms;            /* serving one cached .feat on this node */
+    uint64_t samples;         /* images in the tree (0: unknown; times per 1000 samples) */
+    double cached[HAPI_PROFILE_MAX_STAGES + 1]; /* [split]: fraction already in the cache */
+    uint64_t cache_room;      /* bytes the cache can hold (0: unlimited) */
+    uint64_t cache_entry_overhead; /* bytes a cache entry costs beyond its features */
+    int batch;                /* 0: choose (batch=auto), else this batch */
+    int split;                /* 0: choose, else this split (the table still explains all) */
+} hapi_policy_input;
+
+/* One candidate split, estimated. Times are per sample in ms, epochs in seconds. */
+typedef struct hapi_policy_candidate {
+    int split;                /* stages [0, split) on storage; 0 for the raw reference */
+    char name[HAPI_STAGE_NAME_MAX]; /* the last stage on storage ("raw" for the reference) */
+    int batch;                /* storage-side batch at this split */
+    double mem_bytes;         /* estimated storage-side memory at that batch */
+    uint64_t file_bytes;      /* one .feat (header + features) */
+    double storage_ms;        /* decode + inference of [0, split) on this node */
+    double link_ms;           /* moving one file and its protocol overhead */
+    double compute_ms;        /* frozen stages [split, freeze) on the compute tier */
+    double cold_s;            /* an epoch with this cache state */
+    double warm_s;            /* an epoch once the features are cached */
+    double total_s;           /* cold + (epochs - 1) * warm */
+    const char *cold_bound;   /* "storage", "link" or "compute": what limits the cold epoch */
+    const char *warm_bound;
+    int fits;                 /* batch 1 fits the memory budget */
+} hapi_policy_candidate;
+
+typedef struct hapi_policy_choice {
+    int split;                /* the winner */
+    int batch;
+    int index;                /* of the winner in cand */
+    int ncand;
+    hapi_policy_candidate cand[HAPI_PROFILE_MAX_STAGES];
+    hapi_policy_candidate raw; /* the usual pipeline: images over the link, all on the compute tier */
+    double samples;           /* what the epoch times count (samples, or 1000 when unknown) */
+    char why[512];            /* one paragraph: why the winner won */
+} hapi_policy_choice;
+
+/*
+ * The choice. Every candidate split 1..freeze is estimated as a pipeline of
+ * three tiers running side by side (storage: decode and stages [0, split);
+ * link: the .feat; compute: stages [split, freeze) at client_speed); an epoch
+ * takes as long as its slowest tier. A cached sample costs the storage tier
+ * only a hit. The winner has the least time over epochs (ties: fewer bytes).
+ * batch=auto is the largest batch (<= HAPI_POLICY_BATCH_CAP) whose memory
+ * estimate fits mem_budget. Returns 0 or HAPI_EINVAL (bad input: says what).
+ */
+int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hapi_error *err);
+
+/* The inputs and the candidates table as JSON text (malloc'd), or NULL. */
+char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice *c);
+
+/*
+ * Parses a link rate: a number and a unit, bits ("100Mbit", "1Gbit", "10gbit",
+ * "1.5Gbit/s", "800kbit") or bytes per second ("125MB/s", "1GiB/s"); k/M/G/T
+ * are powers of 1000, Ki/Mi/Gi of 1024. A bare number has no unit and is
+ * refused, as is "mbps" (bits or bytes?). Returns 0 or HAPI_EINVAL (says why).
+ */
+int hapi_policy_parse_rate(const char *text, double *bits_per_s, hapi_error *err);
+
+/* Writes a rate readably ("1 Gbit/s", "100 Mbit/s") into buf. */
+void hapi_policy_format_rate(double bits_per_s, char *buf, size_t size);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,410 @@
+/* profile.c — measures what every stage of a model costs on this node; stores and reads the result. */
+#include "policy.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <malloc.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---------------------------------------------------------------- memory */
+
+/*
+ * A stage's peak memory is read from the kernel: before the stage, free
+ * memory goes back to the system (malloc_trim), the resident size is noted
+ * and the high-water mark is reset to it (clear_refs 5); after it, the mark
+ * minus the noted size is what the stage needed at its worst.
+ */
+struct mem_probe {
+    int ok;
+    uint64_t before;
+    double peak[HAPI_PROFILE_MAX_STAGES];
+};
+
+static uint64_t resident_bytes(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long long size = 0, resident = 0;
+    if (!f)
+        return 0;
+    if (fscanf(f, "%llu %llu", &size, &resident) != 2)
+        resident = 0;
+    fclose(f);
+    return (uint64_t)resident * (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
+static uint64_t high_water_bytes(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    unsigned long long kb = 0;
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmHWM: %llu kB", &kb) == 1)
+            break;
+    fclose(f);
+    return (uint64_t)kb * 1024;
+}
+
+static int reset_high_water(void)
+{
+    int fd = open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    ssize_t n = write(fd, "5", 1);
+    int rc = n == 1 ? 0 : -errno;
+    close(fd);
+    return rc;
+}
+
+static void mem_hook(void *ctx, int stage, int after)
+{
+    struct mem_probe *mp = ctx;
+    if (!mp->ok || stage >= HAPI_PROFILE_MAX_STAGES)
+        return;
+    if (!after) {
+        malloc_trim(0);
+        mp->before = resident_bytes();
+        if (reset_high_water() < 0)
+            mp->ok = 0;
+    } else {
+        uint64_t hwm = high_water_bytes();
+        mp->peak[stage] = hwm > mp->before ? (double)(hwm - mp->before) : 0.0;
+    }
+}
+
+/* --------------------------------------------------------------- measure */
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *device,
+                         int threads, uint64_t max_batch_bytes, hapi_profile *out,
+                         hapi_error *err)
+{
+    enum { REPS = 3 };
+    static const int wanted[] = { 1, 4, 16 };
+    uint64_t t0 = hapi_now_ns();
+    int n = hapi_model_num_stages(m), rc;
+
+    memset(out, 0, sizeof(*out));
+    if (n < 1 || n > HAPI_PROFILE_MAX_STAGES)
+        return hapi_error_set(err, HAPI_EINVAL, "profile: %d stages (at most %d)", n,
+                              HAPI_PROFILE_MAX_STAGES);
+    out->version = HAPI_PROFILE_VERSION;
+    for (int i = 0; i < 16; i++)
+        snprintf(out->model_digest + 2 * i, 3, "%02x", digest[i]);
+    snprintf(out->device, sizeof(out->device), "%s", device && *device ? device : "cpu");
+    out->threads = threads;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    out->cores = cores > 0 ? (int)cores : 1;
+    out->nstages = n;
+
+    uint64_t widest = 0; /* the largest activation of one sample, fp32 */
+    for (int i = 0; i < n; i++) {
+        hapi_stage_info info;
+        hapi_model_stage(m, i, &info);
+        hapi_profile_stage *s = &out->stage[i];
+        memcpy(s->name, info.name, sizeof(s->name));
+        s->ndim = info.ndim;
+        s->out_elems = 1;
+        for (int d = 0; d < info.ndim; d++) {
+            s->shape[d] = info.shape[d];
+            s->out_elems *= (uint64_t)info.shape[d];
+        }
+        s->param_bytes = info.param_bytes;
+        if (s->out_elems * 4 > widest)
+            widest = s->out_elems * 4;
+    }
+    for (size_t k = 0; k < sizeof(wanted) / sizeof(*wanted); k++) {
+        /* a batch is run whole: its widest activation (and a copy) must fit the cap */
+        if (k > 0 && max_batch_bytes && (uint64_t)wanted[k] * widest * 2 > max_batch_bytes)
+            break;
+        out->batches[out->nbatches++] = wanted[k];
+    }
+
+    uint64_t *ns = calloc((size_t)n * REPS, sizeof(uint64_t));
+    uint64_t *one = calloc((size_t)n, sizeof(uint64_t));
+    if (!ns || !one) {
+        free(ns);
+        free(one);
+        return hapi_error_set(err, -ENOMEM, "profile: out of memory");
+    }
+    out->runtime_bytes = resident_bytes();
+    for (int k = 0; k < out->nbatches; k++) {
+        int batch = out->batches[k];
+        /* TorchScript's executor specialises on the first runs of a shape: warm it up */
+        for (int w = 0; w < (k == 0 ? 2 : 1); w++)
+            if ((rc = hapi_model_measure(m, batch, NULL, NULL, one, err)) < 0)
+                goto out;
+        for (int r = 0; r < REPS; r++) {
+            if ((rc = hapi_model_measure(m, batch, NULL, NULL, one, err)) < 0)
+                goto out;
+            for (int i = 0; i < n; i++)
+                ns[(size_t)i * REPS + (size_t)r] = one[i];
+        }
+        for (int i = 0; i < n; i++) {
+            qsort(ns + (size_t)i * REPS, REPS, sizeof(uint64_t), cmp_u64);
+            out->stage[i].ms[k] = (double)ns[(size_t)i * REPS + REPS / 2] / 1e6 / batch;
+        }
+    }
+
+    /* Memory: each stage's peak at the smallest and the largest batch gives fixed + per sample. */
+    struct mem_probe lo = { .ok = 1 }, hi = { .ok = 1 };
+    int b_lo = out->batches[0], b_hi = out->batches[out->nbatches - 1];
+    if ((rc = hapi_model_measure(m, b_lo, mem_hook, &lo, one, err)) < 0)
+        goto out;
+    if (b_hi > b_lo && (rc = hapi_model_measure(m, b_hi, mem_hook, &hi, one, err)) < 0)
+        goto out;
+    out->mem_measured = lo.ok && (b_hi == b_lo || hi.ok);
+    for (int i = 0; i < n; i++) {
+        hapi_profile_stage *s = &out->stage[i];
+        if (out->mem_measured && b_hi > b_lo) {
+            double slope = (hi.peak[i] - lo.peak[i]) / (double)(b_hi - b_lo);
+            /* a sample needs at least its own output */
+            if (slope < (double)s->out_elems * 4)
+                slope = (double)s->out_elems * 4;
+            double fixed = lo.peak[i] - slope * b_lo;
+            s->mem_per_sample = slope;
+            s->mem_fixed = fixed > 0 ? fixed : 0;
+        } else {
+            /* the output, an input-sized temporary and the allocator's slack */
+            s->mem_per_sample = (double)s->out_elems * 4 * 3;
+            s->mem_fixed = out->mem_measured ? lo.peak[i] - s->mem_per_sample : 0;
+            if (s->mem_fixed < 0)
+                s->mem_fixed = 0;
+        }
+    }
+    out->seconds = (double)(hapi_now_ns() - t0) / 1e9;
+    out->measured_at = (int64_t)time(NULL);
+    rc = 0;
+out:
+    free(ns);
+    free(one);
+    return rc;
+}
+
+/* ------------------------------------------------------------ estimates */
+
+static double stage_ms(const hapi_profile *p, int i, int batch)
+{
+    const hapi_profile_stage *s = &p->stage[i];
+    if (p->nbatches < 1)
+        return 0;
+    if (batch <= p->batches[0])
+        return s->ms[0];
+    for (int k = 1; k < p->nbatches; k++)
+        if (batch <= p->batches[k]) {
+            double f = (double)(batch - p->batches[k - 1]) /
+                       (double)(p->batches[k] - p->batches[k - 1]);
+            return s->ms[k - 1] + f * (s->ms[k] - s->ms[k - 1]);
+        }
+    return s->ms[p->nbatches - 1];
+}
+
+double hapi_profile_ms(const hapi_profile *p, int from, int to, int batch)
+{
+    double ms = 0;
+    if (from < 0)
+        from = 0;
+    for (int i = from; i < to && i < p->nstages; i++)
+        ms += stage_ms(p, i, batch);
+    return ms;
+}
+
+double hapi_profile_memory(const hapi_profile *p, int split, int batch)
+{
+    double weights = 0, worst = 0;
+    for (int i = 0; i < split && i < p->nstages; i++) {
+        const hapi_profile_stage *s = &p->stage[i];
+        weights += (double)s->param_bytes;
+        double w = s->mem_fixed + s->mem_per_sample * batch;
+        if (w > worst)
+            worst = w;
+    }
+    return weights + worst;
+}
+
+/* ------------------------------------------------------------------ JSON */
+
+char *hapi_profile_to_json(const hapi_profile *p)
+{
+    json_t *stages = json_array();
+    json_t *batches = json_array();
+    for (int k = 0; k < p->nbatches; k++)
+        json_array_append_new(batches, json_integer(p->batches[k]));
+    for (int i = 0; i < p->nstages; i++) {
+        const hapi_profile_stage *s = &p->stage[i];
+        json_t *shape = json_array(), *ms = json_array();
+        for (int d = 0; d < s->ndim; d++)
+            json_array_append_new(shape, json_integer(s->shape[d]));
+        for (int k = 0; k < p->nbatches; k++)
+            json_array_append_new(ms, json_real(s->ms[k]));
+        json_array_append_new(
+            stages,
+            json_pack("{s:i, s:s, s:o, s:I, s:I, s:I, s:o, s:f, s:f}", "index", i, "name",
+                      s->name, "shape", shape, "bytes_fp32", (json_int_t)(s->out_elems * 4),
+                      "bytes_fp16", (json_int_t)(s->out_elems * 2), "param_bytes",
+                      (json_int_t)s->param_bytes, "ms_per_sample", ms, "mem_fixed",
+                      s->mem_fixed, "mem_per_sample", s->mem_per_sample));
+    }
+    json_t *root = json_pack(
+        "{s:i, s:s, s:s, s:i, s:i, s:o, s:I, s:b, s:f, s:I, s:o}", "version", p->version,
+        "model_digest", p->model_digest, "device", p->device, "threads", p->threads, "cores",
+        p->cores, "batches", batches, "runtime_bytes", (json_int_t)p->runtime_bytes,
+        "memory_measured", p->mem_measured, "seconds", p->seconds, "measured_at",
+        (json_int_t)p->measured_at, "stages", stages);
+    if (!root)
+        return NULL;
+    char *text = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(root);
+    return text;
+}
+
+int hapi_profile_from_json(const char *text, hapi_profile *out, hapi_error *err)
+{
+    json_error_t je;
+    json_t *root = json_loads(text, 0, &je), *batches = NULL, *stages = NULL;
+    const char *digest = NULL, *device = NULL;
+    json_int_t runtime = 0, at = 0;
+    int measured = 0, rc = 0;
+
+    memset(out, 0, sizeof(*out));
+    if (!root)
+        return hapi_error_set(err, HAPI_EINVAL, "not JSON: %s (line %d)", je.text, je.line);
+    if (json_unpack_ex(root, &je, 0, "{s:i, s:s, s:s, s:i, s:i, s:o, s:I, s:b, s:F, s:I, s:o}",
+                       "version", &out->version, "model_digest", &digest, "device", &device,
+                       "threads", &out->threads, "cores", &out->cores, "batches", &batches,
+                       "runtime_bytes", &runtime, "memory_measured", &measured, "seconds",
+                       &out->seconds, "measured_at", &at, "stages", &stages) < 0) {
+        rc = hapi_error_set(err, HAPI_EINVAL, "profile: %s", je.text);
+        goto out;
+    }
+    if (out->version != HAPI_PROFILE_VERSION) {
+        rc = hapi_error_set(err, HAPI_EINVAL, "profile version %d, this build reads %d",
+                            out->version, HAPI_PROFILE_VERSION);
+        goto out;
+    }
+    snprintf(out->model_digest, sizeof(out->model_digest), "%s", digest);
+    snprintf(out->device, sizeof(out->device), "%s", device);
+    out->runtime_bytes = (uint64_t)runtime;
+    out->mem_measured = measured;
+    out->measured_at = at;
+    if (!json_is_array(batches) || json_array_size(batches) < 1 ||
+        json_array_size(batches) > HAPI_PROFILE_MAX_BATCHES || !json_is_array(stages) ||
+        json_array_size(stages) < 1 || json_array_size(stages) > HAPI_PROFILE_MAX_STAGES) {
+        rc = hapi_error_set(err, HAPI_EINVAL, "profile: bad batches or stages");
+        goto out;
+    }
+    out->nbatches = (int)json_array_size(batches);
+    for (int k = 0; k < out->nbatches; k++) {
+        out->batches[k] = (int)json_integer_value(json_array_get(batches, (size_t)k));
+        if (out->batches[k] < 1 || (k > 0 && out->batches[k] <= out->batches[k - 1])) {
+            rc = hapi_error_set(err, HAPI_EINVAL, "profile: batches not ascending");
+            goto out;
+        }
+    }
+    out->nstages = (int)json_array_size(stages);
+    for (int i = 0; i < out->nstages; i++) {
+        hapi_profile_stage *s = &out->stage[i];
+        const char *name = NULL;
+        json_t *shape = NULL, *ms = NULL;
+        json_int_t fp32 = 0, params = 0;
+        if (json_unpack_ex(json_array_get(stages, (size_t)i), &je, 0,
+                           "{s:s, s:o, s:I, s:I, s:o, s:F, s:F}", "name", &name, "shape", &shape,
+                           "bytes_fp32", &fp32, "param_bytes", &params, "ms_per_sample", &ms,
+                           "mem_fixed", &s->mem_fixed, "mem_per_sample", &s->mem_per_sample) < 0 ||
+            !json_is_array(shape) || json_array_size(shape) > HAPI_MAX_DIMS ||
+            !json_is_array(ms) || (int)json_array_size(ms) != out->nbatches) {
+            rc = hapi_error_set(err, HAPI_EINVAL, "profile: stage %d: %s", i,
+                                *je.text ? je.text : "bad shape or times");
+            goto out;
+        }
+        snprintf(s->name, sizeof(s->name), "%s", name);
+        s->ndim = (int)json_array_size(shape);
+        s->out_elems = 1;
+        for (int d = 0; d < s->ndim; d++) {
+            s->shape[d] = json_integer_value(json_array_get(shape, (size_t)d));
+            s->out_elems *= (uint64_t)s->shape[d];
+        }
+        s->param_bytes = (uint64_t)params;
+        for (int k = 0; k < out->nbatches; k++)
+            s->ms[k] = json_number_value(json_array_get(ms, (size_t)k));
+        (void)fp32;
+    }
+out:
+    json_decref(root);
+    return rc;
+}
+
+void hapi_profile_file_name(const uint8_t digest[16], const char *device, int threads,
+                            char *buf, size_t size)
+{
+    char hex[33], dev[32];
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", digest[i]);
+    snprintf(dev, sizeof(dev), "%s", device && *device ? device : "cpu");
+    for (char *c = dev; *c; c++)
+        if (*c == ':' || *c == '/')
+            *c = '_';
+    snprintf(buf, size, "profile-%s-%s-t%d.json", hex, dev, threads);
+}
+
+int hapi_profile_load(const char *path, hapi_profile *out, hapi_error *err)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return hapi_error_set(err, -errno, "%s: %s", path, strerror(errno));
+    char *text = NULL;
+    size_t cap = 0, len = 0;
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            char *t = realloc(text, cap = cap ? cap * 2 : 65536);
+            if (!t) {
+                free(text);
+                fclose(f);
+                return hapi_error_set(err, -ENOMEM, "out of memory");
+            }
+            text = t;
+        }
+        size_t n = fread(text + len, 1, cap - len - 1, f);
+        len += n;
+        if (n == 0)
+            break;
+    }
+    fclose(f);
+    text[len] = '\0';
+    int rc = hapi_profile_from_json(text, out, err);
+    free(text);
+    return rc;
+}
+
+int hapi_profile_save(const char *path, const hapi_profile *p, hapi_error *err)
+{
+    char *text = hapi_profile_to_json(p);
+    char tmp[4096];
+    if (!text)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    int rc = 0;
+    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0 || fflush(f) != 0 || fsync(fileno(f)) < 0)
+        rc = hapi_error_set(err, -errno, "%s: %s", tmp, strerror(errno));
+    if (f && fclose(f) != 0 && rc == 0)
+        rc = hapi_error_set(err, -errno, "%s: %s", tmp, strerror(errno));
+    if (rc == 0 && rename(tmp, path) < 0)
+        rc = hapi_error_set(err, -errno, "%s: %s", path, strerror(errno));
+    if (rc < 0)
+        unlink(tmp);
+    free(text);
+    return rc;
+}

@@ -1,0 +1,339 @@
+/* test-policy.c — the choice of split and batch on synthetic profiles; rates; profile JSON round trip. */
+#include <check.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "policy.h"
+
+/*
+ * A ResNet-50-like profile at 224 (figures of the order measured on a
+ * 2-core node): early stages have big outputs, late ones cost the most.
+ */
+static void resnet_like(hapi_profile *p)
+{
+    static const struct { const char *name; uint64_t elems; double ms; double mem; } st[] = {
+        { "stem", 64 * 56 * 56, 3.0, 4 * 64 * 112 * 112 * 2.0 },
+        { "layer1", 256 * 56 * 56, 7.0, 4 * 256 * 56 * 56 * 2.0 },
+        { "layer2", 512 * 28 * 28, 8.0, 4 * 512 * 28 * 28 * 2.0 },
+        { "layer3", 1024 * 14 * 14, 12.0, 4 * 1024 * 14 * 14 * 2.0 },
+        { "layer4", 2048 * 7 * 7, 6.0, 4 * 2048 * 7 * 7 * 2.0 },
+        { "pool", 2048, 0.05, 4 * 2048 * 2.0 },
+        { "fc", 1000, 0.1, 4 * 1000 * 2.0 },
+    };
+    memset(p, 0, sizeof(*p));
+    p->version = HAPI_PROFILE_VERSION;
+    snprintf(p->model_digest, sizeof(p->model_digest), "%032x", 7);
+    snprintf(p->device, sizeof(p->device), "cpu");
+    p->threads = 2;
+    p->cores = 2;
+    p->nbatches = 3;
+    p->batches[0] = 1, p->batches[1] = 4, p->batches[2] = 16;
+    p->nstages = 7;
+    for (int i = 0; i < 7; i++) {
+        hapi_profile_stage *s = &p->stage[i];
+        snprintf(s->name, sizeof(s->name), "%s", st[i].name);
+        s->ndim = 1;
+        s->shape[0] = (int64_t)st[i].elems;
+        s->out_elems = st[i].elems;
+        s->param_bytes = 10u << 20;
+        for (int k = 0; k < 3; k++)
+            s->ms[k] = st[i].ms * (1.0 + 0.1 * k); /* batching does not help here */
+        s->mem_fixed = 1 << 20;
+        s->mem_per_sample = st[i].mem;
+    }
+    p->runtime_bytes = 300u << 20;
+    p->mem_measured = 1;
+}
+
+static hapi_profile prof;
+
+static hapi_policy_input input(double link_bps, double client_speed)
+{
+    hapi_policy_input in = {
+        .profile = &prof,
+        .link_bps = link_bps,
+        .client_speed = client_speed,
+        .mem_budget = 1ull << 30,
+        .freeze = 6,
+        .epochs = 5,
+        .dtype = HAPI_DTYPE_FP16,
+        .decode_threads = 1,
+        .header_bytes = 128,
+        .input_bytes = 3 * 224 * 224 * 4,
+        .decode_ms = 2.5,
+        .source_bytes = 110000,
+        .hit_ms = 0.03,
+        .samples = 10000,
+    };
+    return in;
+}
+
+static int choose(const hapi_policy_input *in, hapi_policy_choice *c)
+{
+    hapi_error err = { 0 };
+    int rc = hapi_policy_choose(in, c, &err);
+    ck_assert_msg(rc == 0, "choose: %s", err.message);
+    return c->split;
+}
+
+START_TEST(slow_link_late_split)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    /* 100 Mbit: every early split moves hundreds of KB per sample */
+    hapi_policy_input in = input(100e6, 1);
+    ck_assert_int_eq(choose(&in, &c), 6);
+    ck_assert_str_eq(c.cand[c.index].name, "pool");
+    ck_assert_msg(strstr(c.why, "pool") != NULL, "why: %s", c.why);
+    /* one epoch only, a fast compute tier and a slower link: still late, the link rules */
+    in.epochs = 1;
+    in.client_speed = 10;
+    in.link_bps = 10e6;
+    ck_assert_int_ge(choose(&in, &c), 5);
+    /* ... but at 100 Mbit the stem's 400 KB beat 36 ms of storage-side inference */
+    in.link_bps = 100e6;
+    ck_assert_int_lt(choose(&in, &c), 5);
+}
+END_TEST
+
+START_TEST(fast_link_slow_storage_early_split)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    /* 100 Gbit, a compute tier 10x faster, one epoch: storage is the bottleneck */
+    hapi_policy_input in = input(100e9, 10);
+    in.epochs = 1;
+    int split = choose(&in, &c);
+    ck_assert_msg(split <= 2, "split %d (%s): %s", split, c.cand[c.index].name, c.why);
+    ck_assert_str_eq(c.cand[c.index].cold_bound, "storage");
+    /* the same with many epochs: the cache makes late splits pay once only */
+    in.epochs = 50;
+    in.link_bps = 10e9;
+    ck_assert_int_ge(choose(&in, &c), 5);
+}
+END_TEST
+
+START_TEST(cached_split_preferred)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(100e9, 10);
+    in.epochs = 1;
+    int early = choose(&in, &c);
+    ck_assert_int_lt(early, 6);
+    /* everything already cached at the pooling split: nothing to compute there */
+    in.cached[6] = 1.0;
+    ck_assert_int_eq(choose(&in, &c), 6);
+    ck_assert_double_le(c.cand[5].cold_s, c.cand[5].warm_s * 1.0001);
+}
+END_TEST
+
+START_TEST(never_past_freeze)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    for (int freeze = 1; freeze <= 7; freeze++) {
+        for (double link = 1e7; link <= 1e11; link *= 10) {
+            hapi_policy_input in = input(link, 1);
+            in.freeze = freeze;
+            ck_assert_int_le(choose(&in, &c), freeze);
+            ck_assert_int_eq(c.ncand, freeze);
+        }
+    }
+    /* an operator's split past the freeze index is refused */
+    hapi_policy_input in = input(1e9, 1);
+    in.freeze = 4;
+    in.split = 5;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(hapi_policy_choose(&in, &c, &err), HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "freeze"));
+}
+END_TEST
+
+START_TEST(memory_caps_batch)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(1e9, 1);
+    in.split = 2; /* layer1: 6.4 MB per sample of working memory */
+    in.mem_budget = 1ull << 30;
+    choose(&in, &c);
+    int roomy = c.batch;
+    in.mem_budget = 200ull << 20;
+    choose(&in, &c);
+    int tight = c.batch;
+    ck_assert_int_lt(tight, roomy);
+    ck_assert_int_ge(tight, 1);
+    ck_assert_double_le(c.cand[1].mem_bytes, (double)in.mem_budget);
+    /* the next batch up would not have fitted */
+    ck_assert_double_gt(hapi_profile_memory(&prof, 2, tight * 2) + 2.0 * tight * 2 * in.input_bytes,
+                        (double)in.mem_budget);
+    ck_assert_int_le(roomy, HAPI_POLICY_BATCH_CAP);
+    /* a budget that fits nothing: batch 1, and the explanation says so */
+    in.mem_budget = 1 << 20;
+    in.split = 0;
+    choose(&in, &c);
+    ck_assert_int_eq(c.batch, 1);
+    ck_assert_ptr_nonnull(strstr(c.why, "raise mem"));
+    /* a fixed batch is kept */
+    in.mem_budget = 1ull << 30;
+    in.batch = 3;
+    choose(&in, &c);
+    ck_assert_int_eq(c.batch, 3);
+}
+END_TEST
+
+START_TEST(operator_split_explained)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(100e6, 1);
+    in.split = 3;
+    ck_assert_int_eq(choose(&in, &c), 3);
+    ck_assert_ptr_nonnull(strstr(c.why, "operator"));
+    ck_assert_ptr_nonnull(strstr(c.why, "pool"));
+    char *json = hapi_policy_to_json(&in, &c);
+    ck_assert_ptr_nonnull(json);
+    ck_assert_ptr_nonnull(strstr(json, "\"candidates\""));
+    ck_assert_ptr_nonnull(strstr(json, "\"chosen\": true"));
+    free(json);
+}
+END_TEST
+
+START_TEST(estimates_add_up)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(1e9, 2);
+    choose(&in, &c);
+    for (int i = 0; i < c.ncand; i++) {
+        const hapi_policy_candidate *k = &c.cand[i];
+        /* bytes: header + features in fp16 */
+        ck_assert_uint_eq(k->file_bytes, 128 + prof.stage[i].out_elems * 2);
+        /* link time is bytes over rate */
+        ck_assert_double_eq_tol(k->link_ms, (k->file_bytes + HAPI_POLICY_FILE_OVERHEAD) * 8 / 1e9 * 1e3,
+                                1e-9);
+        /* the compute tier runs the rest of the frozen stages at twice this node's speed */
+        ck_assert_double_eq_tol(k->compute_ms, hapi_profile_ms(&prof, k->split, 6, 16) / 2, 1e-9);
+        /* cold epoch: the slowest tier over all samples */
+        double slowest = fmax(k->storage_ms, fmax(k->link_ms, k->compute_ms));
+        ck_assert_double_eq_tol(k->cold_s, slowest * 10000 / 1e3, 1e-6);
+        ck_assert_double_eq_tol(k->total_s, k->cold_s + 4 * k->warm_s, 1e-6);
+        ck_assert_double_le(k->warm_s, k->cold_s + 1e-9);
+    }
+    /* a cache too small for the pool features of every sample: warm epochs recompute some */
+    in.cache_room = 10000 * 4096 / 2;
+    in.cache_entry_overhead = 0;
+    choose(&in, &c);
+    ck_assert_double_gt(c.cand[5].warm_s, c.cand[5].link_ms * 10000 / 1e3 * 1.5);
+}
+END_TEST
+
+START_TEST(rates)
+{
+    double bps;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(hapi_policy_parse_rate("1Gbit", &bps, &err), 0);
+    ck_assert_double_eq(bps, 1e9);
+    ck_assert_int_eq(hapi_policy_parse_rate("100mbit", &bps, &err), 0);
+    ck_assert_double_eq(bps, 100e6);
+    ck_assert_int_eq(hapi_policy_parse_rate("10 Gbit/s", &bps, &err), 0);
+    ck_assert_double_eq(bps, 10e9);
+    ck_assert_int_eq(hapi_policy_parse_rate("125MB/s", &bps, &err), 0);
+    ck_assert_double_eq(bps, 1e9);
+    ck_assert_int_eq(hapi_policy_parse_rate("1MiB/s", &bps, &err), 0);
+    ck_assert_double_eq(bps, 8.0 * 1048576);
+    ck_assert_int_eq(hapi_policy_parse_rate("1.5kbit", &bps, &err), 0);
+    ck_assert_double_eq(bps, 1500);
+    ck_assert_int_eq(hapi_policy_parse_rate("1000", &bps, &err), HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "no unit"));
+    ck_assert_int_eq(hapi_policy_parse_rate("100mbps", &bps, &err), HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "ambiguous"));
+    ck_assert_int_eq(hapi_policy_parse_rate("fast", &bps, &err), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_policy_parse_rate("-1Gbit", &bps, &err), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_policy_parse_rate("1Gfoo", &bps, &err), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_policy_parse_rate("", &bps, &err), HAPI_EINVAL);
+    char buf[32];
+    hapi_policy_format_rate(1e9, buf, sizeof(buf));
+    ck_assert_str_eq(buf, "1 Gbit/s");
+    hapi_policy_format_rate(100e6, buf, sizeof(buf));
+    ck_assert_str_eq(buf, "100 Mbit/s");
+}
+END_TEST
+
+START_TEST(profile_round_trip)
+{
+    resnet_like(&prof);
+    char *json = hapi_profile_to_json(&prof);
+    ck_assert_ptr_nonnull(json);
+    hapi_profile back;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(hapi_profile_from_json(json, &back, &err), 0);
+    ck_assert_int_eq(back.nstages, prof.nstages);
+    ck_assert_int_eq(back.nbatches, 3);
+    for (int i = 0; i < prof.nstages; i++) {
+        ck_assert_str_eq(back.stage[i].name, prof.stage[i].name);
+        ck_assert_uint_eq(back.stage[i].out_elems, prof.stage[i].out_elems);
+        ck_assert_double_eq_tol(back.stage[i].ms[2], prof.stage[i].ms[2], 1e-9);
+        ck_assert_double_eq_tol(back.stage[i].mem_per_sample, prof.stage[i].mem_per_sample, 1e-3);
+    }
+    /* stored and read back from a file */
+    char path[] = "/tmp/hapi-test-profile-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    ck_assert_int_eq(hapi_profile_save(path, &prof, &err), 0);
+    ck_assert_int_eq(hapi_profile_load(path, &back, &err), 0);
+    ck_assert_str_eq(back.model_digest, prof.model_digest);
+    unlink(path);
+    /* damaged text is refused with a reason */
+    ck_assert_int_eq(hapi_profile_from_json("{\"version\": 1}", &back, &err), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_profile_from_json("not json", &back, &err), HAPI_EINVAL);
+    json[strlen(json) / 2] = '\0';
+    ck_assert_int_eq(hapi_profile_from_json(json, &back, &err), HAPI_EINVAL);
+    free(json);
+    ck_assert_int_eq(hapi_profile_load("/nonexistent/profile.json", &back, &err), -ENOENT);
+}
+END_TEST
+
+START_TEST(interpolation)
+{
+    resnet_like(&prof);
+    /* stage 0: 3.0, 3.3, 3.6 ms at batches 1, 4, 16 */
+    ck_assert_double_eq_tol(hapi_profile_ms(&prof, 0, 1, 1), 3.0, 1e-9);
+    ck_assert_double_eq_tol(hapi_profile_ms(&prof, 0, 1, 10), 3.3 + 0.3 * 6 / 12, 1e-9);
+    ck_assert_double_eq_tol(hapi_profile_ms(&prof, 0, 1, 64), 3.6, 1e-9);
+    ck_assert_double_eq_tol(hapi_profile_ms(&prof, 0, 7, 1), 36.15, 1e-9);
+    /* memory: weights of the stages run plus the worst stage's working memory */
+    double m = hapi_profile_memory(&prof, 2, 4);
+    ck_assert_double_eq_tol(m, 2 * (10 << 20) + (1 << 20) + 4 * (4 * 256 * 56 * 56 * 2.0), 1);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("policy");
+    TCase *tc = tcase_create("choice");
+    tcase_add_test(tc, slow_link_late_split);
+    tcase_add_test(tc, fast_link_slow_storage_early_split);
+    tcase_add_test(tc, cached_split_preferred);
+    tcase_add_test(tc, never_past_freeze);
+    tcase_add_test(tc, memory_caps_batch);
+    tcase_add_test(tc, operator_split_explained);
+    tcase_add_test(tc, estimates_add_up);
+    suite_add_tcase(s, tc);
+    TCase *tp = tcase_create("profile");
+    tcase_add_test(tp, rates);
+    tcase_add_test(tp, profile_round_trip);
+    tcase_add_test(tp, interpolation);
+    suite_add_tcase(s, tp);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
