@@ -14,13 +14,33 @@ static json_t *shape_json(const hapi_stage_info *s)
     return a;
 }
 
+/* The split part of config: what a .feat is now, and what the training side still runs. */
+static json_t *render_split(hapi_fs *fs)
+{
+    /* Waits while the policy chooses (a first mount's profile): scripts need the split. */
+    hapi_view *v = hapi_view_get(fs);
+    int freeze = hapi_extractor_freeze(fs->ex);
+    json_t *j;
+    if (!v)
+        return json_pack("{s:s, s:i}", "state", "unmounting", "freeze", freeze);
+    pthread_mutex_lock(&fs->tune.lock);
+    const char *by = fs->tune.split_by_operator ? "operator" : "policy";
+    pthread_mutex_unlock(&fs->tune.lock);
+    j = json_pack("{s:i, s:s, s:i, s:o, s:[i, i], s:s, s:I, s:s, s:s}", "index", v->split,
+                  "stage", v->output.name, "freeze", freeze, "shape", shape_json(&v->output),
+                  "stages_after", v->split, freeze, "dtype",
+                  fs->opt->dtype == HAPI_DTYPE_FP16 ? "float16" : "float32", "feat_size",
+                  (json_int_t)v->feat_size, "by", by, "namespace", v->ns_hex);
+    hapi_view_put(v);
+    return j;
+}
+
 static json_t *render_config(hapi_fs *fs)
 {
     const hapi_fs_options *o = fs->opt;
     const hapi_model_meta *meta = hapi_extractor_meta(fs->ex);
     const hapi_preprocess *pp = hapi_extractor_preprocess(fs->ex);
     hapi_model *m = hapi_extractor_model(fs->ex);
-    int split = hapi_extractor_split(fs->ex);
     char digest[33];
     const uint8_t *d = hapi_extractor_model_digest(fs->ex);
     for (int i = 0; i < 16; i++)
@@ -34,30 +54,37 @@ static json_t *render_config(hapi_fs *fs)
             json_array_append_new(stages, json_pack("{s:i, s:s, s:o}", "index", i, "name",
                                                     info.name, "shape", shape_json(&info)));
     }
-    const hapi_stage_info *out = hapi_extractor_output(fs->ex);
+    json_t *split = render_split(fs);
+    char rate[32];
+    pthread_mutex_lock(&fs->tune.lock);
+    hapi_policy_format_rate(fs->tune.in.link_bps, rate, sizeof(rate));
+    double client_speed = fs->tune.in.client_speed;
+    int epochs = fs->tune.in.epochs, batch = fs->tune.batch, batch_auto = fs->tune.batch_auto;
+    pthread_mutex_unlock(&fs->tune.lock);
     return json_pack(
-        "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:o}, s:{s:i, s:s, s:i, s:o, s:o, s:s, s:I}, "
-        "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, s:{s:i, s:i, s:b, s:s, s:i, s:i, s:i, s:I}}",
+        "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:o}, s:o, "
+        "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
+        "s:{s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:s, s:i, s:b, s:i, s:i, s:I}}",
         "version", HAPI_VERSION,
         "source", o->source,
         "mountpoint", o->mountpoint,
         "model",
           "path", o->model, "digest", digest, "arch", meta->arch, "stages", stages,
-        "split",
-          "index", split, "stage", out->name, "freeze", hapi_extractor_freeze(fs->ex),
-          "shape", shape_json(out),
-          "stages_after", json_pack("[i, i]", split, hapi_extractor_freeze(fs->ex)),
-          "dtype", o->dtype == HAPI_DTYPE_FP16 ? "float16" : "float32",
-          "feat_size", (json_int_t)fs->feat_size,
+        "split", split,
         "preprocess",
           "mode", pp->mode == HAPI_PREPROCESS_FAST ? "fast" : "exact", "resize", pp->resize,
           "crop", pp->crop, "mean", pp->mean[0], pp->mean[1], pp->mean[2], "std", pp->std[0],
           pp->std[1], pp->std[2], "max_pixels", (json_int_t)pp->max_pixels,
         "cache",
-          "dir", o->cache_dir, "namespace", fs->ns_hex, "size_limit", (json_int_t)o->cache_size,
+          "dir", o->cache_dir, "namespace", json_object_get(split, "namespace") ?
+              json_string_value(json_object_get(split, "namespace")) : "",
+          "size_limit", (json_int_t)o->cache_size,
+        "policy",
+          "link", rate, "client_speed", client_speed, "epochs", epochs,
         "runtime",
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
-          "device", o->device, "batch", o->batch, "batch_wait_ms", o->batch_wait_us / 1000,
+          "device", o->device, "batch", batch, "batch_auto", batch_auto,
+          "batch_wait_ms", o->batch_wait_us / 1000,
           "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget);
 }
 
@@ -88,7 +115,11 @@ static json_t *render_warm(hapi_fs *fs)
 static json_t *render_batcher(hapi_fs *fs)
 {
     hapi_batcher_stats b;
-    hapi_batcher_stats_get(fs->batcher, &b);
+    hapi_view *v = hapi_view_peek(fs);
+    if (!v)
+        return json_null(); /* the policy is still choosing */
+    hapi_batcher_stats_get(v->batcher, &b);
+    hapi_view_put(v);
     double per = b.samples ? 1.0 / (double)b.samples : 0;
     return json_pack("{s:i, s:{s:I, s:I, s:I}, s:I, s:I, s:I, s:I, s:f, s:I, s:I, s:I, "
                      "s:f, s:f, s:I, s:I, s:I, s:I}",
@@ -117,14 +148,18 @@ static json_t *render_cache(hapi_fs *fs)
     hapi_cache_stats cs = { 0 };
     hapi_cache_namespace_stats ns = { 0 };
     hapi_cache_stats_get(fs->cache, &cs);
-    hapi_cache_namespace_stats_get(fs->cache, &fs->ns, &ns);
+    hapi_view *v = hapi_view_peek(fs);
+    uint64_t feat_size = v ? v->feat_size : 0;
+    if (v)
+        hapi_cache_namespace_stats_get(fs->cache, &v->ns, &ns);
+    hapi_view_put(v);
     return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:I, "
                      "s:{s:I, s:I}}",
                      "entries", (json_int_t)cs.entries,
                      "bytes_used", (json_int_t)cs.bytes_used,
                      "bytes_free", (json_int_t)cs.bytes_free,
                      "size_limit", (json_int_t)cs.map_size,
-                     "feat_size", (json_int_t)fs->feat_size,
+                     "feat_size", (json_int_t)feat_size,
                      "hits", (json_int_t)cs.hits,
                      "misses", (json_int_t)cs.misses,
                      "stale", (json_int_t)cs.stale,
@@ -144,8 +179,9 @@ static json_t *render_stats(hapi_fs *fs)
     uint64_t hits = atomic_load(&s->hits);
     double uptime = (double)(hapi_now_ns() - fs->started_ns) / 1e9;
     return json_pack(
-        "{s:f, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, s:o, s:o, s:o, s:{s:I}}",
+        "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, s:o, s:o, s:o, s:{s:I}}",
         "uptime_s", uptime,
+        "split_changes", (json_int_t)atomic_load(&fs->tune.split_changes),
         "feat",
           "reads", (json_int_t)atomic_load(&s->feat_reads),
           "bytes", (json_int_t)atomic_load(&s->feat_bytes),
@@ -162,12 +198,78 @@ static json_t *render_stats(hapi_fs *fs)
           "bytes", (json_int_t)atomic_load(&s->passthrough_bytes));
 }
 
+static json_t *render_profile(hapi_fs *fs)
+{
+    pthread_mutex_lock(&fs->tune.lock);
+    int state = fs->tune.state;
+    json_t *j;
+    if (state == 0) {
+        j = json_pack("{s:s}", "state", "measuring");
+    } else if (state < 0) {
+        j = json_pack("{s:s, s:s}", "state", "failed", "error", fs->tune.error);
+    } else {
+        char *text = hapi_profile_to_json(&fs->tune.profile);
+        j = text ? json_loads(text, 0, NULL) : NULL;
+        free(text);
+        if (j) {
+            json_object_set_new(j, "state", json_string(fs->tune.reused ? "stored" : "measured"));
+            json_object_set_new(j, "decode_ms", json_real(fs->tune.decode_ms));
+            json_object_set_new(j, "decode_samples", json_integer(fs->tune.decode_samples));
+            json_object_set_new(j, "source_bytes", json_real(fs->tune.source_bytes));
+        }
+    }
+    pthread_mutex_unlock(&fs->tune.lock);
+    return j;
+}
+
+/* The policy now: the current split explained against every other, and what auto would pick. */
+static json_t *render_policy(hapi_fs *fs)
+{
+    hapi_policy_choice *c = malloc(sizeof(*c));
+    hapi_policy_input in;
+    hapi_error err = { 0 };
+    json_t *j = NULL;
+    if (!c)
+        return NULL;
+    /* What the policy would choose now, with the inputs and the cache as they are. */
+    int rc = hapi_tune_choose(fs, 0, &in, c, &err);
+    if (rc == -EAGAIN) {
+        j = json_pack("{s:s}", "state", "measuring");
+    } else if (rc < 0) {
+        j = json_pack("{s:s, s:s}", "state", "failed", "error", err.message);
+    } else {
+        char *text = hapi_policy_to_json(&in, c);
+        j = text ? json_loads(text, 0, NULL) : NULL;
+        free(text);
+        hapi_view *v = hapi_view_peek(fs);
+        pthread_mutex_lock(&fs->tune.lock);
+        int by_operator = fs->tune.split_by_operator, batch = fs->tune.batch;
+        pthread_mutex_unlock(&fs->tune.lock);
+        if (j && v)
+            json_object_set_new(j, "current",
+                                json_pack("{s:i, s:s, s:i, s:s, s:b}", "split", v->split,
+                                          "stage", v->output.name, "batch", batch, "by",
+                                          by_operator ? "operator" : "policy", "differs",
+                                          v->split != c->split));
+        hapi_view_put(v);
+        if (j)
+            json_object_set_new(j, "state", json_string("ready"));
+    }
+    free(c);
+    return j;
+}
+
 static const char ctl_help[] =
     "# write one command per line to this file:\n"
     "#   warm [PATH]   compute the features of PATH (default: everything) in the background;\n"
     "#                 progress in .hapifs/stats under \"warm\"\n"
     "#   evict [all]   drop this mount's cached features (they are computed again when read)\n"
-    "#   evict PATH    drop those of an image, or of every image beneath a directory\n";
+    "#   evict PATH    drop those of an image, or of every image beneath a directory\n"
+    "#   split N|NAME|auto   serve the features of another split (auto: the policy's);\n"
+    "#                 open files keep theirs, the next open sees the new shape\n"
+    "#   batch N|auto  the storage-side batch\n"
+    "#   link RATE     tell the policy the link's rate (e.g. 1Gbit); see .hapifs/policy\n"
+    "#   client_speed X, epochs N   the policy's other inputs\n";
 
 /* A path given to a command: relative to the mount, beneath it, existing in the source. */
 static int command_path(hapi_fs *fs, const char *word, char **out, hapi_error *err)
@@ -234,7 +336,63 @@ static int run_line(hapi_fs *fs, char *line, hapi_error *err)
         free(path);
         return rc < 0 ? (rc > HAPI_ERRNO_BASE ? rc : -EIO) : 0;
     }
-    return hapi_error_set(err, -EINVAL, "unknown command '%s' (known: warm, evict)", words[0]);
+    if (strcmp(words[0], "split") == 0) {
+        if (n != 2)
+            return hapi_error_set(err, -EINVAL, "usage: split N|NAME|auto");
+        int split;
+        if (strcmp(words[1], "auto") == 0) {
+            hapi_policy_choice *c = malloc(sizeof(*c));
+            int rc = c ? hapi_tune_choose(fs, 0, NULL, c, err)
+                       : hapi_error_set(err, -ENOMEM, "out of memory");
+            split = c ? c->split : 0;
+            free(c);
+            if (rc < 0)
+                return rc == -EAGAIN ? rc : -EINVAL;
+        } else if ((split = hapi_extractor_parse_split(fs->ex, words[1], err)) < 0) {
+            return -EINVAL;
+        }
+        int rc = hapi_tune_set_split(fs, split, strcmp(words[1], "auto") != 0, err);
+        return rc < 0 ? (rc > HAPI_ERRNO_BASE ? rc : -EINVAL) : 0;
+    }
+    if (strcmp(words[0], "batch") == 0) {
+        char *end;
+        long b = n == 2 && strcmp(words[1], "auto") != 0 ? strtol(words[1], &end, 10) : 0;
+        if (n != 2 || (strcmp(words[1], "auto") != 0 && (*end || b < 1 || b > HAPI_BATCH_MAX)))
+            return hapi_error_set(err, -EINVAL, "usage: batch N|auto (N in 1..%d)",
+                                  HAPI_BATCH_MAX);
+        int rc = hapi_tune_set_batch(fs, (int)b, err);
+        return rc < 0 ? (rc > HAPI_ERRNO_BASE ? rc : -EINVAL) : 0;
+    }
+    if (strcmp(words[0], "link") == 0 || strcmp(words[0], "client_speed") == 0 ||
+        strcmp(words[0], "epochs") == 0) {
+        if (n != 2)
+            return hapi_error_set(err, -EINVAL, "usage: %s VALUE", words[0]);
+        double value = 0;
+        char *end;
+        if (words[0][0] == 'l') {
+            if (hapi_policy_parse_rate(words[1], &value, err) < 0)
+                return -EINVAL;
+        } else {
+            value = strtod(words[1], &end);
+            int is_epochs = words[0][0] == 'e';
+            if (*end || !(value > 0) || value > 1e6 || (is_epochs && value != (int)value))
+                return hapi_error_set(err, -EINVAL, "%s %s: expected a positive %s", words[0],
+                                      words[1], is_epochs ? "whole number" : "number");
+        }
+        pthread_mutex_lock(&fs->tune.lock);
+        if (words[0][0] == 'l')
+            fs->tune.in.link_bps = value;
+        else if (words[0][0] == 'c')
+            fs->tune.in.client_speed = value;
+        else
+            fs->tune.in.epochs = (int)value;
+        pthread_mutex_unlock(&fs->tune.lock);
+        hapi_log(HAPI_LOG_INFO, "policy input %s = %s", words[0], words[1]);
+        return 0;
+    }
+    return hapi_error_set(err, -EINVAL,
+                          "unknown command '%s' (known: warm, evict, split, batch, link, "
+                          "client_speed, epochs)", words[0]);
 }
 
 int hapi_ctl_command(hapi_fs *fs, const char *text, size_t len, hapi_error *err)
@@ -284,6 +442,10 @@ char *hapi_ctl_render(hapi_fs *fs, const char *name)
         j = render_config(fs);
     else if (strcmp(name, "stats") == 0)
         j = render_stats(fs);
+    else if (strcmp(name, "profile") == 0)
+        j = render_profile(fs);
+    else if (strcmp(name, "policy") == 0)
+        j = render_policy(fs);
     if (!j)
         return NULL;
     char *text = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);

@@ -155,6 +155,7 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         report(status_fd, prog, -EINVAL, "cannot create the FUSE session (bad FUSE option?)");
         goto out;
     }
+    fs.se = se;
     if (fuse_set_signal_handlers(se) < 0) {
         report(status_fd, prog, -EINVAL, "cannot install signal handlers");
         goto out;
@@ -184,6 +185,7 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         exit_code = rc == 0 ? 0 : 1;
         hapi_log(HAPI_LOG_INFO, "unmounting %s", opt.mountpoint);
     }
+    fs.se = NULL; /* nothing may notify the kernel any more */
     fuse_session_unmount(se);
     fuse_remove_signal_handlers(se);
 out:

@@ -43,7 +43,7 @@ int hapi_feat_identity(hapi_fs *fs, const char *path, hapi_source_id *id)
 static int load_source(void *ctx, const char *path, void **data, size_t *size, void *tag,
                        hapi_error *err)
 {
-    hapi_fs *fs = ctx;
+    hapi_fs *fs = ((hapi_view *)ctx)->fs;
     int rc = 0;
     for (int attempt = 0; attempt < 3; attempt++) {
         struct stat before, after;
@@ -106,7 +106,8 @@ static int load_source(void *ctx, const char *path, void **data, size_t *size, v
 /* Stores a finished batch in one write transaction and records failures. */
 static void store_results(void *ctx, const hapi_batch_result *results, size_t n)
 {
-    hapi_fs *fs = ctx;
+    hapi_view *v = ctx;
+    hapi_fs *fs = v->fs;
     hapi_cache_item stack_items[64];
     hapi_cache_item *items = n <= 64 ? stack_items : malloc(n * sizeof(*items));
     size_t ok = 0;
@@ -125,13 +126,13 @@ static void store_results(void *ctx, const hapi_batch_result *results, size_t n)
             items[ok].path = r->key;
             memcpy(&items[ok].id, r->tag, sizeof(hapi_source_id));
             items[ok].data = r->features;
-            items[ok].size = fs->sample_bytes;
+            items[ok].size = v->sample_bytes;
             ok++;
         }
     }
     if (ok) {
         hapi_error err = { 0 };
-        if (hapi_cache_put(fs->cache, &fs->ns, items, ok, &err) < 0) {
+        if (hapi_cache_put(fs->cache, &v->ns, items, ok, &err) < 0) {
             atomic_fetch_add(&fs->stats.cache_put_failures, ok);
             hapi_log(HAPI_LOG_WARNING, "%zu features not cached: %s", ok, err.message);
         }
@@ -143,24 +144,24 @@ static void store_results(void *ctx, const hapi_batch_result *results, size_t n)
 /* ----------------------------------------------------------------- reads */
 
 /* Replies bytes [off, off + size) of the .feat made of header + data. */
-static void reply_feat(fuse_req_t req, hapi_fs *fs, const void *data, size_t size, off_t off)
+static void reply_feat(fuse_req_t req, hapi_view *v, const void *data, size_t size, off_t off)
 {
     struct iovec iov[2];
     int n = 0;
     size_t pos = (size_t)off;
     size_t end = pos + size;
-    if (end > fs->feat_size)
-        end = (size_t)fs->feat_size;
-    if (pos < fs->npy_header_len && pos < end) {
-        size_t stop = end < fs->npy_header_len ? end : fs->npy_header_len;
-        iov[n++] = (struct iovec){ fs->npy_header + pos, stop - pos };
+    if (end > v->feat_size)
+        end = (size_t)v->feat_size;
+    if (pos < v->npy_header_len && pos < end) {
+        size_t stop = end < v->npy_header_len ? end : v->npy_header_len;
+        iov[n++] = (struct iovec){ v->npy_header + pos, stop - pos };
         pos = stop;
     }
     if (pos < end) {
-        iov[n++] = (struct iovec){ (char *)data + (pos - fs->npy_header_len), end - pos };
+        iov[n++] = (struct iovec){ (char *)data + (pos - v->npy_header_len), end - pos };
         pos = end;
     }
-    atomic_fetch_add(&fs->stats.feat_bytes, pos > (size_t)off ? pos - (size_t)off : 0);
+    atomic_fetch_add(&v->fs->stats.feat_bytes, pos > (size_t)off ? pos - (size_t)off : 0);
     if (n == 0)
         fuse_reply_buf(req, NULL, 0);
     else
@@ -168,15 +169,16 @@ static void reply_feat(fuse_req_t req, hapi_fs *fs, const void *data, size_t siz
 }
 
 /* Looks the features up; on a hit replies straight from the store's memory and returns 1. */
-static int reply_from_cache(fuse_req_t req, hapi_fs *fs, const char *path,
+static int reply_from_cache(fuse_req_t req, hapi_view *v, const char *path,
                             const hapi_source_id *id, size_t size, off_t off)
 {
+    hapi_fs *fs = v->fs;
     hapi_cache_value val;
     uint64_t t0 = hapi_now_ns();
-    int rc = hapi_cache_get(fs->cache, &fs->ns, path, id, &val);
+    int rc = hapi_cache_get(fs->cache, &v->ns, path, id, &val);
     if (rc == 1) {
-        if (val.size == fs->sample_bytes) {
-            reply_feat(req, fs, val.data, size, off);
+        if (val.size == v->sample_bytes) {
+            reply_feat(req, v, val.data, size, off);
             hapi_cache_release(fs->cache, &val);
             atomic_fetch_add(&fs->stats.hits, 1);
             atomic_fetch_add(&fs->stats.hit_ns, hapi_now_ns() - t0);
@@ -185,7 +187,7 @@ static int reply_from_cache(fuse_req_t req, hapi_fs *fs, const char *path,
         hapi_cache_release(fs->cache, &val);
         atomic_fetch_add(&fs->stats.bad, 1);
         hapi_log(HAPI_LOG_WARNING, "%s: cached features have %zu bytes, expected %zu; recomputing",
-                 path, val.size, fs->sample_bytes);
+                 path, val.size, v->sample_bytes);
     } else if (rc == 0 && val.miss == HAPI_CACHE_MISS_STALE) {
         atomic_fetch_add(&fs->stats.stale, 1); /* the source changed: recompute */
     } else if (rc == 0 && val.miss == HAPI_CACHE_MISS_BAD) {
@@ -198,15 +200,16 @@ static int reply_from_cache(fuse_req_t req, hapi_fs *fs, const char *path,
     return 0;
 }
 
-void hapi_feat_read(fuse_req_t req, hapi_fs *fs, const char *path, const hapi_source_id *id,
+void hapi_feat_read(fuse_req_t req, hapi_view *v, const char *path, const hapi_source_id *id,
                     size_t size, off_t off)
 {
+    hapi_fs *fs = v->fs;
     atomic_fetch_add(&fs->stats.feat_reads, 1);
-    if ((uint64_t)off >= fs->feat_size) {
+    if ((uint64_t)off >= v->feat_size) {
         fuse_reply_buf(req, NULL, 0);
         return;
     }
-    if (reply_from_cache(req, fs, path, id, size, off))
+    if (reply_from_cache(req, v, path, id, size, off))
         return;
 
     /* A miss: the batcher computes it once, however many readers wait for it. */
@@ -214,21 +217,20 @@ void hapi_feat_read(fuse_req_t req, hapi_fs *fs, const char *path, const hapi_so
     hapi_ticket *t = NULL;
     hapi_error err = { 0 };
     const void *features;
-    int rc = hapi_batcher_submit(fs->batcher, path, HAPI_PRIORITY_DEMAND, &t);
+    int rc = hapi_batcher_submit(v->batcher, path, HAPI_PRIORITY_DEMAND, &t);
     if (rc == 0)
-        rc = hapi_ticket_wait(fs->batcher, t, &features, NULL, &err);
+        rc = hapi_ticket_wait(v->batcher, t, &features, NULL, &err);
     if (rc == 0)
-        reply_feat(req, fs, features, size, off);
+        reply_feat(req, v, features, size, off);
     else
         fuse_reply_err(req, hapi_fs_errno(rc)); /* the sink has logged why */
-    hapi_ticket_release(fs->batcher, t);
+    hapi_ticket_release(v->batcher, t);
 }
 
 /* ---------------------------------------------------------------- warm-up */
 
-/* Calls fn for every image beneath dir (relative), depth first. Stops when fn returns < 0. */
-static int walk_images(hapi_fs *fs, const char *dir, int (*fn)(hapi_fs *, const char *, void *),
-                       void *arg)
+int hapi_feat_walk(hapi_fs *fs, const char *dir, atomic_int *stop,
+                   int (*fn)(hapi_fs *, const char *, void *), void *arg)
 {
     int fd = hapi_fs_open_beneath(fs->source_fd, dir, O_RDONLY | O_DIRECTORY);
     if (fd < 0)
@@ -240,7 +242,7 @@ static int walk_images(hapi_fs *fs, const char *dir, int (*fn)(hapi_fs *, const 
     }
     int rc = 0;
     struct dirent *de;
-    while (rc >= 0 && !atomic_load(&fs->warm.stop) && (de = readdir(d)) != NULL) {
+    while (rc >= 0 && !(stop && atomic_load(stop)) && (de = readdir(d)) != NULL) {
         if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
             continue;
         char *child = NULL;
@@ -249,14 +251,14 @@ static int walk_images(hapi_fs *fs, const char *dir, int (*fn)(hapi_fs *, const 
             break;
         }
         if (de->d_type == DT_DIR) {
-            rc = walk_images(fs, child, fn, arg);
+            rc = hapi_feat_walk(fs, child, stop, fn, arg);
         } else if ((de->d_type == DT_REG || de->d_type == DT_LNK || de->d_type == DT_UNKNOWN) &&
                    hapi_image_name_is_image(de->d_name)) {
             rc = fn(fs, child, arg);
         } else if (de->d_type == DT_LNK || de->d_type == DT_UNKNOWN) {
             struct stat st;
             if (hapi_fs_stat_beneath(fs->source_fd, child, &st) == 0 && S_ISDIR(st.st_mode))
-                rc = walk_images(fs, child, fn, arg);
+                rc = hapi_feat_walk(fs, child, stop, fn, arg);
         }
         free(child);
     }
@@ -280,16 +282,20 @@ static int warm_one(hapi_fs *fs, const char *path, void *arg)
         atomic_fetch_add(&fs->warm.skipped, 1);
         return 0;
     }
-    if (hapi_cache_get(fs->cache, &fs->ns, path, &id, &val) == 1) {
+    hapi_view *v = fs->warm.view;
+    if (hapi_cache_get(fs->cache, &v->ns, path, &id, &val) == 1) {
         hapi_cache_release(fs->cache, &val);
         atomic_fetch_add(&fs->warm.cached, 1);
         return 0;
     }
     /* Feed the queue without flooding it: warm-up yields to every reader anyway. */
-    int rc = hapi_batcher_throttle(fs->batcher, HAPI_PRIORITY_WARM,
-                                   (size_t)fs->opt->batch * 2);
+    hapi_batcher_stats bs;
+    hapi_batcher_stats_get(v->batcher, &bs);
+    int rc = hapi_batcher_throttle(v->batcher, HAPI_PRIORITY_WARM, (size_t)bs.batch * 2);
+    if (rc == 0 && atomic_load(&fs->warm.stop))
+        rc = -ECANCELED;
     if (rc == 0)
-        rc = hapi_batcher_submit(fs->batcher, path, HAPI_PRIORITY_WARM, NULL);
+        rc = hapi_batcher_submit(v->batcher, path, HAPI_PRIORITY_WARM, NULL);
     if (rc == 0)
         atomic_fetch_add(&fs->warm.submitted, 1);
     return rc;
@@ -299,11 +305,17 @@ static void *warm_main(void *arg)
 {
     hapi_fs *fs = arg;
     const char *root = fs->warm.root;
-    hapi_log(HAPI_LOG_INFO, "warm-up of '%s' started", root);
-    int rc = walk_images(fs, root, count_one, NULL);
+    int rc = hapi_feat_walk(fs, root, &fs->warm.stop, count_one, NULL);
     atomic_store(&fs->warm.counted, 1);
+    /* The walker works for the view current once counted (it waits for the first). */
+    fs->warm.view = hapi_view_get(fs);
+    if (!fs->warm.view) {
+        atomic_store(&fs->warm.walked, 1);
+        return NULL;
+    }
+    hapi_log(HAPI_LOG_INFO, "warm-up of '%s' started at split %d", root, fs->warm.view->split);
     if (rc >= 0)
-        rc = walk_images(fs, root, warm_one, NULL);
+        rc = hapi_feat_walk(fs, root, &fs->warm.stop, warm_one, NULL);
     atomic_store(&fs->warm.walked, 1);
     if (rc < 0 && rc != -ECANCELED)
         hapi_log(HAPI_LOG_WARNING, "warm-up of '%s' stopped: %s", root, hapi_strerror(rc));
@@ -340,6 +352,9 @@ int hapi_warm_start(hapi_fs *fs, const char *path)
     atomic_store(&fs->warm.completed, 0);
     atomic_store(&fs->warm.counted, 0);
     atomic_store(&fs->warm.walked, 0);
+    atomic_store(&fs->warm.stop, 0);
+    hapi_view_put(fs->warm.view);
+    fs->warm.view = NULL;
     fs->warm.started_ns = hapi_now_ns();
     if ((rc = pthread_create(&fs->warm.thread, NULL, warm_main, fs)) != 0) {
         rc = -rc;
@@ -357,12 +372,33 @@ int hapi_warm_finished(hapi_fs *fs)
            atomic_load(&fs->warm.completed) >= atomic_load(&fs->warm.submitted);
 }
 
+char *hapi_warm_pause(hapi_fs *fs)
+{
+    char *root = NULL;
+    pthread_mutex_lock(&fs->warm.lock);
+    if (fs->warm.running && !hapi_warm_finished(fs)) {
+        root = strdup(fs->warm.root ? fs->warm.root : "");
+        atomic_store(&fs->warm.stop, 1);
+    }
+    if (fs->warm.running) {
+        /* A walker waiting for queue room goes once its batcher takes a batch. */
+        pthread_join(fs->warm.thread, NULL);
+        fs->warm.running = 0;
+    }
+    pthread_mutex_unlock(&fs->warm.lock);
+    return root;
+}
+
 /* ---------------------------------------------------------------- eviction */
 
 void hapi_feat_collect(hapi_fs *fs, const char *path)
 {
     hapi_error err = { 0 };
-    int rc = hapi_cache_evict_path(fs->cache, &fs->ns, path, &err);
+    hapi_view *v = hapi_view_peek(fs);
+    if (!v)
+        return; /* nothing can have been cached before the first view */
+    int rc = hapi_cache_evict_path(fs->cache, &v->ns, path, &err);
+    hapi_view_put(v);
     if (rc == 1)
         atomic_fetch_add(&fs->stats.collected, 1);
     else if (rc < 0)
@@ -371,6 +407,7 @@ void hapi_feat_collect(hapi_fs *fs, const char *path)
 }
 
 struct evict_walk {
+    hapi_view *view;
     int count;
     int rc;
     hapi_error *err;
@@ -379,7 +416,7 @@ struct evict_walk {
 static int evict_one(hapi_fs *fs, const char *path, void *arg)
 {
     struct evict_walk *w = arg;
-    int rc = hapi_cache_evict_path(fs->cache, &fs->ns, path, w->err);
+    int rc = hapi_cache_evict_path(fs->cache, &w->view->ns, path, w->err);
     if (rc < 0)
         return w->rc = rc;
     w->count += rc;
@@ -388,17 +425,25 @@ static int evict_one(hapi_fs *fs, const char *path, void *arg)
 
 int hapi_feat_evict(hapi_fs *fs, const char *path, hapi_error *err)
 {
-    if (!*path)
-        return hapi_cache_evict_all(fs->cache, &fs->ns, err);
+    hapi_view *v = hapi_view_get(fs);
     struct stat st;
-    int rc = hapi_fs_stat_beneath(fs->source_fd, path, &st);
-    if (rc < 0)
-        return hapi_error_set(err, rc, "'%s': %s", path, hapi_strerror(rc));
-    if (S_ISREG(st.st_mode))
-        return hapi_cache_evict_path(fs->cache, &fs->ns, path, err);
-    struct evict_walk w = { 0, 0, err };
-    rc = walk_images(fs, path, evict_one, &w);
-    return rc < 0 ? rc : w.count;
+    int rc;
+    if (!v)
+        return hapi_error_set(err, -ECANCELED, "unmounting");
+    if (!*path) {
+        rc = hapi_cache_evict_all(fs->cache, &v->ns, err);
+    } else if ((rc = hapi_fs_stat_beneath(fs->source_fd, path, &st)) < 0) {
+        rc = hapi_error_set(err, rc, "'%s': %s", path, hapi_strerror(rc));
+    } else if (S_ISREG(st.st_mode)) {
+        rc = hapi_cache_evict_path(fs->cache, &v->ns, path, err);
+    } else {
+        struct evict_walk w = { v, 0, 0, err };
+        rc = hapi_feat_walk(fs, path, NULL, evict_one, &w);
+        if (rc >= 0)
+            rc = w.count;
+    }
+    hapi_view_put(v);
+    return rc;
 }
 
 /*
@@ -427,24 +472,110 @@ static void *keeper_main(void *arg)
     return NULL;
 }
 
+/* ------------------------------------------------------------------ views */
+
+int hapi_feat_view_new(hapi_fs *fs, int split, int batch, hapi_view **out, hapi_error *err)
+{
+    hapi_model *m = hapi_extractor_model(fs->ex);
+    hapi_view *v = calloc(1, sizeof(*v));
+    int rc;
+    *out = NULL;
+    if (!v)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    v->fs = fs;
+    atomic_init(&v->refs, 1);
+    v->split = split;
+    if (hapi_model_stage(m, split - 1, &v->output) < 0) {
+        free(v);
+        return hapi_error_set(err, HAPI_EINVAL, "no stage %d", split);
+    }
+    hapi_cache_namespace_make(hapi_extractor_model_digest(fs->ex), split, fs->opt->dtype,
+                              fs->ns_desc, &v->ns);
+    hapi_cache_namespace_hex(&v->ns, v->ns_hex);
+    rc = hapi_npy_header(v->npy_header, fs->opt->dtype, v->output.shape, v->output.ndim);
+    if (rc < 0) {
+        free(v);
+        return hapi_error_set(err, rc, "cannot describe the output of stage %s as .npy",
+                              v->output.name);
+    }
+    v->npy_header_len = (size_t)rc;
+    v->sample_bytes = hapi_extractor_split_bytes(fs->ex, split);
+    v->feat_size = v->npy_header_len + v->sample_bytes;
+
+    /*
+     * The batcher's budget is what mem leaves once the model's own part (its
+     * weights and the working memory of a batch, from the profile) is taken.
+     */
+    size_t crop = (size_t)hapi_extractor_preprocess(fs->ex)->crop;
+    uint64_t floor = 2 * (uint64_t)batch * 3 * crop * crop * sizeof(float);
+    uint64_t budget = fs->opt->mem_budget;
+    pthread_mutex_lock(&fs->tune.lock);
+    if (fs->tune.state == 1) {
+        double model = hapi_profile_memory(&fs->tune.profile, split, batch);
+        budget = model < (double)budget ? budget - (uint64_t)model : 0;
+    }
+    pthread_mutex_unlock(&fs->tune.lock);
+    if (budget < floor)
+        budget = floor;
+    const char *fault = getenv("HAPIFS_FAULT_OOM_ABOVE");
+    hapi_batcher_config cfg = {
+        .batch = batch,
+        .split = split,
+        .max_wait_us = fs->opt->batch_wait_us,
+        .decode_threads = fs->opt->decode_threads,
+        .mem_budget = budget,
+        .tag_size = sizeof(hapi_source_id),
+        .load = load_source,
+        .sink = store_results,
+        .ctx = v,
+        .fault_oom_above = fault ? atoi(fault) : 0,
+    };
+    if ((rc = hapi_batcher_new(fs->ex, &cfg, &v->batcher, err)) < 0) {
+        free(v);
+        return rc;
+    }
+    *out = v;
+    return 0;
+}
+
+hapi_view *hapi_view_peek(hapi_fs *fs)
+{
+    pthread_mutex_lock(&fs->view_lock);
+    hapi_view *v = fs->view;
+    if (v)
+        atomic_fetch_add(&v->refs, 1);
+    pthread_mutex_unlock(&fs->view_lock);
+    return v;
+}
+
+hapi_view *hapi_view_get(hapi_fs *fs)
+{
+    pthread_mutex_lock(&fs->view_lock);
+    while (!fs->view && !fs->view_stopping)
+        pthread_cond_wait(&fs->view_cond, &fs->view_lock);
+    hapi_view *v = fs->view;
+    if (v)
+        atomic_fetch_add(&v->refs, 1);
+    pthread_mutex_unlock(&fs->view_lock);
+    return v;
+}
+
+void hapi_view_put(hapi_view *v)
+{
+    if (!v || atomic_fetch_sub(&v->refs, 1) != 1)
+        return;
+    hapi_batcher_free(v->batcher);
+    free(v);
+}
+
 /* ------------------------------------------------------------- life cycle */
 
 int hapi_feat_start(hapi_fs *fs, hapi_error *err)
 {
-    hapi_batcher_config cfg = {
-        .batch = fs->opt->batch,
-        .max_wait_us = fs->opt->batch_wait_us,
-        .decode_threads = fs->opt->decode_threads,
-        .mem_budget = fs->opt->mem_budget,
-        .tag_size = sizeof(hapi_source_id),
-        .load = load_source,
-        .sink = store_results,
-        .ctx = fs,
-    };
+    int rc;
+    (void)err;
     pthread_mutex_init(&fs->warm.lock, NULL);
-    int rc = hapi_batcher_new(fs->ex, &cfg, &fs->batcher, err);
-    if (rc < 0)
-        return rc;
+    fs->feat_started = 1;
     pthread_mutex_init(&fs->keeper_lock, NULL);
     pthread_cond_init(&fs->keeper_cond, NULL);
     if ((rc = pthread_create(&fs->keeper, NULL, keeper_main, fs)) != 0)
@@ -456,7 +587,7 @@ int hapi_feat_start(hapi_fs *fs, hapi_error *err)
 
 void hapi_feat_stop(hapi_fs *fs)
 {
-    if (!fs->batcher)
+    if (!fs->feat_started)
         return;
     if (fs->keeper_running) {
         pthread_mutex_lock(&fs->keeper_lock);
@@ -469,12 +600,20 @@ void hapi_feat_stop(hapi_fs *fs)
         pthread_cond_destroy(&fs->keeper_cond);
     }
     atomic_store(&fs->warm.stop, 1);
-    hapi_batcher_stop(fs->batcher); /* wakes a warm-up waiting for queue room */
+    /* no view will come any more: wakes a warm-up waiting for the first */
+    pthread_mutex_lock(&fs->view_lock);
+    fs->view_stopping = 1;
+    pthread_cond_broadcast(&fs->view_cond);
+    hapi_view *v = fs->view;
+    pthread_mutex_unlock(&fs->view_lock);
+    if (v)
+        hapi_batcher_stop(v->batcher); /* wakes a warm-up waiting for queue room */
     if (fs->warm.running)
         pthread_join(fs->warm.thread, NULL);
     fs->warm.running = 0;
-    hapi_batcher_free(fs->batcher);
-    fs->batcher = NULL;
+    hapi_view_put(fs->warm.view);
+    fs->warm.view = NULL;
+    fs->feat_started = 0;
     free(fs->warm.root);
     fs->warm.root = NULL;
     pthread_mutex_destroy(&fs->warm.lock);

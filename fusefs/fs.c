@@ -32,7 +32,8 @@
 #define ENTRY_TIMEOUT 1.0
 #define ATTR_TIMEOUT 1.0
 
-const char *const hapi_ctl_files[] = { "config", "stats", "errors", HAPI_CTL_WRITABLE, NULL };
+const char *const hapi_ctl_files[] = { "config", "stats", "errors", "profile", "policy",
+                                       HAPI_CTL_MODEL, HAPI_CTL_WRITABLE, NULL };
 
 /* ------------------------------------------------------------ node table */
 
@@ -86,6 +87,38 @@ static void node_table_free(struct node_table *t)
     pthread_mutex_destroy(&t->lock);
     free(t->buckets);
     free(t);
+}
+
+void hapi_fs_invalidate_feats(hapi_fs *fs)
+{
+    struct node_table *t = fs->nodes;
+    uint64_t *ids = NULL;
+    size_t n = 0, cap = 0;
+    if (!fs->se)
+        return;
+    pthread_mutex_lock(&t->lock);
+    for (size_t i = 0; i < t->nbuckets; i++)
+        for (struct node *nd = t->buckets[i]; nd; nd = nd->next) {
+            if (nd->kind != HAPI_NODE_FEAT)
+                continue;
+            if (n == cap) {
+                uint64_t *bigger = realloc(ids, (cap = cap ? cap * 2 : 256) * sizeof(*ids));
+                if (!bigger)
+                    break;
+                ids = bigger;
+            }
+            ids[n++] = nd->id;
+        }
+    pthread_mutex_unlock(&t->lock);
+    /* Outside the lock: the kernel may look things up again meanwhile. */
+    size_t failed = 0;
+    for (size_t i = 0; i < n; i++)
+        if (fuse_lowlevel_notify_inval_inode(fs->se, ids[i], 0, 0) < 0)
+            failed++;
+    if (failed)
+        hapi_log(HAPI_LOG_DEBUG, "%zu of %zu .feat inodes were not in the kernel's cache", failed,
+                 n);
+    free(ids);
 }
 
 static size_t node_bucket(const struct node_table *t, uint64_t id)
@@ -231,15 +264,21 @@ static void source_attr(const hapi_fs *fs, const struct stat *src, uint64_t id, 
     st->st_mode &= ~(mode_t)0222;
 }
 
-/* Attributes of x.jpg.feat: exact size without computing anything; times of the source. */
-static void feat_attr(const hapi_fs *fs, const struct stat *src, uint64_t id, struct stat *st)
+/*
+ * Attributes of x.jpg.feat: exact size without computing anything (the
+ * current split's; waits while the policy is still choosing it); times of the source.
+ */
+static void feat_attr(hapi_fs *fs, const struct stat *src, uint64_t id, struct stat *st)
 {
+    hapi_view *v = hapi_view_get(fs);
+    uint64_t size = v ? v->feat_size : 0;
+    hapi_view_put(v);
     *st = *src;
     st->st_ino = id;
     st->st_mode = S_IFREG | (src->st_mode & 0444);
     st->st_nlink = 1;
-    st->st_size = (off_t)fs->feat_size;
-    st->st_blocks = (blkcnt_t)((fs->feat_size + 511) / 512);
+    st->st_size = (off_t)size;
+    st->st_blocks = (blkcnt_t)((size + 511) / 512);
 }
 
 static void ctl_dir_attr(const hapi_fs *fs, struct stat *st)
@@ -273,6 +312,17 @@ static int ctl_file_index(fuse_ino_t ino)
 /* A control file's size is that of its content now; reads use direct I/O anyway. */
 static void ctl_file_attr(hapi_fs *fs, int index, struct stat *st)
 {
+    if (strcmp(hapi_ctl_files[index], HAPI_CTL_MODEL) == 0) {
+        /* the model archive itself, for the compute tier's remaining stages */
+        struct stat m;
+        memset(st, 0, sizeof(*st));
+        if (fs->model_fd >= 0 && fstat(fs->model_fd, &m) == 0)
+            *st = m;
+        st->st_ino = CTL_FILE_ID(index);
+        st->st_mode = S_IFREG | 0444;
+        st->st_nlink = 1;
+        return;
+    }
     char *text = hapi_ctl_render(fs, hapi_ctl_files[index]);
     memset(st, 0, sizeof(*st));
     st->st_ino = CTL_FILE_ID(index);
@@ -313,14 +363,8 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     conn->congestion_threshold = 192;
     if (conn->capable & FUSE_CAP_ATOMIC_O_TRUNC)
         conn->want |= FUSE_CAP_ATOMIC_O_TRUNC;
-    hapi_log(HAPI_LOG_INFO, "mounted %s on %s (model %s, split %d, namespace %s)",
-             fs->opt->source, fs->opt->mountpoint, fs->opt->model, hapi_extractor_split(fs->ex),
-             fs->ns_hex);
-    if (fs->opt->warm) {
-        int rc = hapi_warm_start(fs, "");
-        if (rc < 0)
-            hapi_log(HAPI_LOG_WARNING, "cannot start the warm-up: %s", hapi_strerror(rc));
-    }
+    hapi_log(HAPI_LOG_INFO, "mounted %s on %s (model %s)", fs->opt->source,
+             fs->opt->mountpoint, fs->opt->model);
 }
 
 /* Resolves name in directory parent_path; fills e and returns 0 or a negative errno. */
@@ -720,6 +764,7 @@ struct open_file {
     int fd;
     char *path;            /* the source image (FEAT) */
     hapi_source_id id;     /* its identity when opened */
+    hapi_view *view;       /* the split it was opened at (FEAT) */
     char *text;            /* control file content */
     size_t text_len;
 };
@@ -732,6 +777,7 @@ static void open_file_free(struct open_file *h)
         close(h->fd);
     free(h->path);
     free(h->text);
+    hapi_view_put(h->view);
     free(h);
 }
 
@@ -764,6 +810,18 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
             rc = -EROFS;
             goto fail;
         }
+        if (strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) == 0) {
+            char self[64];
+            snprintf(self, sizeof(self), "/proc/self/fd/%d", fs->model_fd);
+            h->fd = fs->model_fd >= 0 ? open(self, O_RDONLY | O_CLOEXEC) : -1;
+            if (h->fd < 0) {
+                rc = fs->model_fd >= 0 ? -errno : -ENOENT;
+                goto fail;
+            }
+            h->kind = HAPI_NODE_FILE; /* read like a passthrough file */
+            fi->keep_cache = 1;
+            goto done;
+        }
         h->kind = HAPI_NODE_CTL_FILE;
         h->text = hapi_ctl_render(fs, hapi_ctl_files[i]);
         if (!h->text) {
@@ -790,6 +848,11 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         if ((rc = hapi_feat_identity(fs, path, &h->id)) < 0) {
             if (rc == -ENOENT)
                 hapi_feat_collect(fs, path);
+            goto fail;
+        }
+        /* The file keeps this split until it is closed, whatever happens meanwhile. */
+        if (!(h->view = hapi_view_get(fs))) {
+            rc = -ENODEV;
             goto fail;
         }
         h->path = path;
@@ -822,7 +885,7 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 
     switch (h->kind) {
     case HAPI_NODE_FEAT:
-        hapi_feat_read(req, fs, h->path, &h->id, size, off);
+        hapi_feat_read(req, h->view, h->path, &h->id, size, off);
         return;
     case HAPI_NODE_CTL_FILE:
         if ((size_t)off >= h->text_len)
@@ -901,7 +964,8 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
     /* Each write carries whole command lines; a failed one changes nothing. */
     int rc = hapi_ctl_command(fs, buf, size, &err);
     if (rc < 0) {
-        hapi_log(HAPI_LOG_WARNING, "ctl: %s", err.message);
+        /* logged, and in .hapifs/errors where hapifs-ctl finds why it was refused */
+        hapi_error_ring_add(fs->errors, ".hapifs/ctl", rc, err.message);
         fuse_reply_err(req, -rc);
         return;
     }
@@ -1011,6 +1075,8 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     memset(fs, 0, sizeof(*fs));
     fs->opt = opt;
     fs->source_fd = -1;
+    /* The model file as loaded, for .hapifs/model, even if the path is replaced later. */
+    fs->model_fd = open(opt->model, O_RDONLY | O_CLOEXEC);
     fs->started_ns = hapi_now_ns();
     fs->started_realtime = time(NULL);
 
@@ -1038,27 +1104,23 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     if ((rc = hapi_cache_open(opt->cache_dir, &copt, &fs->cache, err)) < 0)
         goto fail;
 
-    /* The namespace covers everything that changes the bytes of a feature. */
+    /* A namespace covers everything that changes the bytes of a feature: this and the split. */
     const hapi_preprocess *pp = hapi_extractor_preprocess(fs->ex);
-    char desc[256];
-    snprintf(desc, sizeof(desc),
+    snprintf(fs->ns_desc, sizeof(fs->ns_desc),
              "mode=%d resize=%d crop=%d mean=%.9g,%.9g,%.9g std=%.9g,%.9g,%.9g", pp->mode,
              pp->resize, pp->crop, pp->mean[0], pp->mean[1], pp->mean[2], pp->std[0], pp->std[1],
              pp->std[2]);
-    hapi_cache_namespace_make(hapi_extractor_model_digest(fs->ex), hapi_extractor_split(fs->ex),
-                              opt->dtype, desc, &fs->ns);
-    hapi_cache_namespace_hex(&fs->ns, fs->ns_hex);
-
+    /* The split asked for must make an .npy before the mount is promised. */
     const hapi_stage_info *out = hapi_extractor_output(fs->ex);
-    rc = hapi_npy_header(fs->npy_header, opt->dtype, out->shape, out->ndim);
-    if (rc < 0) {
+    char header[HAPI_NPY_HEADER_MAX];
+    if ((rc = hapi_npy_header(header, opt->dtype, out->shape, out->ndim)) < 0) {
         hapi_error_set(err, rc, "cannot describe the output of stage %s as .npy", out->name);
         goto fail;
     }
-    fs->npy_header_len = (size_t)rc;
-    fs->sample_bytes = hapi_extractor_sample_bytes(fs->ex);
-    fs->feat_size = fs->npy_header_len + fs->sample_bytes;
 
+    pthread_mutex_init(&fs->view_lock, NULL);
+    pthread_cond_init(&fs->view_cond, NULL);
+    fs->view_ready_init = 1;
     fs->nodes = node_table_new();
     fs->errors = hapi_error_ring_new();
     if (!fs->nodes || !fs->errors) {
@@ -1066,6 +1128,9 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         goto fail;
     }
     if ((rc = hapi_feat_start(fs, err)) < 0)
+        goto fail;
+    /* The split and batch are chosen in the background; .feat operations wait for them. */
+    if ((rc = hapi_tune_start(fs, err)) < 0)
         goto fail;
     return 0;
 fail:
@@ -1077,13 +1142,22 @@ void hapi_fs_destroy(hapi_fs *fs)
 {
     if (!fs->opt)
         return; /* never set up, or destroyed already */
+    if (fs->view_ready_init)
+        hapi_tune_stop(fs);
     hapi_feat_stop(fs);
+    if (fs->view_ready_init) {
+        hapi_view_put(fs->view);
+        fs->view = NULL;
+    }
     node_table_free(fs->nodes);
     hapi_error_ring_free(fs->errors);
     hapi_cache_close(fs->cache);
     hapi_extractor_close(fs->ex);
     if (fs->source_fd >= 0)
         close(fs->source_fd);
+    if (fs->model_fd >= 0)
+        close(fs->model_fd);
+    fs->model_fd = -1;
     fs->nodes = NULL;
     fs->errors = NULL;
     fs->cache = NULL;

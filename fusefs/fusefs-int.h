@@ -15,6 +15,7 @@
 #include "extractor.h"
 #include "fusefs.h"
 #include "hapi.h"
+#include "policy.h"
 
 /* ----------------------------------------------------------------- options */
 
@@ -35,11 +36,15 @@ typedef struct hapi_fs_options {
     int cache_reset;       /* replace a corrupt or foreign cache store */
     int threads;           /* FUSE worker threads (max) */
     int torch_threads;     /* libtorch intra-op threads */
-    int batch;             /* storage-side batch */
+    int batch;             /* storage-side batch; 0 = auto (the policy's) */
     int batch_wait_us;     /* how long a partial batch waits for more demand */
     int decode_threads;
     uint64_t mem_budget;   /* bytes of in-flight images and tensors */
     int warm;              /* warm the whole tree at mount */
+    double link_bps;       /* the link to the compute tier, bits/s */
+    double client_speed;   /* the compute tier's speed relative to this node */
+    int epochs;            /* epochs a job is expected to read */
+    int profile_redo;      /* measure the model even if a profile is stored */
     int show_raw;
     int foreground;
     int debug;
@@ -125,13 +130,17 @@ typedef struct hapi_fs_stats {
     atomic_uint_fast64_t collected;       /* entries of deleted sources removed */
 } hapi_fs_stats;
 
-/* The mounted filesystem: one per daemon, passed to every handler as userdata. */
-typedef struct hapi_fs {
-    hapi_fs_options *opt;
-    int source_fd;               /* O_PATH of the source root */
-    dev_t source_dev;
-    hapi_extractor *ex;
-    hapi_cache *cache;
+/*
+ * What the .feat files are at one split: the namespace, the .npy header, the
+ * size, and the batcher that computes them. A read keeps the view it opened
+ * the file with, so a live split change never mixes two shapes in one open
+ * file; the view goes when its last user puts it.
+ */
+typedef struct hapi_view {
+    struct hapi_fs *fs;
+    atomic_int refs;
+    int split;                   /* stages [0, split) */
+    hapi_stage_info output;      /* of stage split - 1 */
     hapi_cache_namespace ns;
     char ns_hex[33];
     char npy_header[HAPI_NPY_HEADER_MAX];
@@ -139,6 +148,48 @@ typedef struct hapi_fs {
     size_t sample_bytes;
     uint64_t feat_size;          /* header + data */
     hapi_batcher *batcher;
+} hapi_view;
+
+/* The mounted filesystem: one per daemon, passed to every handler as userdata. */
+typedef struct hapi_fs {
+    hapi_fs_options *opt;
+    int source_fd;               /* O_PATH of the source root */
+    int model_fd;                /* the model file loaded (read-only), -1 if unreadable */
+    dev_t source_dev;
+    hapi_extractor *ex;
+    hapi_cache *cache;
+    char ns_desc[256];           /* the preprocessing part of every namespace */
+    struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
+
+    /* The current view: NULL until the policy has chosen the split. */
+    pthread_mutex_t view_lock;
+    pthread_cond_t view_cond;
+    hapi_view *view;
+    int view_stopping;
+
+    /* The profile, the policy's inputs and its choice; guarded by tune.lock. */
+    struct {
+        pthread_mutex_t lock;
+        pthread_mutex_t switch_lock; /* one split change at a time */
+        pthread_t thread;         /* measures, counts, chooses at mount */
+        int running;
+        int state;                /* 0 measuring, 1 ready, < 0 failed (code) */
+        char error[256];
+        int reused;               /* the profile was read from the cache directory */
+        hapi_profile profile;
+        hapi_policy_input in;     /* without profile, cached[], samples: filled per use */
+        int split_by_operator;    /* the split was given (option or control command) */
+        int batch_auto;
+        int batch;                /* the batch set now */
+        double decode_ms, source_bytes;
+        int decode_samples;       /* images the decode cost was measured on */
+        atomic_uint_fast64_t images; /* images in the tree, once counted */
+        atomic_int counted;
+        atomic_int stop;
+        atomic_uint_fast64_t split_changes;
+    } tune;
+    int feat_started;
+    int view_ready_init;         /* view_lock and view_cond exist */
     pthread_t keeper;             /* applies the cache's access log now and then */
     int keeper_running;
     pthread_mutex_t keeper_lock;
@@ -149,6 +200,7 @@ typedef struct hapi_fs {
         pthread_t thread;
         int running;
         char *root;               /* what is being warmed, relative to the source */
+        hapi_view *view;          /* the view it warms (a reference), set by the walker */
         uint64_t started_ns;
         atomic_int stop, counted, walked;
         atomic_uint_fast64_t total;     /* images found (final once counted) */
@@ -176,12 +228,44 @@ extern const struct fuse_lowlevel_ops hapi_fs_ops;
 int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err);
 void hapi_fs_destroy(hapi_fs *fs);
 
-/* Returns the content of control file name ("config", "stats", "errors", "ctl") as malloc'd text, or NULL. */
+/*
+ * The current view with a reference, waiting while the policy is still
+ * choosing. NULL only when the filesystem is shutting down.
+ */
+hapi_view *hapi_view_get(hapi_fs *fs);
+/* The current view with a reference, or NULL if there is none yet; never waits. */
+hapi_view *hapi_view_peek(hapi_fs *fs);
+/* Drops a reference; the last one stops and frees the view's batcher. Accepts NULL. */
+void hapi_view_put(hapi_view *v);
+
+/* Starts choosing (profile, policy) in the background; the first view appears when done. */
+int hapi_tune_start(hapi_fs *fs, hapi_error *err);
+/* Stops the chooser and drops the current view (after hapi_feat_stop's warm-up stop). */
+void hapi_tune_stop(hapi_fs *fs);
+/*
+ * Switches to split (1..freeze): a new view, the warm-up moved to it, the
+ * kernel's attributes and pages of every .feat it knows invalidated.
+ * by_operator says who asked. Returns 0 or HAPI_EINVAL / -errno with err.
+ */
+int hapi_tune_set_split(hapi_fs *fs, int split, int by_operator, hapi_error *err);
+/* Sets the batch (0 = auto). Returns 0 or HAPI_EINVAL. */
+int hapi_tune_set_batch(hapi_fs *fs, int batch, hapi_error *err);
+/*
+ * Runs the policy on the current inputs and cache state; with split_auto the
+ * split is chosen, else the current split is explained. Fills *choice and,
+ * if in is not NULL, the inputs used. Returns 0, -EAGAIN (still measuring) or
+ * HAPI_EINVAL.
+ */
+int hapi_tune_choose(hapi_fs *fs, int split_auto, hapi_policy_input *in,
+                     hapi_policy_choice *choice, hapi_error *err);
+
+/* Returns the content of control file name ("config", "stats", "errors", "profile", "policy", "ctl") as malloc'd text, or NULL. */
 char *hapi_ctl_render(hapi_fs *fs, const char *name);
 
 /* Names of the control files, NULL-terminated; the last, "ctl", is the writable one. */
 extern const char *const hapi_ctl_files[];
 #define HAPI_CTL_WRITABLE "ctl"
+#define HAPI_CTL_MODEL "model"   /* the model archive, read through */
 #define HAPI_CTL_LINE_MAX 4096
 
 /*
@@ -197,9 +281,16 @@ int hapi_ctl_command(hapi_fs *fs, const char *text, size_t len, hapi_error *err)
 int hapi_feat_start(hapi_fs *fs, hapi_error *err);
 void hapi_feat_stop(hapi_fs *fs);
 
-/* Replies to a read of the .feat of source path, opened with identity *id. */
-void hapi_feat_read(fuse_req_t req, hapi_fs *fs, const char *path, const hapi_source_id *id,
+/* Replies to a read of the .feat of source path, opened with identity *id at view v. */
+void hapi_feat_read(fuse_req_t req, hapi_view *v, const char *path, const hapi_source_id *id,
                     size_t size, off_t off);
+
+/* Makes a view of split (batcher started, not yet current). Returns 0 or < 0 with err. */
+int hapi_feat_view_new(hapi_fs *fs, int split, int batch, hapi_view **out, hapi_error *err);
+
+/* Calls fn for every image beneath dir (relative), depth first, until fn returns < 0 or *stop. */
+int hapi_feat_walk(hapi_fs *fs, const char *dir, atomic_int *stop,
+                   int (*fn)(hapi_fs *, const char *, void *), void *arg);
 
 /* Removes the cached features of a source found deleted (path relative to the source). */
 void hapi_feat_collect(hapi_fs *fs, const char *path);
@@ -214,6 +305,14 @@ int hapi_feat_identity(hapi_fs *fs, const char *path, hapi_source_id *id);
 int hapi_warm_start(hapi_fs *fs, const char *path);
 /* True once the walk is over and everything it submitted has finished. */
 int hapi_warm_finished(hapi_fs *fs);
+/*
+ * Stops an unfinished warm-up and returns what it was warming (malloc'd, to
+ * hand to hapi_warm_start() again), or NULL if none was running.
+ */
+char *hapi_warm_pause(hapi_fs *fs);
+
+/* Tells the kernel to forget the attributes and pages of every .feat it may hold. */
+void hapi_fs_invalidate_feats(hapi_fs *fs);
 
 /* Maps a module code to the errno a FUSE reply carries (hapifs codes are EIO). */
 int hapi_fs_errno(int code);

@@ -1,5 +1,6 @@
 /* options.c — the command line and -o options of hapifs and mount.hapifs, parsed and validated before anything loads. */
 #include "fusefs-int.h"
+#include "policy.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -20,6 +21,7 @@ struct raw_options {
     char *model, *split, *freeze, *dtype, *preprocess, *cache, *cache_size;
     char *threads, *torch_threads, *show_raw, *max_pixels, *device, *log;
     char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
+    char *link, *client_speed, *epochs, *profile;
     char *nonopt[3];
     int nonopts;
     int helper;
@@ -52,6 +54,10 @@ static const struct fuse_opt option_table[] = {
     RAW("mem=%s", mem),
     RAW("warm=%s", warm),
     RAW("cache_reset=%s", cache_reset),
+    RAW("link=%s", link),
+    RAW("client_speed=%s", client_speed),
+    RAW("epochs=%s", epochs),
+    RAW("profile=%s", profile),
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-d", KEY_DEBUG),
     FUSE_OPT_KEY("debug", KEY_DEBUG),
@@ -148,7 +154,8 @@ void hapi_fs_usage(const char *prog)
            "\n"
            "options:\n"
            "    model=PATH           staged model archive (hapifs-export-model); required\n"
-           "    split=auto|N|NAME    run stages [0, N) or through stage NAME (auto: the freeze point)\n"
+           "    split=auto|N|NAME    run stages [0, N) or through stage NAME (default auto: the policy\n"
+           "                         picks it from the profile, the link and the cache)\n"
            "    freeze=N|NAME        stages before this are frozen (default: from the model)\n"
            "    dtype=fp16|fp32      feature type (default fp16)\n"
            "    preprocess=exact|fast  torchvision-exact decode, or DCT-scaled decode (default exact)\n"
@@ -157,10 +164,16 @@ void hapi_fs_usage(const char *prog)
            "    cache_reset=0|1      replace a corrupt or foreign cache instead of failing\n"
            "    threads=N            FUSE worker threads (default 32)\n"
            "    torch_threads=N      libtorch intra-op threads (default: cores)\n"
-           "    batch=N              storage-side batch (default 16)\n"
+           "    batch=auto|N         storage-side batch (default auto: the largest that fits mem)\n"
            "    batch_wait=MS        how long a partial batch waits for more reads (default 5)\n"
            "    decode_threads=N     JPEG/PNG decode threads (default 1)\n"
-           "    mem=SIZE             budget of in-flight images and tensors (default 1G)\n"
+           "    mem=SIZE             storage-side memory budget: weights, inference, images in\n"
+           "                         flight (default 1G)\n"
+           "    link=RATE            link to the compute tier, e.g. 1Gbit, 100Mbit, 125MB/s\n"
+           "                         (default 1Gbit)\n"
+           "    client_speed=X       compute tier's speed relative to this node (default 1)\n"
+           "    epochs=N             epochs a job is expected to read (default 5)\n"
+           "    profile=redo         measure the model again instead of using the stored profile\n"
            "    warm=0|1             compute the whole tree in the background at mount\n"
            "    device=cpu|cuda[:N]  where the model runs (default cpu)\n"
            "    max_pixels=N         refuse larger images (default 100000000)\n"
@@ -346,10 +359,10 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
                                   raw->torch_threads);
         o->torch_threads = (int)v;
     }
-    o->batch = 16;
+    o->batch = 0; /* auto: the policy sizes it */
     if (raw->batch) {
         if (strcmp(raw->batch, "auto") == 0)
-            ; /* the policy module will size it; until then the default */
+            o->batch = 0;
         else if (parse_int(raw->batch, 1, 1024, &v) < 0)
             return hapi_error_set(err, HAPI_EINVAL, "batch=%s: expected auto or 1..1024",
                                   raw->batch);
@@ -373,6 +386,31 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
     o->mem_budget = 1ull << 30;
     if (raw->mem && (hapi_fs_parse_size(raw->mem, &o->mem_budget) < 0 || o->mem_budget == 0))
         return hapi_error_set(err, HAPI_EINVAL, "mem=%s: expected a size, e.g. 2G", raw->mem);
+    o->link_bps = HAPI_POLICY_LINK_DEFAULT;
+    if (raw->link && (rc = hapi_policy_parse_rate(raw->link, &o->link_bps, err)) < 0)
+        return rc;
+    o->client_speed = 1.0;
+    if (raw->client_speed) {
+        char *end;
+        o->client_speed = strtod(raw->client_speed, &end);
+        if (end == raw->client_speed || *end || !(o->client_speed > 0) ||
+            o->client_speed > 1e6)
+            return hapi_error_set(err, HAPI_EINVAL,
+                                  "client_speed=%s: expected a positive number, the compute "
+                                  "tier's speed relative to this node (e.g. 4)",
+                                  raw->client_speed);
+    }
+    o->epochs = HAPI_POLICY_EPOCHS_DEFAULT;
+    if (raw->epochs) {
+        if (parse_int(raw->epochs, 1, 100000, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "epochs=%s: expected 1..100000", raw->epochs);
+        o->epochs = (int)v;
+    }
+    if (raw->profile) {
+        if (strcmp(raw->profile, "redo") != 0)
+            return hapi_error_set(err, HAPI_EINVAL, "profile=%s: expected redo", raw->profile);
+        o->profile_redo = 1;
+    }
     if (raw->warm) {
         if (parse_int(raw->warm, 0, 1, &v) < 0)
             return hapi_error_set(err, HAPI_EINVAL, "warm=%s: expected 0 or 1", raw->warm);
@@ -483,6 +521,10 @@ out:
     free(raw.decode_threads);
     free(raw.mem);
     free(raw.warm);
+    free(raw.link);
+    free(raw.client_speed);
+    free(raw.epochs);
+    free(raw.profile);
     free(raw.cache_reset);
     free(raw.bad_option);
     free(raw.kernel_opts);

@@ -251,7 +251,7 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
     }
     if (n < (int)sz)
         n += snprintf(out->why + n, sz - (size_t)n,
-                      "Its first epoch is bound by the %s tier, later ones by the %s. ",
+                      "Its first epoch is bound by the %s tier, later ones by the %s tier. ",
                       w->cold_bound, w->warm_bound);
     if (n < (int)sz && out->raw.total_s > 0 && w->total_s > 0)
         n += snprintf(out->why + n, sz - (size_t)n,

@@ -142,6 +142,6 @@ def test_exit_codes(tree, mounter, models, tmp_path):
 
     r = ctl("evict", "nosuch", m.path)
     assert r.returncode == 3
-    assert r.stderr.strip() == "hapifs-ctl: evict nosuch: No such file or directory"
+    assert r.stderr.strip() == "hapifs-ctl: evict nosuch: 'nosuch': no such file or directory"
     for line in r.stderr.splitlines():
         assert line.startswith("hapifs-ctl: ")

@@ -22,6 +22,12 @@ static const char usage_text[] =
     "    stats              the mount's counters (feat, batcher, warm, cache)\n"
     "    config             the mount's configuration\n"
     "    errors             the recent errors\n"
+    "    profile            what each stage costs on the storage node (a table)\n"
+    "    policy             every candidate split estimated, the chosen one marked, and why\n"
+    "    set-split N|NAME|auto   serve another split (auto: the policy's); files open now\n"
+    "                       keep theirs, the next open sees the new shape\n"
+    "    set-batch N|auto   the storage-side batch\n"
+    "    set-link RATE      tell the policy the link's rate (e.g. 1Gbit, 100Mbit, 125MB/s)\n"
     "    warm [PATH]        compute the features of PATH (default: everything), showing progress\n"
     "    evict [all|PATH]   drop cached features of the mount, or of PATH\n"
     "\n"
@@ -137,6 +143,10 @@ static const char *human_time(double s, char *buf, size_t size)
 {
     if (s < 0)
         snprintf(buf, size, "?");
+    else if (s < 1)
+        snprintf(buf, size, "%.0fms", s * 1e3);
+    else if (s < 10)
+        snprintf(buf, size, "%.2fs", s);
     else if (s < 60)
         snprintf(buf, size, "%.0fs", s);
     else if (s < 3600)
@@ -323,7 +333,19 @@ static int source_name(const char *mnt, const char *arg, char *out, size_t size)
     return 0;
 }
 
-/* Writes one command line to ctl; returns 0 or EXIT_REFUSED after printing the errno text. */
+/* The mount's reason for refusing the last control command, from .hapifs/errors. */
+static const char *refusal(json_t *errors)
+{
+    json_t *list = json_object_get(errors, "errors"), *e;
+    const char *why = NULL;
+    size_t i;
+    json_array_foreach(list, i, e)
+        if (strcmp(str(e, "path"), ".hapifs/ctl") == 0)
+            why = str(e, "error");
+    return why;
+}
+
+/* Writes one command line to ctl; returns 0 or EXIT_REFUSED after printing why. */
 static int send(const char *mnt, const char *command, const char *path)
 {
     char file[PATH_MAX + 32], line[PATH_MAX + 32];
@@ -334,7 +356,10 @@ static int send(const char *mnt, const char *command, const char *path)
     if (fd >= 0 && close(fd) < 0 && rc == 0)
         rc = -errno;
     if (rc < 0) {
-        say("%s%s%s: %s", command, *path ? " " : "", path, strerror(-rc));
+        json_t *errors = load(mnt, "errors");
+        const char *why = errors ? refusal(errors) : NULL;
+        say("%s%s%s: %s", command, *path ? " " : "", path, why ? why : strerror(-rc));
+        json_decref(errors);
         return EXIT_REFUSED;
     }
     return 0;
@@ -425,6 +450,162 @@ static int cmd_evict(const char *mnt, const char *path)
     return rc;
 }
 
+static void print_json(json_t *j)
+{
+    json_dumpf(j, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    putchar('\n');
+}
+
+/* A state other than ready ("measuring", "failed") is said and ends the command. */
+static int not_ready(json_t *j, const char *what)
+{
+    const char *state = str(j, "state");
+    if (strcmp(state, "measuring") == 0) {
+        say("the model is still being profiled; try again in a moment");
+        return EXIT_REFUSED;
+    }
+    if (strcmp(state, "failed") == 0) {
+        say("no %s: %s", what, str(j, "error"));
+        return EXIT_REFUSED;
+    }
+    return 0;
+}
+
+static int cmd_profile(const char *mnt)
+{
+    json_t *p = load(mnt, "profile");
+    if (!p)
+        return EXIT_NOT_MOUNT;
+    int rc = not_ready(p, "profile");
+    if (rc || json_output) {
+        if (!rc)
+            print_json(p);
+        json_decref(p);
+        return rc;
+    }
+    json_t *batches = json_object_get(p, "batches"), *st;
+    char a[32], b[32], c[32];
+    size_t i, k;
+    printf("model %.12s on %s, %.0f torch threads, %.0f cores; %s %s (%.1f s)\n",
+           str(p, "model_digest"), str(p, "device"), num(p, "threads"), num(p, "cores"),
+           strcmp(str(p, "state"), "stored") == 0 ? "stored profile" : "measured at mount",
+           human_time(time(NULL) - num(p, "measured_at"), a, sizeof(a)), num(p, "seconds"));
+    printf("decode + preprocess %.2f ms per image (%.0f images, %s each on average)\n\n",
+           num(p, "decode_ms"), num(p, "decode_samples"),
+           human_size(num(p, "source_bytes"), a, sizeof(a)));
+    printf("%-3s %-10s %-16s %10s %10s", "#", "stage", "output", "fp32", "fp16");
+    json_array_foreach(batches, k, st)
+        printf("  ms@b%-4lld", (long long)json_integer_value(st));
+    printf(" %12s %10s\n", "mem/sample", "weights");
+    json_array_foreach(json_object_get(p, "stages"), i, st) {
+        char *shape = json_dumps(json_object_get(st, "shape"), JSON_COMPACT);
+        printf("%-3zu %-10s %-16s %10s %10s", i, str(st, "name"), shape ? shape : "?",
+               human_size(num(st, "bytes_fp32"), a, sizeof(a)),
+               human_size(num(st, "bytes_fp16"), b, sizeof(b)));
+        json_t *ms = json_object_get(st, "ms_per_sample");
+        for (k = 0; k < json_array_size(batches); k++)
+            printf("  %8.3f", json_number_value(json_array_get(ms, k)));
+        printf(" %12s %10s\n", human_size(num(st, "mem_per_sample"), c, sizeof(c)),
+               human_size(num(st, "param_bytes"), a, sizeof(a)));
+        free(shape);
+    }
+    printf("\nms@bN: wall ms per sample of the stage alone at batch N; mem/sample: its peak\n"
+           "working memory per sample (%s).\n",
+           json_is_true(json_object_get(p, "memory_measured")) ? "measured" : "estimated");
+    json_decref(p);
+    return 0;
+}
+
+static int cmd_policy(const char *mnt)
+{
+    json_t *p = load(mnt, "policy");
+    if (!p)
+        return EXIT_NOT_MOUNT;
+    int rc = not_ready(p, "policy");
+    if (rc || json_output) {
+        if (!rc)
+            print_json(p);
+        json_decref(p);
+        return rc;
+    }
+    json_t *c;
+    size_t i;
+    char a[32];
+    double samples = num(p, "epoch_samples");
+    printf("inputs: link %s, compute tier %.3gx this node, %.0f epochs, mem %s, freeze %.0f, %s\n",
+           str(p, "inputs.link"), num(p, "inputs.client_speed"), num(p, "inputs.epochs"),
+           human_size(num(p, "inputs.mem_budget"), a, sizeof(a)), num(p, "inputs.freeze"),
+           str(p, "inputs.dtype"));
+    printf("epochs of %.0f samples%s\n\n", samples,
+           num(p, "inputs.samples") > 0 ? "" : " (the tree is not counted yet: per 1000)");
+    printf("  %-3s %-10s %5s %10s %9s %9s %9s %10s %10s %10s %7s  %s\n", "#", "stage", "batch",
+           "file", "stor ms", "link ms", "comp ms", "1st epoch", "later", "total", "cached",
+           "bound");
+    json_t *all = json_copy(json_object_get(p, "candidates"));
+    json_array_append(all, json_object_get(p, "raw"));
+    json_array_foreach(all, i, c) {
+        int raw = i + 1 == json_array_size(all);
+        char idx[16] = "-", bat[16] = "-", size[32], t1[32], t2[32], t3[32];
+        if (!raw) {
+            snprintf(idx, sizeof(idx), "%.0f", num(c, "split"));
+            snprintf(bat, sizeof(bat), "%.0f", num(c, "batch"));
+        }
+        printf("%s %-3s %-10s %5s %10s %9.3f %9.3f %9.3f %10s %10s %10s %6.0f%%  %s/%s%s\n",
+               json_is_true(json_object_get(c, "chosen")) ? "*" : " ", idx, str(c, "stage"), bat,
+               human_size(num(c, "file_bytes"), size, sizeof(size)), num(c, "storage_ms"),
+               num(c, "link_ms"), num(c, "compute_ms"),
+               human_time(num(c, "cold_epoch_s"), t1, sizeof(t1)),
+               human_time(num(c, "warm_epoch_s"), t2, sizeof(t2)),
+               human_time(num(c, "total_s"), t3, sizeof(t3)), 100 * num(c, "cached"),
+               str(c, "cold_bound"), str(c, "warm_bound"),
+               raw ? "  (raw images: the usual pipeline)"
+                   : json_is_true(json_object_get(c, "fits")) ? "" : "  (does not fit mem)");
+    }
+    json_decref(all);
+    printf("\n* %s\n", str(p, "why"));
+    if (get(p, "current"))
+        printf("\nserving split %.0f (%s), batch %.0f, set by the %s%s\n", num(p, "current.split"),
+               str(p, "current.stage"), num(p, "current.batch"), str(p, "current.by"),
+               json_is_true(get(p, "current.differs"))
+                   ? "; the policy would pick another now (hapifs-ctl set-split auto)"
+                   : "");
+    json_decref(p);
+    return 0;
+}
+
+/* set-split, set-batch, set-link: one control command, then what the mount says now. */
+static int cmd_set(const char *mnt, const char *cmd, const char *value)
+{
+    const char *command = strcmp(cmd, "set-split") == 0   ? "split"
+                          : strcmp(cmd, "set-batch") == 0 ? "batch"
+                                                          : "link";
+    int rc = send(mnt, command, value);
+    if (rc)
+        return rc;
+    json_t *config = load(mnt, "config");
+    if (!config)
+        return EXIT_NOT_MOUNT;
+    if (json_output) {
+        json_t *j = json_pack("{s:s, s:s, s:O, s:O, s:O}", "command", command, "value", value,
+                              "split", get(config, "split"), "batch",
+                              get(config, "runtime.batch"), "policy", get(config, "policy"));
+        print_json(j);
+        json_decref(j);
+    } else {
+        char *shape = json_dumps(get(config, "split.shape"), JSON_COMPACT);
+        char s1[32];
+        printf("split %.0f (%s, by %s): .feat of %s, shape %s; batch %.0f%s; link %s\n",
+               num(config, "split.index"), str(config, "split.stage"), str(config, "split.by"),
+               human_size(num(config, "split.feat_size"), s1, sizeof(s1)), shape ? shape : "?",
+               num(config, "runtime.batch"),
+               json_is_true(get(config, "runtime.batch_auto")) ? " (auto)" : "",
+               str(config, "policy.link"));
+        free(shape);
+    }
+    json_decref(config);
+    return 0;
+}
+
 int main(int argc, char *argv[])
 {
     const char *words[4];
@@ -445,10 +626,26 @@ int main(int argc, char *argv[])
         return say("no command given"), fputs(usage_text, stderr), EXIT_USAGE;
     const char *cmd = words[0];
     int takes_path = strcmp(cmd, "warm") == 0 || strcmp(cmd, "evict") == 0;
+    int takes_value = strncmp(cmd, "set-", 4) == 0;
     int known = takes_path || strcmp(cmd, "status") == 0 || strcmp(cmd, "stats") == 0 ||
-                strcmp(cmd, "config") == 0 || strcmp(cmd, "errors") == 0;
+                strcmp(cmd, "config") == 0 || strcmp(cmd, "errors") == 0 ||
+                strcmp(cmd, "profile") == 0 || strcmp(cmd, "policy") == 0 ||
+                strcmp(cmd, "set-split") == 0 || strcmp(cmd, "set-batch") == 0 ||
+                strcmp(cmd, "set-link") == 0;
     if (!known)
         return say("unknown command '%s'", cmd), fputs(usage_text, stderr), EXIT_USAGE;
+    if (takes_value) {
+        /* set-X VALUE [MOUNTPOINT] */
+        if (n < 2)
+            return say("%s needs a value", cmd), fputs(usage_text, stderr), EXIT_USAGE;
+        if (n > 3)
+            return say("too many arguments for %s", cmd), fputs(usage_text, stderr), EXIT_USAGE;
+        if (strpbrk(words[1], " \t\r\n") || !*words[1])
+            return say("%s: '%s' is not one word", cmd, words[1]), EXIT_USAGE;
+        char mnt[PATH_MAX];
+        int rc = find_mount(n == 3 ? words[2] : NULL, NULL, mnt);
+        return rc ? rc : cmd_set(mnt, cmd, words[1]);
+    }
     if (n > 2 + takes_path)
         return say("too many arguments for %s", cmd), fputs(usage_text, stderr), EXIT_USAGE;
 
@@ -475,6 +672,10 @@ int main(int argc, char *argv[])
         return cmd_status(mnt);
     if (strcmp(cmd, "errors") == 0)
         return cmd_errors(mnt);
+    if (strcmp(cmd, "profile") == 0)
+        return cmd_profile(mnt);
+    if (strcmp(cmd, "policy") == 0)
+        return cmd_policy(mnt);
     if (strcmp(cmd, "warm") == 0)
         return cmd_warm(mnt, name);
     if (strcmp(cmd, "evict") == 0)

@@ -1,0 +1,212 @@
+"""The policy on real mounts: split=auto explained, the profile stored, live split and batch changes, injected OOM, hapifs-ctl."""
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import HAPIFS, reference_features
+from test_ctl import ctl
+from test_throughput import make_tree, read_concurrently
+
+
+@pytest.fixture
+def tree(tmp_path):
+    src = tmp_path / "src"
+    return src, make_tree(src, classes=2, per_class=8, size=(64, 80))
+
+
+def test_split_auto_is_explained_and_the_profile_stored(tree, mounter, models, tmp_path):
+    src, names = tree
+    cache = tmp_path / "cache"
+    m = mounter(src, model=models(), cache=str(cache))
+    config = m.ctl("config")
+    freeze = config["split"]["freeze"]
+    policy = m.ctl("policy")
+    assert policy["state"] == "ready"
+    cands = policy["candidates"]
+    assert [c["split"] for c in cands] == list(range(1, freeze + 1))  # never past freeze
+    chosen = [c for c in cands if c["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["split"] == policy["choice"]["split"]
+    # the mount serves what the policy chose, and says so
+    assert config["split"]["index"] == policy["choice"]["split"] == policy["current"]["split"]
+    assert config["split"]["by"] == "policy"
+    assert policy["why"] and chosen[0]["stage"] in policy["why"]
+    for c in cands:
+        assert c["cold_epoch_s"] > 0 and c["warm_epoch_s"] <= c["cold_epoch_s"] + 1e-12
+        assert c["total_s"] == pytest.approx(c["cold_epoch_s"] + 4 * c["warm_epoch_s"])
+        assert c["cold_bound"] in ("storage", "link", "compute")
+    # the winner has the least total among those that fit
+    assert chosen[0]["total_s"] <= min(c["total_s"] for c in cands) * 1.006
+    assert policy["raw"]["file_bytes"] > 0
+    # a .feat is the chosen split's shape
+    arr = np.load(m.path / (names[0] + ".feat"))
+    assert list(arr.shape) == config["split"]["shape"]
+
+    profile = m.ctl("profile")
+    assert profile["state"] == "measured"
+    assert [s["name"] for s in profile["stages"]] == [s["name"] for s in config["model"]["stages"]]
+    for s in profile["stages"]:
+        assert len(s["ms_per_sample"]) == len(profile["batches"]) and min(s["ms_per_sample"]) > 0
+        assert s["bytes_fp16"] * 2 == s["bytes_fp32"]
+    assert profile["decode_samples"] > 0 and profile["decode_ms"] > 0
+    stored = list(cache.glob("profile-*.json"))
+    assert len(stored) == 1
+    # a remount reads it instead of profiling again; profile=redo measures again
+    m.unmount()
+    again = mounter(src, model=models(), cache=str(cache))
+    again.ctl("config")  # waits for the policy
+    assert again.ctl("profile")["state"] == "stored"
+    assert "profile read from" in again.log_text()
+    again.unmount()
+    redo = mounter(src, model=models(), cache=str(cache), profile="redo")
+    redo.ctl("config")
+    assert redo.ctl("profile")["state"] == "measured"
+
+
+def test_the_link_moves_the_split(tree, mounter, models):
+    src, _ = tree
+    # a slow link: the smallest features win, the pooling layer
+    slow = mounter(src, model=models(), link="1Mbit")
+    freeze = slow.ctl("config")["split"]["freeze"]
+    assert slow.ctl("config")["split"]["index"] == freeze
+    slow.unmount()
+    # a fast link, a far faster compute tier, one epoch: leave the work to the compute tier
+    fast = mounter(src, model=models(), link="1000Gbit", client_speed=1000, epochs=1)
+    policy = fast.ctl("policy")
+    assert policy["choice"]["split"] == 1, policy["why"]
+    assert fast.ctl("config")["split"]["index"] == 1
+    assert policy["inputs"]["link"] == "1 Tbit/s"
+
+
+def test_set_split_changes_sizes_and_contents(tree, mounter, models):
+    src, names = tree
+    archive = models()
+    m = mounter(src, model=archive, dtype="fp32", split="pool")
+    f = m.path / (names[0] + ".feat")
+    old_size = f.stat().st_size
+    held = open(f, "rb")  # opened at the pooling split
+    r = ctl("set-split", "layer2", m.path)
+    assert r.returncode == 0, r.stderr
+    assert "layer2" in r.stdout
+    config = m.ctl("config")
+    assert config["split"]["stage"] == "layer2" and config["split"]["by"] == "operator"
+    assert config["split"]["stages_after"] == [3, config["split"]["freeze"]]
+    new_size = f.stat().st_size
+    assert new_size == config["split"]["feat_size"] != old_size
+    # (not names[0]: the kernel's page cache is per file, and the held one must not be reopened)
+    for name in names[1:5]:
+        arr = np.load(m.path / (name + ".feat"))
+        ref = reference_features(archive, src / name, 3)
+        assert arr.shape == ref.shape
+        np.testing.assert_allclose(arr, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # the file opened before, and not opened again since, keeps its shape to the end
+    old = np.load(held)
+    held.close()
+    assert old.shape == tuple(reference_features(archive, src / names[0], 6).shape)
+    # back to auto: the policy's split again
+    r = ctl("--json", "set-split", "auto", m.path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["split"]["by"] == "policy"
+    assert out["split"]["index"] == m.ctl("policy")["choice"]["split"]
+    assert m.ctl("stats")["split_changes"] >= 1
+
+
+def test_bad_control_input_keeps_the_settings(tree, mounter, models):
+    src, _ = tree
+    m = mounter(src, model=models(), split="layer4", batch=4)
+    before = m.ctl("config")
+    cases = [
+        (["set-split", "layer9"], "not a stage"),
+        (["set-split", "99"], "not a stage"),
+        (["set-split", "fc"], "past the freeze"),
+        (["set-link", "100"], "no unit"),
+        (["set-link", "100mbps"], "ambiguous"),
+        (["set-batch", "0"], "usage: batch"),
+        (["set-batch", "many"], "usage: batch"),
+    ]
+    for args, why in cases:
+        r = ctl(*args, m.path)
+        assert r.returncode == 3, (args, r.stdout, r.stderr)
+        assert why in r.stderr, (args, r.stderr)
+        assert r.stderr.count("\n") == 1
+    # a malformed control line, straight to the file
+    for line in ["split", "split a b", "link", "epochs 1.5", "client_speed -2"]:
+        with pytest.raises(OSError) as e:
+            with open(m.path / ".hapifs" / "ctl", "w") as f:
+                f.write(line + "\n")
+        assert e.value.errno == 22, line
+    after = m.ctl("config")
+    assert after["split"] == before["split"]
+    assert after["runtime"]["batch"] == 4 and after["policy"] == before["policy"]
+    errors = m.ctl("errors")["errors"]
+    assert any(e["path"] == ".hapifs/ctl" and "freeze" in e["error"] for e in errors)
+
+
+def test_hapifs_ctl_profile_policy_and_set(tree, mounter, models):
+    src, _ = tree
+    m = mounter(src, model=models())
+    m.ctl("config")
+    r = ctl("profile", m.path)
+    assert r.returncode == 0, r.stderr
+    assert "stem" in r.stdout and "ms@b1" in r.stdout
+    r = ctl("--json", "profile", m.path)
+    assert json.loads(r.stdout)["stages"][0]["name"] == "stem"
+    r = ctl("policy", m.path)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("* ")]
+    assert len(lines) == 2  # the winner's row and the reason
+    r = ctl("--json", "policy", m.path)
+    assert json.loads(r.stdout)["candidates"]
+    r = ctl("set-link", "100Mbit", m.path)
+    assert r.returncode == 0 and "100 Mbit/s" in r.stdout, r.stderr
+    assert m.ctl("policy")["inputs"]["link_bps"] == 100e6
+    r = ctl("--json", "set-batch", "3", m.path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["batch"] == 3
+    assert m.ctl("stats")["batcher"]["batch"] == 3
+    r = ctl("--json", "set-batch", "auto", m.path)
+    assert json.loads(r.stdout)["batch"] == m.ctl("policy")["choice"]["batch"]
+    assert ctl("set-split", "layer3", "/").returncode == 2  # not a mount
+    assert ctl("set-split", m.path).returncode == 2  # the mount taken for the value: no mount "."
+    assert ctl("set-split").returncode == 1
+
+
+def test_injected_oom_halves_the_batch_and_every_read_succeeds(tree, mounter, models,
+                                                               monkeypatch):
+    src, names = tree
+    archive = models()
+    ref = mounter(src, model=archive, split="pool", cache=str(src.parent / "refcache"))
+    want = {n: (ref.path / (n + ".feat")).read_bytes() for n in names}
+    # an inference of more than 2 samples fails as libtorch's would when out of memory
+    monkeypatch.setenv("HAPIFS_FAULT_OOM_ABOVE", "2")
+    m = mounter(src, model=archive, split="pool", batch=8, batch_wait=50)
+    got = read_concurrently(m, [n + ".feat" for n in names], readers=16)
+    assert {n[:-5]: v for n, v in got.items()} == want
+    b = m.ctl("stats")["batcher"]
+    assert b["oom_splits"] >= 1, b
+    assert b["batch"] <= 2, b  # the next batches use the smaller size
+    assert b["failed"] == 0 and m.ctl("stats")["feat"]["failed"] == 0
+    assert "out of memory" not in json.dumps(m.ctl("errors"))
+
+
+@pytest.mark.parametrize("opt,why", [
+    ("link=100", "no unit"),
+    ("link=fast", "link rate"),
+    ("client_speed=0", "client_speed"),
+    ("epochs=0", "epochs"),
+    ("profile=again", "profile"),
+    ("batch=0", "batch"),
+])
+def test_bad_policy_options_fail_the_mount(tree, models, tmp_path, opt, why):
+    src, _ = tree
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    r = subprocess.run([str(HAPIFS), str(src), str(mp), "-o",
+                        f"model={models()},cache={tmp_path / 'c'},{opt}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert why in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not os.path.ismount(mp)
