@@ -120,7 +120,8 @@ static int get_profile(hapi_fs *fs, hapi_profile *prof, int *reused, hapi_error 
     }
     hapi_log(HAPI_LOG_INFO, "profiling the model (once per model, device and thread count)");
     int rc = hapi_profile_measure(hapi_extractor_model(fs->ex), digest, fs->opt->device,
-                                  fs->opt->torch_threads, fs->opt->mem_budget, prof, err);
+                                  fs->opt->torch_threads, fs->opt->mem_budget,
+                                  &fs->tune.stop, prof, err);
     if (rc < 0)
         return rc;
     hapi_error serr = { 0 };

@@ -2,6 +2,7 @@
 #ifndef HAPI_POLICY_H
 #define HAPI_POLICY_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -56,11 +57,13 @@ typedef struct hapi_profile {
  * its widest activation stays under max_batch_bytes; 0 = no cap), the median of three timed
  * runs after warm-up runs, and each stage's peak memory at the smallest and
  * largest batch. digest is the model file's XXH3-128, device and threads what
- * it runs with. Returns 0, or an error of hapi_model_measure().
+ * it runs with. stop (may be NULL) set nonzero ends it between runs with
+ * -ECANCELED (an unmount need not wait for a big model's profile).
+ * Returns 0, -ECANCELED, or an error of hapi_model_measure().
  */
 int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *device,
-                         int threads, uint64_t max_batch_bytes, hapi_profile *out,
-                         hapi_error *err);
+                         int threads, uint64_t max_batch_bytes, atomic_int *stop,
+                         hapi_profile *out, hapi_error *err);
 
 /* The profile as JSON text (malloc'd, caller frees), or NULL when out of memory. */
 char *hapi_profile_to_json(const hapi_profile *p);

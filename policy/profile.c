@@ -87,9 +87,18 @@ static int cmp_u64(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* One run of every stage, unless asked to stop. */
+static int measure_once(hapi_model *m, int batch, hapi_model_hook_fn hook, void *ctx,
+                        uint64_t *ns, atomic_int *stop, hapi_error *err)
+{
+    if (stop && atomic_load(stop))
+        return hapi_error_set(err, -ECANCELED, "profiling cancelled");
+    return hapi_model_measure(m, batch, hook, ctx, ns, err);
+}
+
 int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *device,
-                         int threads, uint64_t max_batch_bytes, hapi_profile *out,
-                         hapi_error *err)
+                         int threads, uint64_t max_batch_bytes, atomic_int *stop,
+                         hapi_profile *out, hapi_error *err)
 {
     enum { REPS = 3 };
     static const int wanted[] = { 1, 4, 16 };
@@ -144,10 +153,10 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
         int batch = out->batches[k];
         /* TorchScript's executor specialises on the first runs of a shape: warm it up */
         for (int w = 0; w < (k == 0 ? 2 : 1); w++)
-            if ((rc = hapi_model_measure(m, batch, NULL, NULL, one, err)) < 0)
+            if ((rc = measure_once(m, batch, NULL, NULL, one, stop, err)) < 0)
                 goto out;
         for (int r = 0; r < REPS; r++) {
-            if ((rc = hapi_model_measure(m, batch, NULL, NULL, one, err)) < 0)
+            if ((rc = measure_once(m, batch, NULL, NULL, one, stop, err)) < 0)
                 goto out;
             for (int i = 0; i < n; i++)
                 ns[(size_t)i * REPS + (size_t)r] = one[i];
@@ -161,9 +170,9 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
     /* Memory: each stage's peak at the smallest and the largest batch gives fixed + per sample. */
     struct mem_probe lo = { .ok = 1 }, hi = { .ok = 1 };
     int b_lo = out->batches[0], b_hi = out->batches[out->nbatches - 1];
-    if ((rc = hapi_model_measure(m, b_lo, mem_hook, &lo, one, err)) < 0)
+    if ((rc = measure_once(m, b_lo, mem_hook, &lo, one, stop, err)) < 0)
         goto out;
-    if (b_hi > b_lo && (rc = hapi_model_measure(m, b_hi, mem_hook, &hi, one, err)) < 0)
+    if (b_hi > b_lo && (rc = measure_once(m, b_hi, mem_hook, &hi, one, stop, err)) < 0)
         goto out;
     out->mem_measured = lo.ok && (b_hi == b_lo || hi.ok);
     for (int i = 0; i < n; i++) {
