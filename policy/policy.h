@@ -18,6 +18,7 @@ extern "C" {
 #define HAPI_PROFILE_MAX_STAGES 64
 #define HAPI_PROFILE_MAX_BATCHES 4
 #define HAPI_PROFILE_VERSION 1
+#define HAPI_PROFILE_BUDGET_S 20.0  /* batches past 1 only while the profile fits this */
 
 /* What one stage costs on this node, measured. */
 typedef struct hapi_profile_stage {
@@ -54,7 +55,8 @@ typedef struct hapi_profile {
 /*
  * Measures m (probed; nothing else may run inference meanwhile, or the figures
  * are disturbed): every stage at batches 1, 4 and 16 (a batch only when twice
- * its widest activation stays under max_batch_bytes; 0 = no cap), the median of three timed
+ * its widest activation stays under max_batch_bytes, 0 = no cap, and while the
+ * profile's estimated time stays within HAPI_PROFILE_BUDGET_S), the median of three timed
  * runs after warm-up runs, and each stage's peak memory at the smallest and
  * largest batch. digest is the model file's XXH3-128, device and threads what
  * it runs with. stop (may be NULL) set nonzero ends it between runs with

@@ -151,6 +151,19 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
     out->runtime_bytes = resident_bytes();
     for (int k = 0; k < out->nbatches; k++) {
         int batch = out->batches[k];
+        if (k > 0) {
+            /*
+             * A slow model (ViT-B/16 takes seconds per image on a small CPU) would keep
+             * .feat waiting for minutes: larger batches are measured only while the
+             * whole profile stays within its time budget.
+             */
+            double per_sample_s = hapi_profile_ms(out, 0, n, 1) / 1e3;
+            double elapsed_s = (double)(hapi_now_ns() - t0) / 1e9;
+            if (elapsed_s + per_sample_s * batch * (REPS + 2) > HAPI_PROFILE_BUDGET_S) {
+                out->nbatches = k;
+                break;
+            }
+        }
         /* TorchScript's executor specialises on the first runs of a shape: warm it up */
         for (int w = 0; w < (k == 0 ? 2 : 1); w++)
             if ((rc = measure_once(m, batch, NULL, NULL, one, stop, err)) < 0)
