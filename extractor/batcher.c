@@ -674,8 +674,6 @@ int hapi_batcher_set_batch(hapi_batcher *b, int batch)
     return 0;
 }
 
-int hapi_batcher_split(const hapi_batcher *b) { return b->split; }
-
 void hapi_batcher_stats_get(hapi_batcher *b, hapi_batcher_stats *st)
 {
     pthread_mutex_lock(&b->lock);

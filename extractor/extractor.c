@@ -268,10 +268,7 @@ int hapi_extractor_open(const hapi_extractor_config *cfg, hapi_extractor **out, 
         goto fail;
     hapi_model_stage(ex->model, ex->split - 1, &ex->output);
     ex->dtype = cfg->dtype;
-    size_t elements = 1;
-    for (int d = 0; d < ex->output.ndim; d++)
-        elements *= (size_t)ex->output.shape[d];
-    ex->sample_bytes = elements * (cfg->dtype == HAPI_DTYPE_FP16 ? 2 : 4);
+    ex->sample_bytes = hapi_extractor_split_bytes(ex, ex->split);
 
     ex->preprocess = (hapi_preprocess){
         .resize = ex->meta.resize_size,

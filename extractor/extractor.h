@@ -406,9 +406,6 @@ typedef struct hapi_batcher_stats {
  */
 int hapi_batcher_set_batch(hapi_batcher *b, int batch);
 
-/* The split the batcher runs. */
-int hapi_batcher_split(const hapi_batcher *b);
-
 /* Fills *st. Thread-safe. */
 void hapi_batcher_stats_get(hapi_batcher *b, hapi_batcher_stats *st);
 

@@ -40,10 +40,9 @@ int hapi_feat_identity(hapi_fs *fs, const char *path, hapi_source_id *id)
  * stored under an identity are those of exactly that content: a reader
  * gets the old or the new features, never a mix.
  */
-static int load_source(void *ctx, const char *path, void **data, size_t *size, void *tag,
-                       hapi_error *err)
+int hapi_feat_load(hapi_fs *fs, const char *path, void **data, size_t *size, hapi_source_id *id,
+                   hapi_error *err)
 {
-    hapi_fs *fs = ((hapi_view *)ctx)->fs;
     int rc = 0;
     for (int attempt = 0; attempt < 3; attempt++) {
         struct stat before, after;
@@ -93,7 +92,8 @@ static int load_source(void *ctx, const char *path, void **data, size_t *size, v
         identity_of(&before, &a);
         identity_of(&after, &b);
         if (memcmp(&a, &b, sizeof(a)) == 0 && used == a.size) {
-            memcpy(tag, &a, sizeof(a));
+            if (id)
+                *id = a;
             *data = buf;
             *size = used;
             return 0;
@@ -101,6 +101,17 @@ static int load_source(void *ctx, const char *path, void **data, size_t *size, v
         free(buf); /* changed under us: read it again */
     }
     return hapi_error_set(err, -EAGAIN, "the source kept changing while being read");
+}
+
+/* The batcher's loader: the source's bytes, and its identity as the tag. */
+static int load_source(void *ctx, const char *path, void **data, size_t *size, void *tag,
+                       hapi_error *err)
+{
+    hapi_source_id id;
+    int rc = hapi_feat_load(((hapi_view *)ctx)->fs, path, data, size, &id, err);
+    if (rc == 0)
+        memcpy(tag, &id, sizeof(id)); /* the tag buffer need not be aligned */
+    return rc;
 }
 
 /* Stores a finished batch in one write transaction and records failures. */

@@ -298,6 +298,14 @@ void hapi_feat_collect(hapi_fs *fs, const char *path);
 /* Removes this namespace's entries for path: an image, or every image beneath a directory ("" = all). Returns the count or < 0. */
 int hapi_feat_evict(hapi_fs *fs, const char *path, hapi_error *err);
 
+/*
+ * Reads the whole source file path into *data (malloc'd, *size bytes), with
+ * the identity it had throughout the read in *id (may be NULL): a file
+ * changed while being read is read again. Returns 0 or < 0 with err.
+ */
+int hapi_feat_load(hapi_fs *fs, const char *path, void **data, size_t *size, hapi_source_id *id,
+                   hapi_error *err);
+
 /* The identity of a regular source file. Returns 0 or -errno. */
 int hapi_feat_identity(hapi_fs *fs, const char *path, hapi_source_id *id);
 

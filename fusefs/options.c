@@ -1,6 +1,5 @@
 /* options.c — the command line and -o options of hapifs and mount.hapifs, parsed and validated before anything loads. */
 #include "fusefs-int.h"
-#include "policy.h"
 
 #include <ctype.h>
 #include <errno.h>

@@ -2,12 +2,10 @@
 #include "fusefs-int.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 /* Serving one cached .feat through FUSE, client side: 24–31 µs measured (cache issue). */
 #define HIT_MS 0.03
@@ -47,23 +45,18 @@ static void measure_decode(hapi_fs *fs, double *ms, double *bytes, int *count)
     int done = 0;
     if (tensor && hapi_decoder_new(&dec) == 0) {
         for (int i = 0; i < w.n; i++) {
-            int fd = hapi_fs_open_beneath(fs->source_fd, w.paths[i], O_RDONLY);
-            struct stat st;
-            if (fd < 0)
-                continue;
-            char *data = NULL;
-            if (fstat(fd, &st) == 0 && st.st_size > 0 && (data = malloc((size_t)st.st_size)) &&
-                pread(fd, data, (size_t)st.st_size, 0) == st.st_size) {
-                hapi_error err = { 0 };
+            void *data = NULL;
+            size_t size = 0;
+            hapi_error err = { 0 };
+            if (hapi_feat_load(fs, w.paths[i], &data, &size, NULL, &err) == 0) {
                 uint64_t t0 = hapi_now_ns();
-                if (hapi_image_load(dec, data, (size_t)st.st_size, pp, tensor, &err) == 0) {
+                if (hapi_image_load(dec, data, size, pp, tensor, &err) == 0) {
                     total_ms += (double)(hapi_now_ns() - t0) / 1e6;
-                    total_bytes += (double)st.st_size;
+                    total_bytes += (double)size;
                     done++;
                 }
             }
             free(data);
-            close(fd);
         }
     }
     hapi_decoder_free(dec);

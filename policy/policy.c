@@ -229,14 +229,14 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
             second = i;
     char t1[32], t2[32], t3[32];
     fmt_time(w->total_s, t1, sizeof(t1));
+    fmt_time(c->total_s, t3, sizeof(t3));
     int n = 0;
     size_t sz = sizeof(out->why);
     if (in->split)
         n += snprintf(out->why + n, sz - (size_t)n,
                       "split %d (%s) was set by the operator (estimated %s over %d epochs); "
                       "the policy would pick %s (split %d): ",
-                      c->split, c->name, (fmt_time(c->total_s, t3, sizeof(t3)), t3), in->epochs,
-                      w->name, w->split);
+                      c->split, c->name, t3, in->epochs, w->name, w->split);
     if (second >= 0) {
         const hapi_policy_candidate *r = &out->cand[second];
         fmt_time(r->total_s, t2, sizeof(t2));
