@@ -233,7 +233,8 @@ int hapi_extractor_open(const hapi_extractor_config *cfg, hapi_extractor **out, 
     /* Digest first: an unreadable file is reported as such, before libtorch sees it. */
     if ((rc = digest_file(cfg->model_path, ex->digest, err)) < 0)
         goto fail;
-    hapi_model_options opt = {.device = cfg->device, .threads = cfg->threads, .optimize = 1};
+    hapi_model_options opt = {.device = cfg->device, .threads = cfg->threads, .optimize = 1,
+                              .precision = cfg->precision};
     if ((rc = hapi_model_load(cfg->model_path, &opt, &ex->model, err)) < 0)
         goto fail;
     if ((rc = parse_meta(hapi_model_metadata(ex->model), ex->model, &ex->meta, err)) < 0)

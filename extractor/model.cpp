@@ -29,6 +29,7 @@ struct hapi_model {
     std::vector<torch::jit::Module> stages;  // in execution order
     std::vector<hapi_stage_info> info;       // names from load, shapes from probe
     c10::Device device{c10::kCPU};
+    torch::ScalarType precision = torch::kFloat;  // what the stages compute in
     bool probed = false;
     int64_t channels = 0, height = 0, width = 0;  // probed input shape of one sample
 };
@@ -114,6 +115,38 @@ void configure_threads(int threads)
     });
 }
 
+// A batch as the first stage takes it: on the model's device, in its precision. A bf16 model
+// gets channels-last input, the layout oneDNN's bf16 convolutions run in without reorders.
+torch::Tensor model_input(const hapi_model *m, torch::Tensor x)
+{
+    if (!m->device.is_cpu())
+        x = x.to(m->device);
+    if (m->precision != torch::kFloat)
+        x = x.to(m->precision).contiguous(at::MemoryFormat::ChannelsLast);
+    return x;
+}
+
+// Casts a stage's floating-point weights and buffers to bf16 in place, 4-D ones (convolution
+// kernels) channels-last, before freeze() turns them into constants: the frozen graph then
+// folds batch-norm and picks oneDNN's bf16 kernels on them.
+void to_bf16(torch::jit::Module &stage)
+{
+    for (const auto &p : stage.named_parameters(true)) {
+        torch::Tensor t = p.value;
+        if (!t.is_floating_point())
+            continue;
+        torch::Tensor c = t.to(torch::kBFloat16);
+        if (c.dim() == 4)
+            c = c.contiguous(at::MemoryFormat::ChannelsLast);
+        t.set_data(c);
+    }
+    for (const auto &b : stage.named_buffers(true)) {
+        torch::Tensor t = b.value;
+        if (t.is_floating_point())
+            t.set_data(t.to(torch::kBFloat16));
+    }
+}
+
 int64_t sample_elements(const hapi_stage_info &info)
 {
     int64_t n = 1;
@@ -141,6 +174,12 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
     }
     if (device->is_cuda() && !torch::cuda::is_available())
         return hapi_error_set(err, HAPI_EINVAL, "device '%s': CUDA is not available", device_name);
+    int precision = opt ? opt->precision : HAPI_PRECISION_FP32;
+    if (precision != HAPI_PRECISION_FP32 && precision != HAPI_PRECISION_BF16)
+        return hapi_error_set(err, HAPI_EINVAL, "unknown precision %d", precision);
+    if (precision == HAPI_PRECISION_BF16 && !device->is_cpu())
+        return hapi_error_set(err, HAPI_EINVAL,
+                              "precision bf16 runs on the CPU only (device '%s')", device_name);
     configure_threads(opt ? opt->threads : 0);
 
     torch::jit::ExtraFilesMap extra{{kMetadataName, ""}};
@@ -161,6 +200,7 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
     auto m = std::make_unique<hapi_model>();
     m->metadata = extra[kMetadataName];
     m->device = *device;
+    m->precision = precision == HAPI_PRECISION_BF16 ? torch::kBFloat16 : torch::kFloat;
     bool optimize = opt && opt->optimize;
     top.eval();
     for (const auto &child : top.named_children()) {
@@ -179,6 +219,8 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
         for (const auto &t : stage.buffers())
             info.param_bytes += (uint64_t)t.numel() * t.element_size();
         stage.eval();
+        if (m->precision == torch::kBFloat16)
+            to_bf16(stage);
         if (optimize) {
             // freeze() folds batch-norm into convolutions and inlines attributes;
             // optimize_for_inference() then fuses and picks inference kernels.
@@ -198,8 +240,7 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
 int model_probe(hapi_model *m, int channels, int height, int width, hapi_error *err)
 {
     c10::InferenceMode guard;
-    torch::Tensor x = torch::zeros({1, channels, height, width},
-                                   torch::TensorOptions().dtype(torch::kFloat).device(m->device));
+    torch::Tensor x = model_input(m, torch::zeros({1, channels, height, width}, torch::kFloat));
     std::vector<hapi_stage_info> info = m->info;
     for (size_t i = 0; i < m->stages.size(); i++) {
         torch::jit::IValue y;
@@ -222,9 +263,10 @@ int model_probe(hapi_model *m, int channels, int height, int width, hapi_error *
                                   "the batch (1) first and at most %d more", info[i].name,
                                   (int)x.dim(), x.dim() ? (long long)x.size(0) : 0LL,
                                   HAPI_MAX_DIMS);
-        if (x.scalar_type() != torch::kFloat)
-            return hapi_error_set(err, HAPI_EMODEL, "stage %s: output is %s, not float32",
-                                  info[i].name, c10::toString(x.scalar_type()));
+        if (x.scalar_type() != m->precision)
+            return hapi_error_set(err, HAPI_EMODEL, "stage %s: output is %s, not %s",
+                                  info[i].name, c10::toString(x.scalar_type()),
+                                  c10::toString(m->precision));
         info[i].ndim = (int)x.dim() - 1;
         for (int d = 0; d < info[i].ndim; d++)
             info[i].shape[d] = x.size(d + 1);
@@ -258,10 +300,9 @@ int model_run(hapi_model *m, int split, const float *input, int batch, int dtype
 
     c10::InferenceMode guard;
     // The caller's buffer is wrapped, not copied; staged models never write to their input.
-    torch::Tensor x = torch::from_blob(const_cast<float *>(input),
-                                       {batch, m->channels, m->height, m->width}, torch::kFloat);
-    if (!m->device.is_cpu())
-        x = x.to(m->device);
+    torch::Tensor x = model_input(m, torch::from_blob(const_cast<float *>(input),
+                                                      {batch, m->channels, m->height, m->width},
+                                                      torch::kFloat));
     for (int i = 0; i < split; i++) {
         try {
             x = m->stages[i].forward({x}).toTensor();
@@ -292,8 +333,8 @@ int model_measure(hapi_model *m, int batch, hapi_model_hook_fn hook, void *ctx,
     if (batch < 1 || !stage_ns)
         return hapi_error_set(err, HAPI_EINVAL, "measure: bad batch (%d) or null buffer", batch);
     c10::InferenceMode guard;
-    torch::Tensor x = torch::randn({batch, m->channels, m->height, m->width},
-                                   torch::TensorOptions().dtype(torch::kFloat).device(m->device));
+    torch::Tensor x = model_input(m, torch::randn({batch, m->channels, m->height, m->width},
+                                                  torch::kFloat));
     for (size_t i = 0; i < m->stages.size(); i++) {
         if (hook)
             hook(ctx, (int)i, 0);

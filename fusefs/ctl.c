@@ -62,14 +62,15 @@ static json_t *render_config(hapi_fs *fs)
     int epochs = fs->tune.in.epochs, batch = fs->tune.batch, batch_auto = fs->tune.batch_auto;
     pthread_mutex_unlock(&fs->tune.lock);
     return json_pack(
-        "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:o}, s:o, "
+        "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s, s:o}, s:o, "
         "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
-        "s:{s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:s, s:i, s:b, s:i, s:i, s:I}}",
+        "s:{s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
         "source", o->source,
         "mountpoint", o->mountpoint,
         "model",
-          "path", o->model, "digest", digest, "arch", meta->arch, "stages", stages,
+          "path", o->model, "digest", digest, "arch", meta->arch,
+          "precision", o->precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32", "stages", stages,
         "split", split,
         "preprocess",
           "mode", pp->mode == HAPI_PREPROCESS_FAST ? "fast" : "exact", "resize", pp->resize,
@@ -85,7 +86,8 @@ static json_t *render_config(hapi_fs *fs)
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
           "device", o->device, "batch", batch, "batch_auto", batch_auto,
           "batch_wait_ms", o->batch_wait_us / 1000,
-          "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget);
+          "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget,
+          "prefetch", o->prefetch == HAPI_PREFETCH_DIR ? "dir" : "off");
 }
 
 static json_t *render_warm(hapi_fs *fs)
@@ -173,13 +175,25 @@ static json_t *render_cache(hapi_fs *fs)
                      "bytes", (json_int_t)ns.bytes);
 }
 
+static json_t *render_prefetch(hapi_fs *fs)
+{
+    return json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I}",
+                     "mode", fs->opt->prefetch == HAPI_PREFETCH_DIR ? "dir" : "off",
+                     "dirs", (json_int_t)atomic_load(&fs->prefetch.dirs),
+                     "pending_dirs", (json_int_t)atomic_load(&fs->prefetch.pending_dirs),
+                     "submitted", (json_int_t)atomic_load(&fs->prefetch.submitted),
+                     "cached", (json_int_t)atomic_load(&fs->prefetch.cached),
+                     "computed", (json_int_t)atomic_load(&fs->prefetch.computed),
+                     "dropped", (json_int_t)atomic_load(&fs->prefetch.dropped));
+}
+
 static json_t *render_stats(hapi_fs *fs)
 {
     hapi_fs_stats *s = &fs->stats;
     uint64_t hits = atomic_load(&s->hits);
     double uptime = (double)(hapi_now_ns() - fs->started_ns) / 1e9;
     return json_pack(
-        "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, s:o, s:o, s:o, s:{s:I}}",
+        "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, s:o, s:o, s:o, s:o, s:{s:I}}",
         "uptime_s", uptime,
         "split_changes", (json_int_t)atomic_load(&fs->tune.split_changes),
         "feat",
@@ -193,6 +207,7 @@ static json_t *render_stats(hapi_fs *fs)
           "hit_latency_us", hits ? (double)atomic_load(&s->hit_ns) / 1e3 / (double)hits : 0.0,
         "batcher", render_batcher(fs),
         "warm", render_warm(fs),
+        "prefetch", render_prefetch(fs),
         "cache", render_cache(fs),
         "passthrough",
           "bytes", (json_int_t)atomic_load(&s->passthrough_bytes));

@@ -127,6 +127,11 @@ static void store_results(void *ctx, const hapi_batch_result *results, size_t n)
         const hapi_batch_result *r = &results[i];
         if (r->origin == HAPI_PRIORITY_WARM)
             atomic_fetch_add(&fs->warm.completed, 1);
+        if (r->origin == HAPI_PRIORITY_PREFETCH && r->code >= 0)
+            atomic_fetch_add(&fs->prefetch.computed, 1);
+        if (r->code < 0 && r->origin == HAPI_PRIORITY_PREFETCH &&
+            r->priority == HAPI_PRIORITY_PREFETCH)
+            continue; /* nobody asked for it: an error when somebody reads the file */
         if (r->code < 0) {
             atomic_fetch_add(&fs->stats.errors, 1);
             hapi_error_ring_add(fs->errors, r->key, r->code, r->message);
@@ -230,6 +235,8 @@ void hapi_feat_read(fuse_req_t req, hapi_view *v, const char *path, const hapi_s
     const void *features;
     int rc = hapi_batcher_submit(v->batcher, path, HAPI_PRIORITY_DEMAND, &t);
     if (rc == 0)
+        hapi_prefetch_note(fs, v, path); /* after the read's own request: it goes first */
+    if (rc == 0)
         rc = hapi_ticket_wait(v->batcher, t, &features, NULL, &err);
     if (rc == 0)
         reply_feat(req, v, features, size, off);
@@ -240,8 +247,8 @@ void hapi_feat_read(fuse_req_t req, hapi_view *v, const char *path, const hapi_s
 
 /* ---------------------------------------------------------------- warm-up */
 
-int hapi_feat_walk(hapi_fs *fs, const char *dir, atomic_int *stop,
-                   int (*fn)(hapi_fs *, const char *, void *), void *arg)
+static int walk(hapi_fs *fs, const char *dir, atomic_int *stop, int recurse,
+                int (*fn)(hapi_fs *, const char *, void *), void *arg)
 {
     int fd = hapi_fs_open_beneath(fs->source_fd, dir, O_RDONLY | O_DIRECTORY);
     if (fd < 0)
@@ -262,18 +269,53 @@ int hapi_feat_walk(hapi_fs *fs, const char *dir, atomic_int *stop,
             break;
         }
         if (de->d_type == DT_DIR) {
-            rc = hapi_feat_walk(fs, child, stop, fn, arg);
+            if (recurse)
+                rc = walk(fs, child, stop, recurse, fn, arg);
         } else if ((de->d_type == DT_REG || de->d_type == DT_LNK || de->d_type == DT_UNKNOWN) &&
                    hapi_image_name_is_image(de->d_name)) {
             rc = fn(fs, child, arg);
         } else if (de->d_type == DT_LNK || de->d_type == DT_UNKNOWN) {
             struct stat st;
-            if (hapi_fs_stat_beneath(fs->source_fd, child, &st) == 0 && S_ISDIR(st.st_mode))
-                rc = hapi_feat_walk(fs, child, stop, fn, arg);
+            if (recurse && hapi_fs_stat_beneath(fs->source_fd, child, &st) == 0 &&
+                S_ISDIR(st.st_mode))
+                rc = walk(fs, child, stop, recurse, fn, arg);
         }
         free(child);
     }
     closedir(d);
+    return rc;
+}
+
+int hapi_feat_walk(hapi_fs *fs, const char *dir, atomic_int *stop,
+                   int (*fn)(hapi_fs *, const char *, void *), void *arg)
+{
+    return walk(fs, dir, stop, 1, fn, arg);
+}
+
+int hapi_feat_list(hapi_fs *fs, const char *dir, atomic_int *stop,
+                   int (*fn)(hapi_fs *, const char *, void *), void *arg)
+{
+    return walk(fs, dir, stop, 0, fn, arg);
+}
+
+int hapi_feat_queue(hapi_fs *fs, hapi_view *v, const char *path, int priority, atomic_int *stop)
+{
+    hapi_source_id id;
+    hapi_cache_value val;
+    if (hapi_feat_identity(fs, path, &id) < 0)
+        return HAPI_QUEUE_SKIPPED;
+    if (hapi_cache_get(fs->cache, &v->ns, path, &id, &val) == 1) {
+        hapi_cache_release(fs->cache, &val);
+        return HAPI_QUEUE_CACHED;
+    }
+    /* Feed the queue without flooding it: background work yields to every reader anyway. */
+    hapi_batcher_stats bs;
+    hapi_batcher_stats_get(v->batcher, &bs);
+    int rc = hapi_batcher_throttle(v->batcher, priority, (size_t)bs.batch * 2);
+    if (rc == 0 && stop && atomic_load(stop))
+        rc = -ECANCELED;
+    if (rc == 0)
+        rc = hapi_batcher_submit(v->batcher, path, priority, NULL);
     return rc;
 }
 
@@ -286,30 +328,15 @@ static int count_one(hapi_fs *fs, const char *path, void *arg)
 
 static int warm_one(hapi_fs *fs, const char *path, void *arg)
 {
-    hapi_source_id id;
-    hapi_cache_value val;
     (void)arg;
-    if (hapi_feat_identity(fs, path, &id) < 0) {
+    int rc = hapi_feat_queue(fs, fs->warm.view, path, HAPI_PRIORITY_WARM, &fs->warm.stop);
+    if (rc == HAPI_QUEUE_SKIPPED)
         atomic_fetch_add(&fs->warm.skipped, 1);
-        return 0;
-    }
-    hapi_view *v = fs->warm.view;
-    if (hapi_cache_get(fs->cache, &v->ns, path, &id, &val) == 1) {
-        hapi_cache_release(fs->cache, &val);
+    else if (rc == HAPI_QUEUE_CACHED)
         atomic_fetch_add(&fs->warm.cached, 1);
-        return 0;
-    }
-    /* Feed the queue without flooding it: warm-up yields to every reader anyway. */
-    hapi_batcher_stats bs;
-    hapi_batcher_stats_get(v->batcher, &bs);
-    int rc = hapi_batcher_throttle(v->batcher, HAPI_PRIORITY_WARM, (size_t)bs.batch * 2);
-    if (rc == 0 && atomic_load(&fs->warm.stop))
-        rc = -ECANCELED;
-    if (rc == 0)
-        rc = hapi_batcher_submit(v->batcher, path, HAPI_PRIORITY_WARM, NULL);
-    if (rc == 0)
+    else if (rc == 0)
         atomic_fetch_add(&fs->warm.submitted, 1);
-    return rc;
+    return rc < 0 ? rc : 0;
 }
 
 static void *warm_main(void *arg)
@@ -495,6 +522,7 @@ int hapi_feat_view_new(hapi_fs *fs, int split, int batch, hapi_view **out, hapi_
         return hapi_error_set(err, -ENOMEM, "out of memory");
     v->fs = fs;
     atomic_init(&v->refs, 1);
+    v->serial = atomic_fetch_add(&fs->view_serial, 1) + 1;
     v->split = split;
     if (hapi_model_stage(m, split - 1, &v->output) < 0) {
         free(v);
@@ -587,6 +615,7 @@ int hapi_feat_start(hapi_fs *fs, hapi_error *err)
     (void)err;
     pthread_mutex_init(&fs->warm.lock, NULL);
     fs->feat_started = 1;
+    hapi_prefetch_start(fs);
     pthread_mutex_init(&fs->keeper_lock, NULL);
     pthread_cond_init(&fs->keeper_cond, NULL);
     if ((rc = pthread_create(&fs->keeper, NULL, keeper_main, fs)) != 0)
@@ -611,6 +640,7 @@ void hapi_feat_stop(hapi_fs *fs)
         pthread_cond_destroy(&fs->keeper_cond);
     }
     atomic_store(&fs->warm.stop, 1);
+    atomic_store(&fs->prefetch.stop_flag, 1);
     /* no view will come any more: wakes a warm-up waiting for the first */
     pthread_mutex_lock(&fs->view_lock);
     fs->view_stopping = 1;
@@ -622,6 +652,7 @@ void hapi_feat_stop(hapi_fs *fs)
     if (fs->warm.running)
         pthread_join(fs->warm.thread, NULL);
     fs->warm.running = 0;
+    hapi_prefetch_stop(fs);
     hapi_view_put(fs->warm.view);
     fs->warm.view = NULL;
     fs->feat_started = 0;

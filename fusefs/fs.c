@@ -1096,6 +1096,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .max_pixels = opt->max_pixels,
         .threads = opt->torch_threads,
         .device = opt->device,
+        .precision = opt->precision,
     };
     if ((rc = hapi_extractor_open(&cfg, &fs->ex, err)) < 0)
         goto fail;
@@ -1110,6 +1111,10 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
              "mode=%d resize=%d crop=%d mean=%.9g,%.9g,%.9g std=%.9g,%.9g,%.9g", pp->mode,
              pp->resize, pp->crop, pp->mean[0], pp->mean[1], pp->mean[2], pp->std[0], pp->std[1],
              pp->std[2]);
+    /* bf16 features differ from fp32 ones in their last digits: a namespace of their own. The
+       fp32 description stays as it was, so existing caches keep their features. */
+    if (opt->precision == HAPI_PRECISION_BF16)
+        strncat(fs->ns_desc, " precision=bf16", sizeof(fs->ns_desc) - strlen(fs->ns_desc) - 1);
     /* The split asked for must make an .npy before the mount is promised. */
     const hapi_stage_info *out = hapi_extractor_output(fs->ex);
     char header[HAPI_NPY_HEADER_MAX];

@@ -19,6 +19,8 @@
 
 /* ----------------------------------------------------------------- options */
 
+enum hapi_prefetch_mode { HAPI_PREFETCH_OFF = 0, HAPI_PREFETCH_DIR = 1 };
+
 /* Everything the command line says, validated. Strings are owned (malloc). */
 typedef struct hapi_fs_options {
     char *source;          /* absolute, resolved */
@@ -31,6 +33,7 @@ typedef struct hapi_fs_options {
     char *device;          /* "cpu" or "cuda[:N]" */
     int dtype;             /* enum hapi_dtype */
     int mode;              /* enum hapi_preprocess_mode */
+    int precision;         /* enum hapi_precision */
     uint64_t max_pixels;
     uint64_t cache_size;   /* bytes */
     int cache_reset;       /* replace a corrupt or foreign cache store */
@@ -41,6 +44,7 @@ typedef struct hapi_fs_options {
     int decode_threads;
     uint64_t mem_budget;   /* bytes of in-flight images and tensors */
     int warm;              /* warm the whole tree at mount */
+    int prefetch;          /* enum hapi_prefetch_mode */
     double link_bps;       /* the link to the compute tier, bits/s */
     double client_speed;   /* the compute tier's speed relative to this node */
     int epochs;            /* epochs a job is expected to read */
@@ -148,7 +152,11 @@ typedef struct hapi_view {
     size_t sample_bytes;
     uint64_t feat_size;          /* header + data */
     hapi_batcher *batcher;
+    uint64_t serial;             /* 1, 2, ... in order of creation */
 } hapi_view;
+
+/* LMDB's cost of one cache entry beyond its features (keys, LRU records, page slack). */
+#define HAPI_CACHE_ENTRY_OVERHEAD 2048
 
 /* The mounted filesystem: one per daemon, passed to every handler as userdata. */
 typedef struct hapi_fs {
@@ -209,6 +217,24 @@ typedef struct hapi_fs {
         atomic_uint_fast64_t submitted; /* handed to the batcher */
         atomic_uint_fast64_t completed; /* finished by the batcher (computed or failed) */
     } warm;
+    atomic_uint_fast64_t view_serial;
+    struct {
+        pthread_mutex_t lock;     /* the queue and the set of directories seen */
+        pthread_cond_t cond;
+        pthread_t thread;
+        int ready, running, stop;
+        atomic_int stop_flag;     /* stop, for the walker and the batcher's throttle */
+        struct prefetch_dir *head, *tail;
+        uint64_t *seen;           /* hashes of (directory, view) queued once */
+        size_t seen_size, seen_count;
+        int off_split;            /* split at which "prefetch is off" was logged */
+        atomic_uint_fast64_t dirs;         /* directories walked */
+        atomic_uint_fast64_t pending_dirs; /* waiting for the walker */
+        atomic_uint_fast64_t submitted;    /* images handed to the batcher */
+        atomic_uint_fast64_t cached;       /* images found cached */
+        atomic_uint_fast64_t computed;     /* computed because prefetch asked first */
+        atomic_uint_fast64_t dropped;      /* directories not walked (cache too small, new view) */
+    } prefetch;
     struct node_table *nodes;
     hapi_error_ring *errors;
     hapi_fs_stats stats;
@@ -291,6 +317,26 @@ int hapi_feat_view_new(hapi_fs *fs, int split, int batch, hapi_view **out, hapi_
 /* Calls fn for every image beneath dir (relative), depth first, until fn returns < 0 or *stop. */
 int hapi_feat_walk(hapi_fs *fs, const char *dir, atomic_int *stop,
                    int (*fn)(hapi_fs *, const char *, void *), void *arg);
+
+/* The same, for the images directly in dir only. */
+int hapi_feat_list(hapi_fs *fs, const char *dir, atomic_int *stop,
+                   int (*fn)(hapi_fs *, const char *, void *), void *arg);
+
+#define HAPI_QUEUE_CACHED 1   /* hapi_feat_queue: already cached, nothing queued */
+#define HAPI_QUEUE_SKIPPED 2  /* ... the source is gone or not a regular file */
+/*
+ * Queues the image path at v for background work at priority (prefetch or
+ * warm-up), fire-and-forget, unless it is cached; waits while two batches of
+ * that priority are queued. Returns 0 (queued), HAPI_QUEUE_CACHED,
+ * HAPI_QUEUE_SKIPPED, or -ECANCELED (stop set, batcher stopping) / -ENOMEM.
+ */
+int hapi_feat_queue(hapi_fs *fs, hapi_view *v, const char *path, int priority, atomic_int *stop);
+
+/* Starts the prefetch thread (prefetch=dir); hapi_prefetch_stop() joins it. */
+int hapi_prefetch_start(hapi_fs *fs);
+void hapi_prefetch_stop(hapi_fs *fs);
+/* A read of path at v missed: queue the rest of its directory, once per directory and view. */
+void hapi_prefetch_note(hapi_fs *fs, hapi_view *v, const char *path);
 
 /* Removes the cached features of a source found deleted (path relative to the source). */
 void hapi_feat_collect(hapi_fs *fs, const char *path);

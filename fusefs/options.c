@@ -17,10 +17,10 @@
 
 /* Option values as written; validated into hapi_fs_options afterwards. */
 struct raw_options {
-    char *model, *split, *freeze, *dtype, *preprocess, *cache, *cache_size;
+    char *model, *split, *freeze, *dtype, *preprocess, *precision, *cache, *cache_size;
     char *threads, *torch_threads, *show_raw, *max_pixels, *device, *log;
     char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
-    char *link, *client_speed, *epochs, *profile;
+    char *link, *client_speed, *epochs, *profile, *prefetch;
     char *nonopt[3];
     int nonopts;
     int helper;
@@ -39,6 +39,7 @@ static const struct fuse_opt option_table[] = {
     RAW("freeze=%s", freeze),
     RAW("dtype=%s", dtype),
     RAW("preprocess=%s", preprocess),
+    RAW("precision=%s", precision),
     RAW("cache=%s", cache),
     RAW("cache_size=%s", cache_size),
     RAW("threads=%s", threads),
@@ -52,6 +53,7 @@ static const struct fuse_opt option_table[] = {
     RAW("decode_threads=%s", decode_threads),
     RAW("mem=%s", mem),
     RAW("warm=%s", warm),
+    RAW("prefetch=%s", prefetch),
     RAW("cache_reset=%s", cache_reset),
     RAW("link=%s", link),
     RAW("client_speed=%s", client_speed),
@@ -158,12 +160,15 @@ void hapi_fs_usage(const char *prog)
            "    freeze=N|NAME        stages before this are frozen (default: from the model)\n"
            "    dtype=fp16|fp32      feature type (default fp16)\n"
            "    preprocess=exact|fast  torchvision-exact decode, or DCT-scaled decode (default exact)\n"
+           "    precision=fp32|bf16  arithmetic of the model: fp32 (default), or bfloat16 on the CPU,\n"
+           "                         ~4x faster on CPUs with AMX or AVX512-BF16 (cosine > 0.999)\n"
            "    cache=DIR            feature cache directory (default " HAPI_DEFAULT_CACHE_DIR ")\n"
            "    cache_size=SIZE      bound on the cache, e.g. 20G (default: 1/4 of free space)\n"
            "    cache_reset=0|1      replace a corrupt or foreign cache instead of failing\n"
            "    threads=N            FUSE worker threads (default 32)\n"
            "    torch_threads=N      libtorch intra-op threads (default: cores)\n"
-           "    batch=auto|N         storage-side batch (default auto: the largest that fits mem)\n"
+           "    batch=auto|N         storage-side batch (default auto: the fastest per sample\n"
+           "                         measured that fits mem)\n"
            "    batch_wait=MS        how long a partial batch waits for more reads (default 5)\n"
            "    decode_threads=N     JPEG/PNG decode threads (default 1)\n"
            "    mem=SIZE             storage-side memory budget: weights, inference, images in\n"
@@ -174,6 +179,8 @@ void hapi_fs_usage(const char *prog)
            "    epochs=N             epochs a job is expected to read (default 5)\n"
            "    profile=redo         measure the model again instead of using the stored profile\n"
            "    warm=0|1             compute the whole tree in the background at mount\n"
+           "    prefetch=dir|off     a miss queues the rest of its directory below every read\n"
+           "                         (default dir; off while the tree would fill half the cache)\n"
            "    device=cpu|cuda[:N]  where the model runs (default cpu)\n"
            "    max_pixels=N         refuse larger images (default 100000000)\n"
            "    show_raw=0|1         also show the images themselves (default 0)\n"
@@ -218,6 +225,47 @@ int hapi_fs_parse_size(const char *text, uint64_t *out)
 }
 
 /* Parses a decimal integer in [lo, hi]. */
+/* A word option: the choices (and their aliases) and the value each stands for. */
+struct word_choice {
+    const char *word;
+    int value;
+};
+
+/*
+ * Sets *out to the value of text among choices (count of them; NULL text keeps *out, the
+ * default). Refuses anything else, naming the choices that are not aliases (expect).
+ */
+static int parse_word(const char *option, const char *text, const struct word_choice *choices,
+                      size_t count, const char *expect, int *out, hapi_error *err)
+{
+    if (!text)
+        return 0;
+    for (size_t i = 0; i < count; i++) {
+        if (strcmp(text, choices[i].word) == 0) {
+            *out = choices[i].value;
+            return 0;
+        }
+    }
+    return hapi_error_set(err, HAPI_EINVAL, "%s=%s: expected %s", option, text, expect);
+}
+
+#define WORDS(a) a, sizeof(a) / sizeof(a[0])
+
+static const struct word_choice dtype_words[] = {
+    { "fp16", HAPI_DTYPE_FP16 }, { "float16", HAPI_DTYPE_FP16 },
+    { "fp32", HAPI_DTYPE_FP32 }, { "float32", HAPI_DTYPE_FP32 },
+};
+static const struct word_choice preprocess_words[] = {
+    { "exact", HAPI_PREPROCESS_EXACT }, { "fast", HAPI_PREPROCESS_FAST },
+};
+static const struct word_choice precision_words[] = {
+    { "fp32", HAPI_PRECISION_FP32 }, { "float32", HAPI_PRECISION_FP32 },
+    { "bf16", HAPI_PRECISION_BF16 }, { "bfloat16", HAPI_PRECISION_BF16 },
+};
+static const struct word_choice prefetch_words[] = {
+    { "dir", HAPI_PREFETCH_DIR }, { "off", HAPI_PREFETCH_OFF },
+};
+
 static int parse_int(const char *text, long lo, long hi, long *out)
 {
     char *end;
@@ -328,20 +376,21 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
         return hapi_error_set(err, HAPI_EINVAL, "device=%s: expected cpu or cuda[:N]", o->device);
 
     o->dtype = HAPI_DTYPE_FP16;
-    if (raw->dtype) {
-        if (strcmp(raw->dtype, "fp32") == 0 || strcmp(raw->dtype, "float32") == 0)
-            o->dtype = HAPI_DTYPE_FP32;
-        else if (strcmp(raw->dtype, "fp16") != 0 && strcmp(raw->dtype, "float16") != 0)
-            return hapi_error_set(err, HAPI_EINVAL, "dtype=%s: expected fp16 or fp32", raw->dtype);
-    }
     o->mode = HAPI_PREPROCESS_EXACT;
-    if (raw->preprocess) {
-        if (strcmp(raw->preprocess, "fast") == 0)
-            o->mode = HAPI_PREPROCESS_FAST;
-        else if (strcmp(raw->preprocess, "exact") != 0)
-            return hapi_error_set(err, HAPI_EINVAL, "preprocess=%s: expected exact or fast",
-                                  raw->preprocess);
-    }
+    o->precision = HAPI_PRECISION_FP32;
+    o->prefetch = HAPI_PREFETCH_DIR;
+    if ((rc = parse_word("dtype", raw->dtype, WORDS(dtype_words), "fp16 or fp32", &o->dtype,
+                         err)) < 0 ||
+        (rc = parse_word("preprocess", raw->preprocess, WORDS(preprocess_words), "exact or fast",
+                         &o->mode, err)) < 0 ||
+        (rc = parse_word("precision", raw->precision, WORDS(precision_words), "fp32 or bf16",
+                         &o->precision, err)) < 0 ||
+        (rc = parse_word("prefetch", raw->prefetch, WORDS(prefetch_words), "dir or off",
+                         &o->prefetch, err)) < 0)
+        return rc;
+    if (o->precision == HAPI_PRECISION_BF16 && strcmp(o->device, "cpu") != 0)
+        return hapi_error_set(err, HAPI_EINVAL, "precision=bf16 runs on the CPU only, not %s",
+                              o->device);
 
     o->threads = 32;
     if (raw->threads) {
@@ -507,6 +556,7 @@ out:
     free(raw.freeze);
     free(raw.dtype);
     free(raw.preprocess);
+    free(raw.precision);
     free(raw.cache);
     free(raw.cache_size);
     free(raw.threads);
@@ -520,6 +570,7 @@ out:
     free(raw.decode_threads);
     free(raw.mem);
     free(raw.warm);
+    free(raw.prefetch);
     free(raw.link);
     free(raw.client_speed);
     free(raw.epochs);

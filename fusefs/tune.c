@@ -10,7 +10,6 @@
 /* Serving one cached .feat through FUSE, client side: 24–31 µs measured (cache issue). */
 #define HIT_MS 0.03
 /* What a cache entry costs beyond its features: header, key, LRU record, page rounding. */
-#define CACHE_ENTRY_OVERHEAD 2048
 /* Images whose decode and preprocessing are timed at mount. */
 #define DECODE_SAMPLES 8
 
@@ -96,7 +95,11 @@ static int get_profile(hapi_fs *fs, hapi_profile *prof, int *reused, hapi_error 
 {
     char name[256], path[PATH_MAX + 300];
     const uint8_t *digest = hapi_extractor_model_digest(fs->ex);
-    hapi_profile_file_name(digest, fs->opt->device, fs->opt->torch_threads, name, sizeof(name));
+    /* A bf16 model is another machine as far as timing goes: its own profile. */
+    char device[64];
+    snprintf(device, sizeof(device), "%s%s", fs->opt->device,
+             fs->opt->precision == HAPI_PRECISION_BF16 ? "-bf16" : "");
+    hapi_profile_file_name(digest, device, fs->opt->torch_threads, name, sizeof(name));
     snprintf(path, sizeof(path), "%s/%s", fs->opt->cache_dir, name);
     *reused = 0;
     if (!fs->opt->profile_redo) {
@@ -112,7 +115,7 @@ static int get_profile(hapi_fs *fs, hapi_profile *prof, int *reused, hapi_error 
                      rc < 0 ? lerr.message : "another model's");
     }
     hapi_log(HAPI_LOG_INFO, "profiling the model (once per model, device and thread count)");
-    int rc = hapi_profile_measure(hapi_extractor_model(fs->ex), digest, fs->opt->device,
+    int rc = hapi_profile_measure(hapi_extractor_model(fs->ex), digest, device,
                                   fs->opt->torch_threads, fs->opt->mem_budget,
                                   &fs->tune.stop, prof, err);
     if (rc < 0)
@@ -221,7 +224,7 @@ int hapi_tune_start(hapi_fs *fs, hapi_error *err)
         .input_bytes = 3 * (size_t)pp->crop * (size_t)pp->crop * sizeof(float),
         .hit_ms = HIT_MS,
         .cache_room = o->cache_size,
-        .cache_entry_overhead = CACHE_ENTRY_OVERHEAD,
+        .cache_entry_overhead = HAPI_CACHE_ENTRY_OVERHEAD,
     };
     fs->tune.split_by_operator = o->split && strcmp(o->split, "auto") != 0;
     fs->tune.batch_auto = o->batch == 0;

@@ -92,15 +92,33 @@ static double memory_at(const hapi_policy_input *in, int split, int batch)
     return hapi_profile_memory(in->profile, split, batch) + 2.0 * batch * (double)in->input_bytes;
 }
 
+/*
+ * batch=auto: the batch with the least time per sample among those that fit the budget (powers
+ * of two up to the cap, timed by interpolating the profile's measured batches), and of those
+ * within 3% of it the smallest: a bigger batch that gains nothing only adds latency and memory.
+ * On CPUs the fastest is often not the largest (ResNet-50 here: 28.9 img/s at batch 1 against
+ * 23.6 at 32, its activations falling out of cache).
+ */
 static int pick_batch(const hapi_policy_input *in, int split)
 {
     if (in->batch > 0)
         return in->batch;
-    int best = 1;
-    for (int b = 2; b <= HAPI_POLICY_BATCH_CAP; b *= 2)
-        if (!in->mem_budget || memory_at(in, split, b) <= (double)in->mem_budget)
-            best = b;
-    return best;
+    double ms[16];
+    int batches[16], n = 0;
+    for (int b = 1; b <= HAPI_POLICY_BATCH_CAP && n < 16; b *= 2) {
+        if (b > 1 && in->mem_budget && memory_at(in, split, b) > (double)in->mem_budget)
+            break;
+        batches[n] = b;
+        ms[n++] = hapi_profile_ms(in->profile, 0, split, b);
+    }
+    double best = ms[0];
+    for (int k = 1; k < n; k++)
+        if (ms[k] < best)
+            best = ms[k];
+    for (int k = 0; k < n; k++)
+        if (ms[k] <= best * 1.03)
+            return batches[k];
+    return 1;
 }
 
 static void estimate(const hapi_policy_input *in, int split, hapi_policy_candidate *c,

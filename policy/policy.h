@@ -165,8 +165,9 @@ typedef struct hapi_policy_choice {
  * link: the .feat; compute: stages [split, freeze) at client_speed); an epoch
  * takes as long as its slowest tier. A cached sample costs the storage tier
  * only a hit. The winner has the least time over epochs (ties: fewer bytes).
- * batch=auto is the largest batch (<= HAPI_POLICY_BATCH_CAP) whose memory
- * estimate fits mem_budget. Returns 0 or HAPI_EINVAL (bad input: says what).
+ * batch=auto is the batch (a power of two <= HAPI_POLICY_BATCH_CAP whose
+ * memory estimate fits mem_budget) with the least time per sample; of those
+ * within 3% of it, the smallest. Returns 0 or HAPI_EINVAL (bad input: says what).
  */
 int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hapi_error *err);
 

@@ -9,9 +9,9 @@
 
 static const char usage[] =
     "usage: hapi-features MODEL OUTDIR IMAGE... [--split S] [--dtype fp32|fp16] [--fast]\n"
-    "                    [--threads N]\n"
+    "                    [--threads N] [--bf16]\n"
     "       hapi-features --time MODEL IMAGE... [--split S] [--repeat K] [--batch B]\n"
-    "                    [--threads N] [--fast] [--no-optimize]\n"
+    "                    [--threads N] [--fast] [--no-optimize] [--bf16]\n"
     "Writes OUTDIR/<basename of IMAGE>.npy for each image; --time prints the cost per\n"
     "image (mean and median, in ms) of decode, preprocess and inference at batch 1 and at\n"
     "batch B (default 32, the images repeated to fill it).\n";
@@ -24,6 +24,7 @@ struct options {
     int repeat;
     int batch;
     int optimize;
+    int precision;
 };
 
 /* Reads a whole file into a malloc'd buffer. Returns 0 or -errno. */
@@ -98,7 +99,7 @@ static int open_extractor(const char *model, const struct options *o, hapi_extra
     hapi_error err = {0};
     hapi_extractor_config cfg = {
         .model_path = model, .split = o->split, .dtype = o->dtype, .mode = o->mode,
-        .threads = o->threads,
+        .threads = o->threads, .precision = o->precision,
     };
     int rc = hapi_extractor_open(&cfg, ex, &err);
     if (rc < 0)
@@ -195,7 +196,8 @@ static int cmd_time(const char *model_path, char **images, int count, const stru
     const hapi_preprocess *pp = hapi_extractor_preprocess(ex);
     int split = hapi_extractor_split(ex);
     if (!o->optimize) {
-        hapi_model_options opt = {.threads = o->threads, .optimize = 0};
+        hapi_model_options opt = {.threads = o->threads, .optimize = 0,
+                                  .precision = o->precision};
         t0 = hapi_now_ns();
         if (hapi_model_load(model_path, &opt, &own, &err) < 0 ||
             hapi_model_probe(own, 3, pp->crop, pp->crop, &err) < 0) {
@@ -355,6 +357,8 @@ int main(int argc, char **argv)
             i++;
         } else if (strcmp(a, "--fast") == 0) {
             o.mode = HAPI_PREPROCESS_FAST;
+        } else if (strcmp(a, "--bf16") == 0) {
+            o.precision = HAPI_PRECISION_BF16;
         } else if (strcmp(a, "--time") == 0) {
             timing = 1;
         } else if (strcmp(a, "--no-optimize") == 0) {

@@ -357,6 +357,45 @@ START_TEST(test_parity_vit)
 }
 END_TEST
 
+/* precision bf16: every stage runs in bfloat16; outputs stay close to the fp32 reference. */
+START_TEST(test_bf16_close_to_reference)
+{
+    static const int splits[] = {3, 6, 7};
+    hapi_error err = {0};
+    hapi_model *m = NULL;
+    hapi_model_options opt = {.threads = 2, .optimize = 1, .precision = HAPI_PRECISION_BF16};
+    int rc = hapi_model_load(r18_path, &opt, &m, &err);
+    ck_assert_msg(rc == 0, "load bf16: %d %s", rc, err.message);
+    rc = hapi_model_probe(m, 3, 64, 64, &err);
+    ck_assert_msg(rc == 0, "probe bf16: %d %s", rc, err.message);
+    float *in = det_input((size_t)2 * R18_INPUT);
+    for (size_t i = 0; i < sizeof(splits) / sizeof(splits[0]); i++) {
+        char ref_name[64];
+        size_t n = 2 * stage_elements(m, splits[i]);
+        float *out = run_fp32(m, splits[i], in, 2);
+        snprintf(ref_name, sizeof(ref_name), "r18-%d.f32", splits[i]);
+        float *ref = read_floats(ref_name, n);
+        double cos = cosine(out, ref, n), rel = max_rel_diff(out, ref, n);
+        /* bf16 keeps 8 bits of mantissa: close in direction, not in the last digits */
+        ck_assert_msg(cos >= 0.995, "bf16 split %d: cosine %.6f", splits[i], cos);
+        ck_assert_msg(rel > 1e-6, "bf16 split %d: equal to fp32 (rel %g): not bf16", splits[i], rel);
+        if (getenv("HAPI_TEST_VERBOSE"))
+            fprintf(stderr, "bf16 split %d: cosine %.6f max rel %.3g\n", splits[i], cos, rel);
+        free(ref);
+        free(out);
+    }
+    uint64_t ns[R18_STAGES];
+    ck_assert_int_eq(hapi_model_measure(m, 2, NULL, NULL, ns, &err), 0);
+    free(in);
+    hapi_model_free(m);
+
+    /* an unknown precision is refused */
+    opt.precision = 7;
+    ck_assert_int_eq(hapi_model_load(r18_path, &opt, &m, &err), HAPI_EINVAL);
+    ck_assert_ptr_null(m);
+}
+END_TEST
+
 struct thread_job {
     hapi_model *model;
     const float *input;
@@ -679,6 +718,7 @@ static Suite *model_suite(void)
         {"fp16 is rounded fp32", test_fp16_is_rounded_fp32},
         {"parity resnet", test_parity_resnet},
         {"parity vit", test_parity_vit},
+        {"bf16 close to reference", test_bf16_close_to_reference},
         {"concurrent runs", test_concurrent_runs},
         {"run errors", test_run_errors},
         {"load errors", test_load_errors},

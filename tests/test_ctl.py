@@ -25,7 +25,7 @@ def tree(tmp_path):
 
 def test_status_and_stats_after_reads(tree, mounter, models):
     src, paths = tree
-    m = mounter(src, model=models())
+    m = mounter(src, model=models(), prefetch="off")  # computed counts only what is read
     for p in paths[:5]:
         (m.path / (p + ".feat")).read_bytes()
 
@@ -35,7 +35,7 @@ def test_status_and_stats_after_reads(tree, mounter, models):
     assert stats["feat"]["computed"] == 5
     assert stats["cache"]["namespace"]["entries"] == 5
     assert stats["feat"]["reads"] >= 5 and stats["feat"]["failed"] == 0
-    assert {"feat", "batcher", "warm", "cache"} <= set(stats)
+    assert {"feat", "batcher", "warm", "prefetch", "cache"} <= set(stats)
 
     r = ctl("stats", m.path)
     assert r.returncode == 0, r.stderr
@@ -58,6 +58,7 @@ def test_status_and_stats_after_reads(tree, mounter, models):
     f = m.ctl("stats")["feat"]
     assert lines["reads"].split(None, 1)[1] == (
         f"{f['reads']} (hits {f['hits']}, misses {f['misses']}, computed 5, failed 0)")
+    assert lines["prefetch"].startswith("prefetch   off: 0 directories"), lines["prefetch"]
     assert lines["warm"].split()[1] == "idle"
 
     r = ctl("--json", "config", m.path)

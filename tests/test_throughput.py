@@ -118,6 +118,128 @@ def test_fast_mode_parity(tmp_path, models, mounter):
         assert cos >= 0.995, (i, cos)
 
 
+def test_bf16_parity_and_namespace(tmp_path, models, mounter):
+    """precision=bf16: features close to the fp32 reference, at pool and at an earlier split,
+    in a namespace of their own, with their own profile."""
+    rng = np.random.default_rng(6)
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    from PIL import Image
+    for i in range(3):
+        Image.fromarray(_smooth(120, 150, rng)).save(src / f"{i}.jpg", quality=90)
+    archive = models("resnet18", 64)
+    for split in (6, 4):
+        bf = mounter(tmp_path / "src", model=archive, precision="bf16", dtype="fp32", split=split)
+        fp = mounter(tmp_path / "src", model=archive, dtype="fp32", split=split)
+        cb, cf = bf.ctl("config"), fp.ctl("config")
+        assert cb["model"]["precision"] == "bf16" and cf["model"]["precision"] == "fp32"
+        assert cb["cache"]["namespace"] != cf["cache"]["namespace"]
+        for i in range(3):
+            b = np.load(bf.path / "c" / f"{i}.jpg.feat").ravel().astype(np.float64)
+            f = np.load(fp.path / "c" / f"{i}.jpg.feat").ravel().astype(np.float64)
+            ref = reference_features(archive, src / f"{i}.jpg", split).ravel()
+            assert np.allclose(f, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+            cos = b @ ref / np.linalg.norm(b) / np.linalg.norm(ref)
+            assert cos >= 0.995, (split, i, cos)
+            assert not np.array_equal(b, f)   # it did run in bf16
+        assert bf.ctl("stats")["feat"]["computed"] == 3
+        bf.unmount()
+        fp.unmount()
+    profiles = sorted(p.name for p in (tmp_path / "cache").glob("profile-*.json"))
+    assert any("-cpu-bf16-" in n for n in profiles), profiles
+    assert any("-cpu-t" in n for n in profiles), profiles
+
+
+@pytest.mark.parametrize("opts,why", [
+    ({"precision": "fp8"}, "precision=fp8: expected fp32 or bf16"),
+    ({"precision": "bf16", "device": "cuda"}, "precision=bf16 runs on the CPU only"),
+])
+def test_bad_precision_is_refused(tmp_path, models, mounter, opts, why):
+    (tmp_path / "src").mkdir()
+    with pytest.raises(RuntimeError, match=why):
+        mounter(tmp_path / "src", model=models(), **opts)
+
+
+def wait_for(fn, timeout=60, step=0.05):
+    end = time.time() + timeout
+    while time.time() < end:
+        v = fn()
+        if v:
+            return v
+        time.sleep(step)
+    return fn()
+
+
+def test_prefetch_fills_the_directory_of_a_miss(tmp_path, models, mounter):
+    src = tmp_path / "src"
+    paths = make_tree(src, classes=2, per_class=10, size=(64, 80))
+    m = mounter(src, model=models())
+    first = "class0/000.jpg.feat"
+    (m.path / first).read_bytes()
+    # the rest of class0 is computed in the background; class1 is left alone
+    done = wait_for(lambda: m.ctl("stats")["prefetch"]["computed"] == 9)
+    st = m.ctl("stats")
+    assert done, st["prefetch"]
+    p = st["prefetch"]
+    # (the read's own file may still be in flight when the walk reaches it: that one joins it)
+    assert p["mode"] == "dir" and p["dirs"] == 1 and p["submitted"] in (9, 10), p
+    assert st["feat"]["computed"] == 10 and st["feat"]["misses"] == 1, st["feat"]
+    assert st["batcher"]["mean_batch"] > 1.5, st["batcher"]     # prefetch runs in batches
+    # every read of the directory is now a hit, equal to a mount without prefetch
+    off = mounter(src, model=models(), prefetch="off", cache=str(tmp_path / "other"))
+    for rel in [q for q in paths if q.startswith("class0/")]:
+        assert (m.path / (rel + ".feat")).read_bytes() == (off.path / (rel + ".feat")).read_bytes()
+    st = m.ctl("stats")
+    assert st["feat"]["misses"] == 1 and st["feat"]["computed"] == 10, st["feat"]
+    assert st["cache"]["namespace"]["entries"] == 10
+    # a second miss in the same directory does not walk it again; one in class1 does
+    (m.path / "class1/003.jpg.feat").read_bytes()
+    assert wait_for(lambda: m.ctl("stats")["prefetch"]["computed"] == 18)
+    assert m.ctl("stats")["prefetch"]["dirs"] == 2
+    assert m.ctl("config")["runtime"]["prefetch"] == "dir"
+
+
+def test_prefetch_off_computes_only_what_is_read(tmp_path, models, mounter):
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=8, size=(64, 80))
+    m = mounter(src, model=models(), prefetch="off")
+    (m.path / "class0/000.jpg.feat").read_bytes()
+    time.sleep(1.5)
+    st = m.ctl("stats")
+    assert st["feat"]["computed"] == 1, st["feat"]
+    assert st["prefetch"]["mode"] == "off" and st["prefetch"]["submitted"] == 0, st["prefetch"]
+
+
+def test_prefetch_stays_off_when_the_tree_outgrows_the_cache(tmp_path, models, mounter):
+    src = tmp_path / "src"
+    # 200 images at ~3.2 KiB of cache each: more than half of a 1 MiB cache
+    make_tree(src, classes=2, per_class=100, size=(32, 40))
+    m = mounter(src, model=models(), cache_size="1M")
+    (m.path / "class0/000.jpg.feat").read_bytes()
+    assert wait_for(lambda: m.ctl("stats")["prefetch"]["dropped"] == 1, timeout=30)
+    st = m.ctl("stats")
+    assert st["feat"]["computed"] == 1 and st["prefetch"]["submitted"] == 0, st
+    assert "prefetch is off at split" in m.log_text()
+
+
+def test_prefetch_failure_is_an_error_only_when_read(tmp_path, models, mounter):
+    src = tmp_path / "src"
+    paths = make_tree(src, classes=1, per_class=5, size=(64, 80))
+    (src / "class0/zbad.jpg").write_bytes(b"\xff\xd8\xff" + os.urandom(300))
+    m = mounter(src, model=models())
+    (m.path / (paths[0] + ".feat")).read_bytes()
+    assert wait_for(lambda: m.ctl("stats")["batcher"]["failed"] == 1)
+    assert wait_for(lambda: m.ctl("stats")["prefetch"]["computed"] == 4)
+    st = m.ctl("stats")
+    assert st["feat"]["failed"] == 0, st["feat"]
+    assert m.ctl("errors")["count"] == 0
+    with pytest.raises(OSError) as e:
+        (m.path / "class0/zbad.jpg.feat").read_bytes()
+    assert e.value.errno == errno.EIO
+    assert m.ctl("stats")["feat"]["failed"] >= 1
+    assert any("zbad.jpg" in (x["path"] or "") for x in m.ctl("errors")["errors"])
+
+
 def vm_hwm_kib(pid):
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):

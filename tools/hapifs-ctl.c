@@ -19,7 +19,7 @@ static const char usage_text[] =
     "\n"
     "commands:\n"
     "    status             one screen: model, split, features, cache, reads, warm-up\n"
-    "    stats              the mount's counters (feat, batcher, warm, cache)\n"
+    "    stats              the mount's counters (feat, batcher, warm, prefetch, cache)\n"
     "    config             the mount's configuration\n"
     "    errors             the recent errors\n"
     "    profile            what each stage costs on the storage node (a table)\n"
@@ -252,6 +252,12 @@ static int cmd_status(const char *mnt)
            num(stats, "feat.reads"), num(stats, "feat.hits"), num(stats, "feat.misses"),
            num(stats, "feat.computed"), num(stats, "feat.failed"));
     print_warm_line(get(stats, "warm"));
+    if (get(stats, "prefetch")) /* a daemon before prefetch has no such section */
+        printf("%-10s %s: %.0f directories (%.0f waiting, %.0f dropped), %.0f queued, "
+               "%.0f cached, %.0f computed first\n", "prefetch", str(stats, "prefetch.mode"),
+               num(stats, "prefetch.dirs"), num(stats, "prefetch.pending_dirs"),
+               num(stats, "prefetch.dropped"), num(stats, "prefetch.submitted"),
+               num(stats, "prefetch.cached"), num(stats, "prefetch.computed"));
     free(shape);
 out:
     json_decref(config);
