@@ -759,18 +759,20 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
     unsigned batch = EVICT_BATCH;
     int waits = 0;
     bool empty = false, skip_apply = false;
-    int rc = 0;
+    int rc = 0, fail = 0;
 
     *evicted = 0;
     uint64_t t0 = hapi_now_ns();
     while (freed < goal && !empty) {
         MDB_txn *txn;
         MDB_cursor *cur = NULL;
-        uint64_t n = 0, batch_freed = 0;
+        uint64_t n = 0, gone = 0, batch_freed = 0;
         bool batch_empty = false;
 
-        if ((rc = write_begin(c, &txn, err)) != 0)
-            return rc;
+        if ((rc = write_begin(c, &txn, err)) != 0) {
+            fail = rc;
+            break;
+        }
         /*
          * The hits logged since the last write are applied first, so that
          * what was just read is not what goes. But after an epoch of hits
@@ -808,6 +810,7 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
             if (rc == 0) {
                 value_size = fv.mv_size;
                 rc = mdb_del(txn, c->features_dbi, &fk, NULL);
+                gone += rc == 0;
             }
             if (rc == 0 || rc == MDB_NOTFOUND)
                 rc = mdb_del(txn, c->stamps_dbi, &fk, NULL);
@@ -837,26 +840,36 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
             full_wait(waits++);
             continue;
         }
-        if (rc == MDB_MAP_FULL)
-            return hapi_error_set(err, HAPI_ECACHE,
+        if (rc == MDB_MAP_FULL) {
+            fail = hapi_error_set(err, HAPI_ECACHE,
                                   "cache %s: cache full: no room even to evict; lookups held "
                                   "for long pin the pages eviction frees", c->dir);
-        if (rc)
-            return hapi_error_set(err, lmdb_to_code(rc), "cache %s: eviction: %s", c->dir,
+            break;
+        }
+        if (rc) {
+            fail = hapi_error_set(err, lmdb_to_code(rc), "cache %s: eviction: %s", c->dir,
                                   mdb_strerror(rc));
+            break;
+        }
         if (applied)
             drain_done(c);
         skip_apply = false;
         freed += batch_freed;
-        total += n;
+        total += gone;
         empty = batch_empty;
     }
+    /*
+     * What the committed batches removed counts even when a later batch failed: the entries are
+     * gone (the counters must balance against the store's entries, as tests check).
+     */
     if (total == 0)
-        return 0;
+        return fail;
     count(&c->evictions, total);
     count(&c->evict_ns, hapi_now_ns() - t0);
     *evicted = total;
     c->evictions_unpersisted += total;
+    if (fail)
+        return fail; /* the count is persisted with the next eviction */
 
     /*
      * Persist the count in a transaction of its own. It also matters to the
