@@ -164,8 +164,7 @@ int hapi_model_num_stages(const hapi_model *m) HAPI_NOEXCEPT;
 /*
  * Runs one zero sample of shape (channels, height, width) through every stage
  * to learn each stage's output shape (each must return a tensor of the model's
- * precision, float32 or bfloat16, whose
- * first dimension is the batch). Must be called once before
+ * precision, float32 or bfloat16, whose first dimension is the batch). Must be called once before
  * hapi_model_stage() reports shapes and before hapi_model_run(); not while
  * another thread uses m. On failure the model keeps its previous state.
  * Returns 0, HAPI_EINVAL, HAPI_EMODEL (a stage failed: the message names it),
@@ -184,8 +183,8 @@ int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info) HAPI
  * Runs stages [0, split) (1 <= split <= num_stages) on batch samples of the
  * probed input shape (CHW fp32, contiguous, batch-major) and writes the
  * output of stage split - 1 to output as dtype (enum hapi_dtype; fp16 is
- * the stage's output rounded to nearest; a bf16 model casts the input first), batch-major, contiguous. output_size must be at
- * least batch * (elements per sample) * (2 or 4) bytes. input is read in
+ * the stage's output rounded to nearest; a bf16 model casts the input
+ * first), batch-major, contiguous. output_size must be at least batch * (elements per sample) * (2 or 4) bytes. input is read in
  * place, not copied, and not modified; both buffers stay the caller's.
  * Thread-safe: several threads may run one model at once.
  * Returns 0, HAPI_EINVAL (not probed, bad split, batch, dtype or size),

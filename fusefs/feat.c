@@ -640,7 +640,7 @@ void hapi_feat_stop(hapi_fs *fs)
         pthread_cond_destroy(&fs->keeper_cond);
     }
     atomic_store(&fs->warm.stop, 1);
-    atomic_store(&fs->prefetch.stop_flag, 1);
+    atomic_store(&fs->prefetch.stop, 1);
     /* no view will come any more: wakes a warm-up waiting for the first */
     pthread_mutex_lock(&fs->view_lock);
     fs->view_stopping = 1;

@@ -222,8 +222,8 @@ typedef struct hapi_fs {
         pthread_mutex_t lock;     /* the queue and the set of directories seen */
         pthread_cond_t cond;
         pthread_t thread;
-        int ready, running, stop;
-        atomic_int stop_flag;     /* stop, for the walker and the batcher's throttle */
+        int ready, running;
+        atomic_int stop;          /* set under lock; read by the walker and its throttle */
         struct prefetch_dir *head, *tail;
         uint64_t *seen;           /* hashes of (directory, view) queued once */
         size_t seen_size, seen_count;

@@ -224,7 +224,6 @@ int hapi_fs_parse_size(const char *text, uint64_t *out)
     return 0;
 }
 
-/* Parses a decimal integer in [lo, hi]. */
 /* A word option: the choices (and their aliases) and the value each stands for. */
 struct word_choice {
     const char *word;
@@ -266,6 +265,7 @@ static const struct word_choice prefetch_words[] = {
     { "dir", HAPI_PREFETCH_DIR }, { "off", HAPI_PREFETCH_OFF },
 };
 
+/* Parses a decimal integer in [lo, hi]. */
 static int parse_int(const char *text, long lo, long hi, long *out)
 {
     char *end;

@@ -76,7 +76,7 @@ void hapi_prefetch_note(hapi_fs *fs, hapi_view *v, const char *path)
     uint64_t h = XXH3_64bits_withSeed(path, len, v->serial);
 
     pthread_mutex_lock(&fs->prefetch.lock);
-    if (fs->prefetch.stop || !seen_add(fs, h)) {
+    if (atomic_load(&fs->prefetch.stop) || !seen_add(fs, h)) {
         pthread_mutex_unlock(&fs->prefetch.lock);
         return;
     }
@@ -102,7 +102,7 @@ void hapi_prefetch_note(hapi_fs *fs, hapi_view *v, const char *path)
 static int cache_has_room(hapi_fs *fs, hapi_view *v)
 {
     while (!atomic_load(&fs->tune.counted)) {
-        if (atomic_load(&fs->prefetch.stop_flag))
+        if (atomic_load(&fs->prefetch.stop))
             return 0;
         nanosleep(&(struct timespec){ .tv_nsec = 20 * 1000 * 1000 }, NULL);
     }
@@ -125,9 +125,9 @@ static int cache_has_room(hapi_fs *fs, hapi_view *v)
 static int prefetch_one(hapi_fs *fs, const char *path, void *arg)
 {
     hapi_view *v = arg;
-    if (atomic_load(&fs->prefetch.stop_flag))
+    if (atomic_load(&fs->prefetch.stop))
         return -ECANCELED;
-    int rc = hapi_feat_queue(fs, v, path, HAPI_PRIORITY_PREFETCH, &fs->prefetch.stop_flag);
+    int rc = hapi_feat_queue(fs, v, path, HAPI_PRIORITY_PREFETCH, &fs->prefetch.stop);
     if (rc == HAPI_QUEUE_CACHED)
         atomic_fetch_add(&fs->prefetch.cached, 1);
     else if (rc == 0)
@@ -140,9 +140,9 @@ static void *prefetch_main(void *arg)
     hapi_fs *fs = arg;
     for (;;) {
         pthread_mutex_lock(&fs->prefetch.lock);
-        while (!fs->prefetch.stop && !fs->prefetch.head)
+        while (!atomic_load(&fs->prefetch.stop) && !fs->prefetch.head)
             pthread_cond_wait(&fs->prefetch.cond, &fs->prefetch.lock);
-        struct prefetch_dir *d = fs->prefetch.stop ? NULL : fs->prefetch.head;
+        struct prefetch_dir *d = atomic_load(&fs->prefetch.stop) ? NULL : fs->prefetch.head;
         if (d) {
             fs->prefetch.head = d->next;
             if (!fs->prefetch.head)
@@ -158,7 +158,7 @@ static void *prefetch_main(void *arg)
         int rc = -ECANCELED;
         if (now == d->view && cache_has_room(fs, d->view)) {
             atomic_fetch_add(&fs->prefetch.dirs, 1);
-            rc = hapi_feat_list(fs, d->path, &fs->prefetch.stop_flag, prefetch_one, d->view);
+            rc = hapi_feat_list(fs, d->path, &fs->prefetch.stop, prefetch_one, d->view);
             if (rc < 0 && rc != -ECANCELED)
                 hapi_log(HAPI_LOG_WARNING, "prefetch of '%s' stopped: %s", d->path,
                          hapi_strerror(rc));
@@ -193,8 +193,7 @@ void hapi_prefetch_stop(hapi_fs *fs)
     if (!fs->prefetch.ready)
         return;
     pthread_mutex_lock(&fs->prefetch.lock);
-    fs->prefetch.stop = 1;
-    atomic_store(&fs->prefetch.stop_flag, 1);
+    atomic_store(&fs->prefetch.stop, 1); /* under the lock: the walker cannot miss it */
     pthread_cond_broadcast(&fs->prefetch.cond);
     pthread_mutex_unlock(&fs->prefetch.lock);
     if (fs->prefetch.running)

@@ -9,7 +9,6 @@
 
 /* Serving one cached .feat through FUSE, client side: 24–31 µs measured (cache issue). */
 #define HIT_MS 0.03
-/* What a cache entry costs beyond its features: header, key, LRU record, page rounding. */
 /* Images whose decode and preprocessing are timed at mount. */
 #define DECODE_SAMPLES 8
 

@@ -181,7 +181,7 @@ START_TEST(fastest_batch_per_sample)
     choose(&in, &c);
     ck_assert_int_eq(c.batch, 4);
     resnet_like(&prof);
-    batch_gain(&prof, 0.80, 0.79); /* 16 gains ~1% on 4... 8 is within 3%: the smallest such */
+    batch_gain(&prof, 0.80, 0.79); /* 16 gains ~1% on 4: 4 is within 3%, the smallest such */
     choose(&in, &c);
     ck_assert_int_eq(c.batch, 4);
 }
