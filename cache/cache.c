@@ -92,10 +92,11 @@ static void marks(uint64_t map, uint64_t *high, uint64_t *low)
  * Pages freed by a write stay unusable while a lookup that began before it
  * (in any process) is held, and for the next write in any case. A store at
  * its limit can thus be full for an instant although eviction freed room:
- * writes then wait a little (1 ms more each time, up to FULL_WAITS times) for
- * lookups to end, rather than fail.
+ * writes then wait a little (1 ms more each time, up to 10 ms a wait) for
+ * lookups to end, rather than fail, for up to FULL_WAIT_MS in all: a reader
+ * thread descheduled on a loaded machine can hold its snapshot for tens of ms.
  */
-#define FULL_WAITS 10
+#define FULL_WAIT_MS 500
 /* Entries removed per write transaction by hapi_cache_evict_all(). */
 #define REMOVE_BATCH 4096
 
@@ -737,6 +738,39 @@ static int count_evictions(hapi_cache *c, MDB_txn *txn, uint64_t n)
 }
 
 /*
+ * Writes the evictions not yet persisted (write_lock held), in a transaction
+ * of its own: a small one, a few pages. Sets *full when the store had not
+ * even those. Returns 0 or a hapi code (err says why).
+ */
+static int persist_evictions(hapi_cache *c, bool *full, hapi_error *err)
+{
+    MDB_txn *txn;
+    int rc = write_begin(c, &txn, err);
+    *full = false;
+    if (rc)
+        return rc;
+    rc = count_evictions(c, txn, c->evictions_unpersisted);
+    if (rc == 0)
+        rc = mdb_txn_commit(txn);
+    else
+        mdb_txn_abort(txn);
+    if (rc == 0)
+        c->evictions_unpersisted = 0;
+    *full = rc == MDB_MAP_FULL;
+    if (rc && rc != MDB_MAP_FULL)
+        return hapi_error_set(err, lmdb_to_code(rc), "cache %s: eviction count: %s", c->dir,
+                              mdb_strerror(rc));
+    return 0;
+}
+
+/* Sleeps (attempt + 1) ms, at most 10: a store full for an instant, see FULL_WAIT_MS. */
+static void full_wait(int attempt)
+{
+    struct timespec ts = { 0, (long)(attempt < 10 ? attempt + 1 : 10) * 1000000L };
+    nanosleep(&ts, NULL);
+}
+
+/*
  * Evicts least recently used entries, of every namespace, until their
  * estimated footprint reaches goal bytes or none is left, in write
  * transactions of up to EVICT_BATCH entries (write_lock held). The first one
@@ -746,19 +780,12 @@ static int count_evictions(hapi_cache *c, MDB_txn *txn, uint64_t n)
  * A deletion copies the B-tree pages it changes, so an eviction transaction
  * needs free pages too: on MDB_MAP_FULL it retries with half the batch.
  */
-/* Sleeps (attempt + 1) ms: a store full for an instant, see FULL_WAITS. */
-static void full_wait(int attempt)
-{
-    struct timespec ts = { 0, (long)(attempt + 1) * 1000000L };
-    nanosleep(&ts, NULL);
-}
-
 static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *err)
 {
-    uint64_t freed = 0, total = 0, stamp = 0;
+    uint64_t freed = 0, total = 0, stamp = 0, wait_from = 0;
     unsigned batch = EVICT_BATCH;
     int waits = 0;
-    bool empty = false, skip_apply = false;
+    bool empty = false, skip_apply = false, unlocked = false;
     int rc = 0, fail = 0;
 
     *evicted = 0;
@@ -836,7 +863,23 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
             batch /= 2;
             continue;
         }
-        if (rc == MDB_MAP_FULL && waits < FULL_WAITS) {
+        /*
+         * Even one deletion does not fit: the reusable pages are spent and
+         * the last transaction's freed ones are locked until another commits.
+         * A transaction of a few pages unlocks them, if those pages are left.
+         */
+        if (rc == MDB_MAP_FULL && !unlocked) {
+            unlocked = true;
+            bool full;
+            if ((fail = persist_evictions(c, &full, err)) != 0)
+                break;
+            if (!full)
+                continue;
+        }
+        if (rc == MDB_MAP_FULL && waits == 0)
+            wait_from = hapi_now_ns();
+        if (rc == MDB_MAP_FULL &&
+            (waits == 0 || hapi_now_ns() - wait_from < FULL_WAIT_MS * 1000000ULL)) {
             full_wait(waits++);
             continue;
         }
@@ -854,6 +897,7 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
         if (applied)
             drain_done(c);
         skip_apply = false;
+        unlocked = false;
         freed += batch_freed;
         total += gone;
         empty = batch_empty;
@@ -879,20 +923,8 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
      * for the very put that evicted them. A store full to the last page can
      * refuse even this write: the count then waits for the next eviction.
      */
-    MDB_txn *txn;
-    if ((rc = write_begin(c, &txn, err)) != 0)
-        return rc;
-    rc = count_evictions(c, txn, c->evictions_unpersisted);
-    if (rc == 0)
-        rc = mdb_txn_commit(txn);
-    else
-        mdb_txn_abort(txn);
-    if (rc == 0)
-        c->evictions_unpersisted = 0;
-    if (rc && rc != MDB_MAP_FULL)
-        return hapi_error_set(err, lmdb_to_code(rc), "cache %s: eviction count: %s", c->dir,
-                              mdb_strerror(rc));
-    return 0;
+    bool full;
+    return persist_evictions(c, &full, err);
 }
 
 /* ---- open and close ---- */

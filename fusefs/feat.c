@@ -159,8 +159,28 @@ static void store_results(void *ctx, const hapi_batch_result *results, size_t n)
 
 /* ----------------------------------------------------------------- reads */
 
-/* Replies bytes [off, off + size) of the .feat made of header + data. */
-static void reply_feat(fuse_req_t req, hapi_view *v, const void *data, size_t size, off_t off)
+/*
+ * The part of the .feat's bytes [off, off + size) that lies in the data
+ * (after the header), as offsets into the data: [*dpos, *dend).
+ */
+static void data_slice(const hapi_view *v, size_t size, off_t off, size_t *dpos, size_t *dend)
+{
+    size_t pos = (size_t)off, end = pos + size;
+    if (end > v->feat_size)
+        end = (size_t)v->feat_size;
+    if (pos < v->npy_header_len)
+        pos = v->npy_header_len;
+    *dpos = pos - v->npy_header_len;
+    *dend = end > pos ? end - v->npy_header_len : *dpos;
+}
+
+/*
+ * Replies bytes [off, off + size) of the .feat made of header + data, where
+ * slice holds the data's bytes from offset slice_off on (at least to the end
+ * of the range asked).
+ */
+static void reply_feat(fuse_req_t req, hapi_view *v, const void *slice, size_t slice_off,
+                       size_t size, off_t off)
 {
     struct iovec iov[2];
     int n = 0;
@@ -174,7 +194,8 @@ static void reply_feat(fuse_req_t req, hapi_view *v, const void *data, size_t si
         pos = stop;
     }
     if (pos < end) {
-        iov[n++] = (struct iovec){ (char *)data + (pos - v->npy_header_len), end - pos };
+        iov[n++] = (struct iovec){ (char *)slice + (pos - v->npy_header_len - slice_off),
+                                   end - pos };
         pos = end;
     }
     atomic_fetch_add(&v->fs->stats.feat_bytes, pos > (size_t)off ? pos - (size_t)off : 0);
@@ -183,6 +204,16 @@ static void reply_feat(fuse_req_t req, hapi_view *v, const void *data, size_t si
     else
         fuse_reply_iov(req, iov, n);
 }
+
+/*
+ * A hit's bytes are copied out of the store before the reply. Replying
+ * straight from the map would hold the lookup's snapshot through the write
+ * to /dev/fuse, and a reader thread descheduled there (2 busy cores) pins the
+ * pages eviction frees: a full store then refused puts. A slice up to this
+ * size goes through the stack; a larger one (a read of a big layer4 .feat)
+ * through the heap, and from the map only if that allocation fails.
+ */
+#define HIT_STACK_COPY 16384
 
 /* Looks the features up; on a hit replies straight from the store's memory and returns 1. */
 static int reply_from_cache(fuse_req_t req, hapi_view *v, const char *path,
@@ -194,8 +225,22 @@ static int reply_from_cache(fuse_req_t req, hapi_view *v, const char *path,
     int rc = hapi_cache_get(fs->cache, &v->ns, path, id, &val);
     if (rc == 1) {
         if (val.size == v->sample_bytes) {
-            reply_feat(req, v, val.data, size, off);
-            hapi_cache_release(fs->cache, &val);
+            size_t dpos, dend;
+            data_slice(v, size, off, &dpos, &dend);
+            size_t len = dend - dpos;
+            char stack_buf[HIT_STACK_COPY];
+            char *buf = len <= sizeof(stack_buf) ? stack_buf : malloc(len);
+            if (buf) {
+                if (len)
+                    memcpy(buf, (const char *)val.data + dpos, len);
+                hapi_cache_release(fs->cache, &val);
+                reply_feat(req, v, buf, dpos, size, off);
+                if (buf != stack_buf)
+                    free(buf);
+            } else {
+                reply_feat(req, v, val.data, 0, size, off);
+                hapi_cache_release(fs->cache, &val);
+            }
             atomic_fetch_add(&fs->stats.hits, 1);
             atomic_fetch_add(&fs->stats.hit_ns, hapi_now_ns() - t0);
             return 1;
@@ -239,7 +284,7 @@ void hapi_feat_read(fuse_req_t req, hapi_view *v, const char *path, const hapi_s
     if (rc == 0)
         rc = hapi_ticket_wait(v->batcher, t, &features, NULL, &err);
     if (rc == 0)
-        reply_feat(req, v, features, size, off);
+        reply_feat(req, v, features, 0, size, off);
     else
         fuse_reply_err(req, hapi_fs_errno(rc)); /* the sink has logged why */
     hapi_ticket_release(v->batcher, t);
