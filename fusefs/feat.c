@@ -215,7 +215,7 @@ static void reply_feat(fuse_req_t req, hapi_view *v, const void *slice, size_t s
  */
 #define HIT_STACK_COPY 16384
 
-/* Looks the features up; on a hit replies straight from the store's memory and returns 1. */
+/* Looks the features up; on a hit replies with a copy of them (above) and returns 1. */
 static int reply_from_cache(fuse_req_t req, hapi_view *v, const char *path,
                             const hapi_source_id *id, size_t size, off_t off)
 {
