@@ -230,10 +230,14 @@ static int reply_from_cache(fuse_req_t req, hapi_view *v, const char *path,
             size_t len = dend - dpos;
             char stack_buf[HIT_STACK_COPY];
             char *buf = len <= sizeof(stack_buf) ? stack_buf : malloc(len);
-            if (buf) {
-                if (len)
-                    memcpy(buf, (const char *)val.data + dpos, len);
+            if (buf && len)
+                memcpy(buf, (const char *)val.data + dpos, len);
+            if (buf)
                 hapi_cache_release(fs->cache, &val);
+            /* Counted before the reply: a reader that got its bytes sees the hit in stats. */
+            atomic_fetch_add(&fs->stats.hits, 1);
+            atomic_fetch_add(&fs->stats.hit_ns, hapi_now_ns() - t0);
+            if (buf) {
                 reply_feat(req, v, buf, dpos, size, off);
                 if (buf != stack_buf)
                     free(buf);
@@ -241,8 +245,6 @@ static int reply_from_cache(fuse_req_t req, hapi_view *v, const char *path,
                 reply_feat(req, v, val.data, 0, size, off);
                 hapi_cache_release(fs->cache, &val);
             }
-            atomic_fetch_add(&fs->stats.hits, 1);
-            atomic_fetch_add(&fs->stats.hit_ns, hapi_now_ns() - t0);
             return 1;
         }
         hapi_cache_release(fs->cache, &val);
