@@ -739,14 +739,15 @@ static int count_evictions(hapi_cache *c, MDB_txn *txn, uint64_t n)
 
 /*
  * Writes the evictions not yet persisted (write_lock held), in a transaction
- * of its own: a small one, a few pages. Sets *full when the store had not
- * even those. Returns 0 or a hapi code (err says why).
+ * of its own: a small one, a few pages. Sets *full (if full is not NULL) when
+ * the store had not even those. Returns 0 or a hapi code (err says why).
  */
 static int persist_evictions(hapi_cache *c, bool *full, hapi_error *err)
 {
     MDB_txn *txn;
     int rc = write_begin(c, &txn, err);
-    *full = false;
+    if (full)
+        *full = false;
     if (rc)
         return rc;
     rc = count_evictions(c, txn, c->evictions_unpersisted);
@@ -756,7 +757,8 @@ static int persist_evictions(hapi_cache *c, bool *full, hapi_error *err)
         mdb_txn_abort(txn);
     if (rc == 0)
         c->evictions_unpersisted = 0;
-    *full = rc == MDB_MAP_FULL;
+    if (full)
+        *full = rc == MDB_MAP_FULL;
     if (rc && rc != MDB_MAP_FULL)
         return hapi_error_set(err, lmdb_to_code(rc), "cache %s: eviction count: %s", c->dir,
                               mdb_strerror(rc));
@@ -876,14 +878,13 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
             if (!full)
                 continue;
         }
-        if (rc == MDB_MAP_FULL && waits == 0)
-            wait_from = hapi_now_ns();
-        if (rc == MDB_MAP_FULL &&
-            (waits == 0 || hapi_now_ns() - wait_from < FULL_WAIT_MS * 1000000ULL)) {
-            full_wait(waits++);
-            continue;
-        }
         if (rc == MDB_MAP_FULL) {
+            if (waits == 0)
+                wait_from = hapi_now_ns();
+            if (hapi_now_ns() - wait_from < FULL_WAIT_MS * 1000000ULL) {
+                full_wait(waits++);
+                continue;
+            }
             fail = hapi_error_set(err, HAPI_ECACHE,
                                   "cache %s: cache full: no room even to evict; lookups held "
                                   "for long pin the pages eviction frees", c->dir);
@@ -923,8 +924,7 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
      * for the very put that evicted them. A store full to the last page can
      * refuse even this write: the count then waits for the next eviction.
      */
-    bool full;
-    return persist_evictions(c, &full, err);
+    return persist_evictions(c, NULL, err);
 }
 
 /* ---- open and close ---- */

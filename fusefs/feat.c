@@ -176,29 +176,27 @@ static void data_slice(const hapi_view *v, size_t size, off_t off, size_t *dpos,
 
 /*
  * Replies bytes [off, off + size) of the .feat made of header + data, where
- * slice holds the data's bytes from offset slice_off on (at least to the end
- * of the range asked).
+ * slice holds the data's bytes from offset slice_off on (at least the part
+ * data_slice() gives: what a hit copies out is exactly that).
  */
 static void reply_feat(fuse_req_t req, hapi_view *v, const void *slice, size_t slice_off,
                        size_t size, off_t off)
 {
     struct iovec iov[2];
     int n = 0;
-    size_t pos = (size_t)off;
-    size_t end = pos + size;
-    if (end > v->feat_size)
-        end = (size_t)v->feat_size;
-    if (pos < v->npy_header_len && pos < end) {
-        size_t stop = end < v->npy_header_len ? end : v->npy_header_len;
+    size_t pos = (size_t)off, hdr = v->npy_header_len, bytes = 0;
+    if (pos < hdr && size > 0) {
+        size_t stop = size < hdr - pos ? pos + size : hdr;
         iov[n++] = (struct iovec){ v->npy_header + pos, stop - pos };
-        pos = stop;
+        bytes += stop - pos;
     }
-    if (pos < end) {
-        iov[n++] = (struct iovec){ (char *)slice + (pos - v->npy_header_len - slice_off),
-                                   end - pos };
-        pos = end;
+    size_t dpos, dend;
+    data_slice(v, size, off, &dpos, &dend);
+    if (dend > dpos) {
+        iov[n++] = (struct iovec){ (char *)slice + (dpos - slice_off), dend - dpos };
+        bytes += dend - dpos;
     }
-    atomic_fetch_add(&v->fs->stats.feat_bytes, pos > (size_t)off ? pos - (size_t)off : 0);
+    atomic_fetch_add(&v->fs->stats.feat_bytes, bytes);
     if (n == 0)
         fuse_reply_buf(req, NULL, 0);
     else
