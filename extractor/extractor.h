@@ -418,6 +418,19 @@ int hapi_batcher_set_batch(hapi_batcher *b, int batch);
 /* Fills *st. Thread-safe. */
 void hapi_batcher_stats_get(hapi_batcher *b, hapi_batcher_stats *st);
 
+/* ------------------------------------------------------------------ .npy */
+
+#define HAPI_NPY_HEADER_MAX 256
+
+/*
+ * Writes the .npy (format 1.0) header of a C-order array of dtype and shape
+ * into buf (at least HAPI_NPY_HEADER_MAX bytes), padded with spaces so that
+ * the data starts at a multiple of 64 bytes, as numpy writes it. Every .feat
+ * is such a header followed by the features. Returns the header length, or
+ * HAPI_EINVAL (unknown dtype, negative dimension, too many dimensions).
+ */
+int hapi_npy_header(char *buf, int dtype, const int64_t *shape, int ndim);
+
 #ifdef __cplusplus
 }
 #endif

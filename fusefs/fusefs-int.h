@@ -78,17 +78,6 @@ int hapi_fs_parse_size(const char *text, uint64_t *out);
 /* Prints the usage text. */
 void hapi_fs_usage(const char *prog);
 
-/* --------------------------------------------------------------------- npy */
-
-#define HAPI_NPY_HEADER_MAX 256
-
-/*
- * Writes a .npy v1.0 header for a C-order array of dtype and shape into buf
- * (at least HAPI_NPY_HEADER_MAX bytes), padded with spaces so that the data
- * starts at a multiple of 64 bytes. Returns the header length, or HAPI_EINVAL.
- */
-int hapi_npy_header(char *buf, int dtype, const int64_t *shape, int ndim);
-
 /* ---------------------------------------------------------------------- log */
 
 enum hapi_log_level { HAPI_LOG_ERROR, HAPI_LOG_WARNING, HAPI_LOG_INFO, HAPI_LOG_DEBUG };

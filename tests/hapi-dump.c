@@ -1,6 +1,5 @@
 /* hapi-dump.c — test tool: writes the preprocessed tensor of an image as .npy, or times decode and preprocess. */
 #include "extractor.h"
-#include "fusefs-int.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -1,6 +1,5 @@
 /* hapi-features.c — test tool: writes the features of images as .npy, or times decode, preprocess and inference. */
 #include "extractor.h"
-#include "fusefs-int.h"
 
 #include <errno.h>
 #include <stdio.h>

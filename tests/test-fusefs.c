@@ -1,4 +1,4 @@
-/* test-fusefs.c — unit tests of the daemon's option parsing and .npy headers. */
+/* test-fusefs.c — unit tests of the daemon's option parsing and error ring. */
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -206,33 +206,6 @@ START_TEST(test_parse_size)
 }
 END_TEST
 
-/* Headers byte-for-byte as numpy parses them: checked against numpy in the mount tests too. */
-START_TEST(test_npy_header)
-{
-    char buf[HAPI_NPY_HEADER_MAX];
-    int64_t one[] = { 512 };
-    int len = hapi_npy_header(buf, HAPI_DTYPE_FP16, one, 1);
-    ck_assert_int_eq(len % 64, 0);
-    ck_assert_int_eq(memcmp(buf, "\x93NUMPY\x01\x00", 8), 0);
-    ck_assert_int_eq((unsigned char)buf[8] | (unsigned char)buf[9] << 8, len - 10);
-    ck_assert_int_eq(buf[len - 1], '\n');
-    ck_assert_ptr_nonnull(strstr(buf + 10, "{'descr': '<f2', 'fortran_order': False, 'shape': (512,), }"));
-
-    int64_t three[] = { 256, 4, 4 };
-    len = hapi_npy_header(buf, HAPI_DTYPE_FP32, three, 3);
-    ck_assert_int_eq(len % 64, 0);
-    ck_assert_ptr_nonnull(strstr(buf + 10, "'descr': '<f4'"));
-    ck_assert_ptr_nonnull(strstr(buf + 10, "'shape': (256, 4, 4), }"));
-
-    len = hapi_npy_header(buf, HAPI_DTYPE_FP32, NULL, 0);
-    ck_assert_ptr_nonnull(strstr(buf + 10, "'shape': (), }"));
-
-    ck_assert_int_eq(hapi_npy_header(buf, 7, one, 1), HAPI_EINVAL);
-    int64_t neg[] = { -1 };
-    ck_assert_int_eq(hapi_npy_header(buf, HAPI_DTYPE_FP32, neg, 1), HAPI_EINVAL);
-}
-END_TEST
-
 START_TEST(test_error_ring)
 {
     hapi_error_ring *r = hapi_error_ring_new();
@@ -270,7 +243,6 @@ int main(void)
         { "options_paths", test_options_paths },
         { "options_helper", test_options_helper },
         { "parse_size", test_parse_size },
-        { "npy_header", test_npy_header },
         { "error_ring", test_error_ring },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {

@@ -661,6 +661,33 @@ END_TEST
 
 /* ------------------------------------------------------------------- setup */
 
+/* Headers byte-for-byte as numpy parses them: checked against numpy in the mount tests too. */
+START_TEST(test_npy_header)
+{
+    char buf[HAPI_NPY_HEADER_MAX];
+    int64_t one[] = { 512 };
+    int len = hapi_npy_header(buf, HAPI_DTYPE_FP16, one, 1);
+    ck_assert_int_eq(len % 64, 0);
+    ck_assert_int_eq(memcmp(buf, "\x93NUMPY\x01\x00", 8), 0);
+    ck_assert_int_eq((unsigned char)buf[8] | (unsigned char)buf[9] << 8, len - 10);
+    ck_assert_int_eq(buf[len - 1], '\n');
+    ck_assert_ptr_nonnull(strstr(buf + 10, "{'descr': '<f2', 'fortran_order': False, 'shape': (512,), }"));
+
+    int64_t three[] = { 256, 4, 4 };
+    len = hapi_npy_header(buf, HAPI_DTYPE_FP32, three, 3);
+    ck_assert_int_eq(len % 64, 0);
+    ck_assert_ptr_nonnull(strstr(buf + 10, "'descr': '<f4'"));
+    ck_assert_ptr_nonnull(strstr(buf + 10, "'shape': (256, 4, 4), }"));
+
+    len = hapi_npy_header(buf, HAPI_DTYPE_FP32, NULL, 0);
+    ck_assert_ptr_nonnull(strstr(buf + 10, "'shape': (), }"));
+
+    ck_assert_int_eq(hapi_npy_header(buf, 7, one, 1), HAPI_EINVAL);
+    int64_t neg[] = { -1 };
+    ck_assert_int_eq(hapi_npy_header(buf, HAPI_DTYPE_FP32, neg, 1), HAPI_EINVAL);
+}
+END_TEST
+
 static void remove_fixtures(void);
 
 static void make_fixtures(void)
@@ -728,6 +755,7 @@ static Suite *model_suite(void)
         {"extractor split errors", test_extractor_split_errors},
         {"extractor not staged", test_extractor_not_staged},
         {"extractor digest", test_extractor_digest},
+        {"npy header", test_npy_header},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         TCase *tc = tcase_create(cases[i].name);

@@ -1,5 +1,5 @@
 /* npy.c — the header of a .npy (format 1.0) file, the format of every .feat. */
-#include "fusefs-int.h"
+#include "extractor.h"
 
 #include <stdio.h>
 #include <string.h>
