@@ -1,10 +1,58 @@
-/* ctl.c — the JSON content of the control files under .hapifs/: config, stats, errors. */
+/* ctl.c — the control files under .hapifs/: their content (JSON) and the table of commands ctl takes. */
 #include "fusefs-int.h"
 
 #include <errno.h>
 #include <jansson.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+const char *const hapi_ctl_files[] = { "config", "stats", "errors", "profile", "policy",
+                                       HAPI_CTL_MODEL, HAPI_CTL_WRITABLE, NULL };
+
+struct hapi_ctl {
+    hapi_ctl_config cfg;
+};
+
+int hapi_ctl_new(const hapi_ctl_config *cfg, hapi_ctl **out)
+{
+    *out = calloc(1, sizeof(**out));
+    if (!*out)
+        return -ENOMEM;
+    (*out)->cfg = *cfg;
+    return 0;
+}
+
+void hapi_ctl_free(hapi_ctl *c)
+{
+    free(c);
+}
+
+hapi_ctl_text *hapi_ctl_text_new(const char *data, size_t len)
+{
+    hapi_ctl_text *t = malloc(sizeof(*t) + len + 1);
+    if (!t)
+        return NULL;
+    atomic_init(&t->refs, 1);
+    t->len = len;
+    memcpy(t->data, data, len);
+    t->data[len] = '\0';
+    return t;
+}
+
+hapi_ctl_text *hapi_ctl_text_ref(hapi_ctl_text *t)
+{
+    atomic_fetch_add(&t->refs, 1);
+    return t;
+}
+
+void hapi_ctl_text_put(hapi_ctl_text *t)
+{
+    if (t && atomic_fetch_sub(&t->refs, 1) == 1)
+        free(t);
+}
+
+/* ---------------------------------------------------------------- render */
 
 static json_t *shape_json(const hapi_stage_info *s)
 {
@@ -15,34 +63,33 @@ static json_t *shape_json(const hapi_stage_info *s)
 }
 
 /* The split part of config: what a .feat is now, and what the training side still runs. */
-static json_t *render_split(hapi_fs *fs)
+static json_t *render_split(hapi_ctl *c)
 {
     /* Waits while the policy chooses (a first mount's profile): scripts need the split. */
-    hapi_view *v = hapi_view_get(fs);
-    int freeze = hapi_extractor_freeze(fs->ex);
-    json_t *j;
+    hapi_view *v = hapi_views_get(c->cfg.views);
+    int freeze = hapi_extractor_freeze(c->cfg.ex);
     if (!v)
         return json_pack("{s:s, s:i}", "state", "unmounting", "freeze", freeze);
-    pthread_mutex_lock(&fs->tune.lock);
-    const char *by = fs->tune.split_by_operator ? "operator" : "policy";
-    pthread_mutex_unlock(&fs->tune.lock);
-    j = json_pack("{s:i, s:s, s:i, s:o, s:[i, i], s:s, s:I, s:s, s:s}", "index", v->split,
-                  "stage", v->output.name, "freeze", freeze, "shape", shape_json(&v->output),
-                  "stages_after", v->split, freeze, "dtype",
-                  fs->opt->dtype == HAPI_DTYPE_FP16 ? "float16" : "float32", "feat_size",
-                  (json_int_t)v->feat_size, "by", by, "namespace", v->ns_hex);
+    hapi_tune_status ts;
+    hapi_tune_status_get(c->cfg.tune, &ts);
+    json_t *j = json_pack("{s:i, s:s, s:i, s:o, s:[i, i], s:s, s:I, s:s, s:s}", "index",
+                          v->split, "stage", v->output.name, "freeze", freeze, "shape",
+                          shape_json(&v->output), "stages_after", v->split, freeze, "dtype",
+                          c->cfg.opt->dtype == HAPI_DTYPE_FP16 ? "float16" : "float32",
+                          "feat_size", (json_int_t)v->feat_size, "by",
+                          ts.split_by_operator ? "operator" : "policy", "namespace", v->ns_hex);
     hapi_view_put(v);
     return j;
 }
 
-static json_t *render_config(hapi_fs *fs)
+static json_t *render_config(hapi_ctl *c)
 {
-    const hapi_fs_options *o = fs->opt;
-    const hapi_model_meta *meta = hapi_extractor_meta(fs->ex);
-    const hapi_preprocess *pp = hapi_extractor_preprocess(fs->ex);
-    hapi_model *m = hapi_extractor_model(fs->ex);
+    const hapi_fs_options *o = c->cfg.opt;
+    const hapi_model_meta *meta = hapi_extractor_meta(c->cfg.ex);
+    const hapi_preprocess *pp = hapi_extractor_preprocess(c->cfg.ex);
+    hapi_model *m = hapi_extractor_model(c->cfg.ex);
     char digest[33];
-    const uint8_t *d = hapi_extractor_model_digest(fs->ex);
+    const uint8_t *d = hapi_extractor_model_digest(c->cfg.ex);
     for (int i = 0; i < 16; i++)
         snprintf(digest + 2 * i, 3, "%02x", d[i]);
 
@@ -54,13 +101,11 @@ static json_t *render_config(hapi_fs *fs)
             json_array_append_new(stages, json_pack("{s:i, s:s, s:o}", "index", i, "name",
                                                     info.name, "shape", shape_json(&info)));
     }
-    json_t *split = render_split(fs);
+    json_t *split = render_split(c);
     char rate[32];
-    pthread_mutex_lock(&fs->tune.lock);
-    hapi_policy_format_rate(fs->tune.in.link_bps, rate, sizeof(rate));
-    double client_speed = fs->tune.in.client_speed;
-    int epochs = fs->tune.in.epochs, batch = fs->tune.batch, batch_auto = fs->tune.batch_auto;
-    pthread_mutex_unlock(&fs->tune.lock);
+    hapi_tune_status ts;
+    hapi_tune_status_get(c->cfg.tune, &ts);
+    hapi_policy_format_rate(ts.link_bps, rate, sizeof(rate));
     return json_pack(
         "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s, s:o}, s:o, "
         "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
@@ -81,43 +126,43 @@ static json_t *render_config(hapi_fs *fs)
               json_string_value(json_object_get(split, "namespace")) : "",
           "size_limit", (json_int_t)o->cache_size,
         "policy",
-          "link", rate, "client_speed", client_speed, "epochs", epochs,
+          "link", rate, "client_speed", ts.client_speed, "epochs", ts.epochs,
         "runtime",
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
-          "device", o->device, "batch", batch, "batch_auto", batch_auto,
+          "device", o->device, "batch", ts.batch, "batch_auto", ts.batch_auto,
           "batch_wait_ms", o->batch_wait_us / 1000,
           "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget,
           "prefetch", o->prefetch == HAPI_PREFETCH_DIR ? "dir" : "off");
 }
 
-static json_t *render_warm(hapi_fs *fs)
+static json_t *render_warm(hapi_ctl *c)
 {
-    if (!fs->warm.root)
+    static const char *const states[] = { "idle", "counting", "running", "done" };
+    hapi_warm_status ws;
+    if (hapi_warm_status_get(c->cfg.background, &ws) < 0)
+        return NULL;
+    if (ws.state == HAPI_WARM_IDLE)
         return json_pack("{s:s}", "state", "idle");
-    uint64_t total = atomic_load(&fs->warm.total);
-    uint64_t cached = atomic_load(&fs->warm.cached);
-    uint64_t skipped = atomic_load(&fs->warm.skipped);
-    uint64_t completed = atomic_load(&fs->warm.completed);
-    uint64_t done = cached + skipped + completed;
-    double elapsed = (double)(hapi_now_ns() - fs->warm.started_ns) / 1e9;
-    double rate = elapsed > 0 ? (double)completed / elapsed : 0;
-    const char *state = !atomic_load(&fs->warm.counted) ? "counting"
-                        : hapi_warm_finished(fs)        ? "done"
-                                                         : "running";
-    if (done > total)
-        done = total;
-    double eta = rate > 0 ? (double)(total - done) / rate : -1;
-    return json_pack("{s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f}", "state", state,
-                     "path", fs->warm.root, "total", (json_int_t)total, "done", (json_int_t)done,
-                     "cached", (json_int_t)cached, "computed", (json_int_t)completed,
-                     "skipped", (json_int_t)skipped, "rate_per_s", rate, "elapsed_s", elapsed,
-                     "eta_s", strcmp(state, "done") == 0 ? 0.0 : eta);
+    uint64_t done = ws.cached + ws.skipped + ws.completed;
+    double rate = ws.elapsed_s > 0 ? (double)ws.completed / ws.elapsed_s : 0;
+    if (done > ws.total)
+        done = ws.total;
+    double eta = ws.state == HAPI_WARM_DONE ? 0.0
+                 : rate > 0                 ? (double)(ws.total - done) / rate
+                                            : -1;
+    json_t *j = json_pack("{s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f}", "state",
+                          states[ws.state], "path", ws.path, "total", (json_int_t)ws.total,
+                          "done", (json_int_t)done, "cached", (json_int_t)ws.cached, "computed",
+                          (json_int_t)ws.completed, "skipped", (json_int_t)ws.skipped,
+                          "rate_per_s", rate, "elapsed_s", ws.elapsed_s, "eta_s", eta);
+    free(ws.path);
+    return j;
 }
 
-static json_t *render_batcher(hapi_fs *fs)
+static json_t *render_batcher(hapi_ctl *c)
 {
     hapi_batcher_stats b;
-    hapi_view *v = hapi_view_peek(fs);
+    hapi_view *v = hapi_views_peek(c->cfg.views);
     if (!v)
         return json_null(); /* the policy is still choosing */
     hapi_batcher_stats_get(v->batcher, &b);
@@ -141,19 +186,19 @@ static json_t *render_batcher(hapi_fs *fs)
                      "inference_ms_per_sample", (double)b.inference_ns / 1e6 * per,
                      "mem_in_use", (json_int_t)b.mem_in_use,
                      "mem_peak", (json_int_t)b.mem_peak,
-                     "mem_budget", (json_int_t)fs->opt->mem_budget,
+                     "mem_budget", (json_int_t)c->cfg.opt->mem_budget,
                      "mem_waits", (json_int_t)b.mem_waits);
 }
 
-static json_t *render_cache(hapi_fs *fs)
+static json_t *render_cache(hapi_ctl *c, const hapi_serve_stats *s)
 {
     hapi_cache_stats cs = { 0 };
     hapi_cache_namespace_stats ns = { 0 };
-    hapi_cache_stats_get(fs->cache, &cs);
-    hapi_view *v = hapi_view_peek(fs);
+    hapi_cache_stats_get(c->cfg.cache, &cs);
+    hapi_view *v = hapi_views_peek(c->cfg.views);
     uint64_t feat_size = v ? v->feat_size : 0;
     if (v)
-        hapi_cache_namespace_stats_get(fs->cache, &v->ns, &ns);
+        hapi_cache_namespace_stats_get(c->cfg.cache, &v->ns, &ns);
     hapi_view_put(v);
     return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:I, "
                      "s:{s:I, s:I}}",
@@ -168,109 +213,108 @@ static json_t *render_cache(hapi_fs *fs)
                      "bad", (json_int_t)cs.bad,
                      "evictions", (json_int_t)cs.evictions,
                      "evictions_total", (json_int_t)cs.evictions_total,
-                     "collected", (json_int_t)atomic_load(&fs->stats.collected),
+                     "collected", (json_int_t)s->collected,
                      "hit_latency_us", cs.hit_mean_us,
                      "accesses_dropped", (json_int_t)cs.accesses_dropped,
                      "namespace", "entries", (json_int_t)ns.entries,
                      "bytes", (json_int_t)ns.bytes);
 }
 
-static json_t *render_prefetch(hapi_fs *fs)
+static json_t *render_prefetch(hapi_ctl *c)
 {
+    hapi_prefetch_stats p;
+    hapi_prefetch_stats_get(c->cfg.background, &p);
     return json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I}",
-                     "mode", fs->opt->prefetch == HAPI_PREFETCH_DIR ? "dir" : "off",
-                     "dirs", (json_int_t)atomic_load(&fs->prefetch.dirs),
-                     "pending_dirs", (json_int_t)atomic_load(&fs->prefetch.pending_dirs),
-                     "submitted", (json_int_t)atomic_load(&fs->prefetch.submitted),
-                     "cached", (json_int_t)atomic_load(&fs->prefetch.cached),
-                     "computed", (json_int_t)atomic_load(&fs->prefetch.computed),
-                     "dropped", (json_int_t)atomic_load(&fs->prefetch.dropped));
+                     "mode", p.mode == HAPI_PREFETCH_DIR ? "dir" : "off",
+                     "dirs", (json_int_t)p.dirs,
+                     "pending_dirs", (json_int_t)p.pending_dirs,
+                     "submitted", (json_int_t)p.submitted,
+                     "cached", (json_int_t)p.cached,
+                     "computed", (json_int_t)p.computed,
+                     "dropped", (json_int_t)p.dropped);
 }
 
-static json_t *render_stats(hapi_fs *fs)
+static json_t *render_stats(hapi_ctl *c)
 {
-    hapi_fs_stats *s = &fs->stats;
-    uint64_t hits = atomic_load(&s->hits);
-    double uptime = (double)(hapi_now_ns() - fs->started_ns) / 1e9;
+    hapi_serve_stats s;
+    hapi_tune_status ts;
+    hapi_serve_stats_get(c->cfg.serve, &s);
+    hapi_tune_status_get(c->cfg.tune, &ts);
+    double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
     return json_pack(
         "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, s:o, s:o, s:o, s:o, s:{s:I}}",
         "uptime_s", uptime,
-        "split_changes", (json_int_t)atomic_load(&fs->tune.split_changes),
+        "split_changes", (json_int_t)ts.split_changes,
         "feat",
-          "reads", (json_int_t)atomic_load(&s->feat_reads),
-          "bytes", (json_int_t)atomic_load(&s->feat_bytes),
-          "hits", (json_int_t)hits,
-          "misses", (json_int_t)atomic_load(&s->misses),
-          "computed", (json_int_t)atomic_load(&s->computed),
-          "failed", (json_int_t)atomic_load(&s->errors),
-          "cache_put_failures", (json_int_t)atomic_load(&s->cache_put_failures),
-          "hit_latency_us", hits ? (double)atomic_load(&s->hit_ns) / 1e3 / (double)hits : 0.0,
-        "batcher", render_batcher(fs),
-        "warm", render_warm(fs),
-        "prefetch", render_prefetch(fs),
-        "cache", render_cache(fs),
+          "reads", (json_int_t)s.feat_reads,
+          "bytes", (json_int_t)s.feat_bytes,
+          "hits", (json_int_t)s.hits,
+          "misses", (json_int_t)s.misses,
+          "computed", (json_int_t)s.computed,
+          "failed", (json_int_t)s.errors,
+          "cache_put_failures", (json_int_t)s.cache_put_failures,
+          "hit_latency_us", s.hits ? (double)s.hit_ns / 1e3 / (double)s.hits : 0.0,
+        "batcher", render_batcher(c),
+        "warm", render_warm(c),
+        "prefetch", render_prefetch(c),
+        "cache", render_cache(c, &s),
         "passthrough",
-          "bytes", (json_int_t)atomic_load(&s->passthrough_bytes));
+          "bytes", (json_int_t)s.passthrough_bytes);
 }
 
-static json_t *render_profile(hapi_fs *fs)
+static json_t *render_profile(hapi_ctl *c)
 {
-    pthread_mutex_lock(&fs->tune.lock);
-    int state = fs->tune.state;
-    json_t *j;
-    if (state == 0) {
-        j = json_pack("{s:s}", "state", "measuring");
-    } else if (state < 0) {
-        j = json_pack("{s:s, s:s}", "state", "failed", "error", fs->tune.error);
-    } else {
-        char *text = hapi_profile_to_json(&fs->tune.profile);
-        j = text ? json_loads(text, 0, NULL) : NULL;
-        free(text);
-        if (j) {
-            json_object_set_new(j, "state", json_string(fs->tune.reused ? "stored" : "measured"));
-            json_object_set_new(j, "decode_ms", json_real(fs->tune.decode_ms));
-            json_object_set_new(j, "decode_samples", json_integer(fs->tune.decode_samples));
-            json_object_set_new(j, "source_bytes", json_real(fs->tune.source_bytes));
-        }
+    hapi_tune_status ts;
+    hapi_tune_status_get(c->cfg.tune, &ts);
+    if (ts.state == 0)
+        return json_pack("{s:s}", "state", "measuring");
+    if (ts.state < 0)
+        return json_pack("{s:s, s:s}", "state", "failed", "error", ts.error);
+    char *text = hapi_tune_profile_json(c->cfg.tune);
+    json_t *j = text ? json_loads(text, 0, NULL) : NULL;
+    free(text);
+    if (j) {
+        json_object_set_new(j, "state", json_string(ts.reused ? "stored" : "measured"));
+        json_object_set_new(j, "decode_ms", json_real(ts.decode_ms));
+        json_object_set_new(j, "decode_samples", json_integer(ts.decode_samples));
+        json_object_set_new(j, "source_bytes", json_real(ts.source_bytes));
     }
-    pthread_mutex_unlock(&fs->tune.lock);
     return j;
 }
 
 /* The policy now: the current split explained against every other, and what auto would pick. */
-static json_t *render_policy(hapi_fs *fs)
+static json_t *render_policy(hapi_ctl *c)
 {
-    hapi_policy_choice *c = malloc(sizeof(*c));
+    hapi_policy_choice *choice = malloc(sizeof(*choice));
     hapi_policy_input in;
     hapi_error err = { 0 };
     json_t *j = NULL;
-    if (!c)
+    if (!choice)
         return NULL;
     /* What the policy would choose now, with the inputs and the cache as they are. */
-    int rc = hapi_tune_choose(fs, 0, &in, c, &err);
+    int rc = hapi_tune_choose(c->cfg.tune, 0, &in, choice, &err);
     if (rc == -EAGAIN) {
         j = json_pack("{s:s}", "state", "measuring");
     } else if (rc < 0) {
         j = json_pack("{s:s, s:s}", "state", "failed", "error", err.message);
     } else {
-        char *text = hapi_policy_to_json(&in, c);
+        char *text = hapi_policy_to_json(&in, choice);
         j = text ? json_loads(text, 0, NULL) : NULL;
         free(text);
-        hapi_view *v = hapi_view_peek(fs);
-        pthread_mutex_lock(&fs->tune.lock);
-        int by_operator = fs->tune.split_by_operator, batch = fs->tune.batch;
-        pthread_mutex_unlock(&fs->tune.lock);
+        hapi_view *v = hapi_views_peek(c->cfg.views);
+        hapi_tune_status ts;
+        hapi_tune_status_get(c->cfg.tune, &ts);
         if (j && v)
             json_object_set_new(j, "current",
                                 json_pack("{s:i, s:s, s:i, s:s, s:b}", "split", v->split,
-                                          "stage", v->output.name, "batch", batch, "by",
-                                          by_operator ? "operator" : "policy", "differs",
-                                          v->split != c->split));
+                                          "stage", v->output.name, "batch", ts.batch, "by",
+                                          ts.split_by_operator ? "operator" : "policy",
+                                          "differs", v->split != choice->split));
         hapi_view_put(v);
         if (j)
             json_object_set_new(j, "state", json_string("ready"));
     }
-    free(c);
+    free(choice);
     return j;
 }
 
@@ -284,10 +328,55 @@ static const char ctl_help[] =
     "#                 open files keep theirs, the next open sees the new shape\n"
     "#   batch N|auto  the storage-side batch\n"
     "#   link RATE     tell the policy the link's rate (e.g. 1Gbit); see .hapifs/policy\n"
-    "#   client_speed X, epochs N   the policy's other inputs\n";
+    "#   client_speed X, epochs N   the policy's other inputs\n"
+    "# a write that is refused fails (EINVAL, EBUSY, ...); reading the same open file\n"
+    "# then returns \"error: REASON\" (after a command that worked, \"ok\")\n";
+
+/* Takes text (malloc'd JSON without its newline) and makes a text object of it and a newline. */
+static hapi_ctl_text *text_of(char *text)
+{
+    if (!text)
+        return NULL;
+    size_t len = strlen(text);
+    if (len >= HAPI_CTL_SIZE_MAX)
+        len = HAPI_CTL_SIZE_MAX - 1; /* never longer than its stat says */
+    hapi_ctl_text *t = malloc(sizeof(*t) + len + 2);
+    if (t) {
+        atomic_init(&t->refs, 1);
+        t->len = len + 1;
+        memcpy(t->data, text, len);
+        memcpy(t->data + len, "\n", 2); /* so that `cat` leaves the prompt on its own line */
+    }
+    free(text);
+    return t;
+}
+
+hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name)
+{
+    json_t *j = NULL;
+    if (strcmp(name, "errors") == 0)
+        return text_of(hapi_error_ring_json(c->cfg.errors));
+    if (strcmp(name, HAPI_CTL_WRITABLE) == 0)
+        return hapi_ctl_text_new(ctl_help, sizeof(ctl_help) - 1);
+    if (strcmp(name, "config") == 0)
+        j = render_config(c);
+    else if (strcmp(name, "stats") == 0)
+        j = render_stats(c);
+    else if (strcmp(name, "profile") == 0)
+        j = render_profile(c);
+    else if (strcmp(name, "policy") == 0)
+        j = render_policy(c);
+    if (!j)
+        return NULL;
+    char *text = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(j);
+    return text_of(text);
+}
+
+/* -------------------------------------------------------------- commands */
 
 /* A path given to a command: relative to the mount, beneath it, existing in the source. */
-static int command_path(hapi_fs *fs, const char *word, char **out, hapi_error *err)
+static int command_path(hapi_ctl *c, const char *word, char **out, hapi_error *err)
 {
     while (*word == '/')
         word++;
@@ -301,7 +390,7 @@ static int command_path(hapi_fs *fs, const char *word, char **out, hapi_error *e
     while (len && path[len - 1] == '/')
         path[--len] = '\0';
     struct stat st;
-    if (hapi_fs_stat_beneath(fs->source_fd, path, &st) < 0) {
+    if (hapi_source_stat(c->cfg.source, path, &st) < 0) {
         free(path);
         return hapi_error_set(err, -ENOENT, "'%s': no such file or directory", word);
     }
@@ -309,8 +398,113 @@ static int command_path(hapi_fs *fs, const char *word, char **out, hapi_error *e
     return 0;
 }
 
+/* A module code as the errno a refused command returns: the layers' own codes are EINVAL. */
+static int command_errno(int rc, int otherwise)
+{
+    return rc > HAPI_ERRNO_BASE ? rc : otherwise;
+}
+
+static int cmd_warm(hapi_ctl *c, int n, char **words, hapi_error *err)
+{
+    char *path = NULL;
+    int rc = command_path(c, n == 2 ? words[1] : "", &path, err);
+    if (rc < 0)
+        return rc;
+    rc = hapi_warm_start(c->cfg.background, path);
+    free(path);
+    if (rc == -EBUSY)
+        return hapi_error_set(err, rc, "a warm-up is already running");
+    if (rc < 0)
+        return hapi_error_set(err, rc, "cannot start the warm-up: %s", hapi_strerror(rc));
+    return 0;
+}
+
+static int cmd_evict(hapi_ctl *c, int n, char **words, hapi_error *err)
+{
+    char *path = NULL;
+    int rc = command_path(c, n == 2 && strcmp(words[1], "all") != 0 ? words[1] : "", &path, err);
+    if (rc < 0)
+        return rc;
+    rc = hapi_serve_evict(c->cfg.serve, path, err);
+    if (rc >= 0)
+        hapi_log(HAPI_LOG_INFO, "evicted %d entries of '%s'", rc, path);
+    free(path);
+    return rc < 0 ? command_errno(rc, -EIO) : 0;
+}
+
+static int cmd_split(hapi_ctl *c, int n, char **words, hapi_error *err)
+{
+    (void)n;
+    int split, rc;
+    int automatic = strcmp(words[1], "auto") == 0;
+    if (automatic) {
+        hapi_policy_choice *choice = malloc(sizeof(*choice));
+        rc = choice ? hapi_tune_choose(c->cfg.tune, 0, NULL, choice, err)
+                    : hapi_error_set(err, -ENOMEM, "out of memory");
+        split = choice ? choice->split : 0;
+        free(choice);
+        if (rc < 0)
+            return rc == -EAGAIN ? rc : -EINVAL;
+    } else if ((split = hapi_extractor_parse_split(c->cfg.ex, words[1], err)) < 0) {
+        return -EINVAL;
+    }
+    rc = hapi_tune_set_split(c->cfg.tune, split, !automatic, err);
+    return rc < 0 ? command_errno(rc, -EINVAL) : 0;
+}
+
+static int cmd_batch(hapi_ctl *c, int n, char **words, hapi_error *err)
+{
+    (void)n;
+    char *end;
+    long b = strcmp(words[1], "auto") == 0 ? 0 : strtol(words[1], &end, 10);
+    if (strcmp(words[1], "auto") != 0 && (*end || b < 1 || b > HAPI_BATCH_MAX))
+        return hapi_error_set(err, -EINVAL, "usage: batch N|auto (N in 1..%d)", HAPI_BATCH_MAX);
+    int rc = hapi_tune_set_batch(c->cfg.tune, (int)b, err);
+    return rc < 0 ? command_errno(rc, -EINVAL) : 0;
+}
+
+/* link RATE, client_speed X, epochs N: the policy's inputs. */
+static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
+{
+    (void)n;
+    double value = 0;
+    char *end;
+    int which = strcmp(words[0], "link") == 0           ? HAPI_TUNE_LINK
+                : strcmp(words[0], "client_speed") == 0 ? HAPI_TUNE_CLIENT_SPEED
+                                                        : HAPI_TUNE_EPOCHS;
+    if (which == HAPI_TUNE_LINK) {
+        if (hapi_policy_parse_rate(words[1], &value, err) < 0)
+            return -EINVAL;
+    } else {
+        value = strtod(words[1], &end);
+        int is_epochs = which == HAPI_TUNE_EPOCHS;
+        if (*end || !(value > 0) || value > 1e6 || (is_epochs && value != (int)value))
+            return hapi_error_set(err, -EINVAL, "%s %s: expected a positive %s", words[0],
+                                  words[1], is_epochs ? "whole number" : "number");
+    }
+    hapi_tune_set_input(c->cfg.tune, which, value);
+    hapi_log(HAPI_LOG_INFO, "policy input %s = %s", words[0], words[1]);
+    return 0;
+}
+
+/* The commands ctl takes: name, words after it (min..max), usage, handler. */
+static const struct command {
+    const char *name;
+    int min, max;
+    const char *usage;
+    int (*run)(hapi_ctl *c, int n, char **words, hapi_error *err);
+} commands[] = {
+    { "warm", 0, 1, "warm [PATH]", cmd_warm },
+    { "evict", 0, 1, "evict [all|PATH]", cmd_evict },
+    { "split", 1, 1, "split N|NAME|auto", cmd_split },
+    { "batch", 1, 1, "batch N|auto", cmd_batch },
+    { "link", 1, 1, "link RATE", cmd_input },
+    { "client_speed", 1, 1, "client_speed VALUE", cmd_input },
+    { "epochs", 1, 1, "epochs VALUE", cmd_input },
+};
+
 /* Checks one line fully, then carries it out. */
-static int run_line(hapi_fs *fs, char *line, hapi_error *err)
+static int run_line(hapi_ctl *c, char *line, hapi_error *err)
 {
     char *words[4];
     int n = 0;
@@ -322,95 +516,20 @@ static int run_line(hapi_fs *fs, char *line, hapi_error *err)
     }
     if (n == 0)
         return 0;
-    if (strcmp(words[0], "warm") == 0) {
-        if (n > 2)
-            return hapi_error_set(err, -EINVAL, "usage: warm [PATH]");
-        char *path = NULL;
-        int rc = command_path(fs, n == 2 ? words[1] : "", &path, err);
-        if (rc < 0)
-            return rc;
-        rc = hapi_warm_start(fs, path);
-        free(path);
-        if (rc == -EBUSY)
-            return hapi_error_set(err, rc, "a warm-up is already running");
-        if (rc < 0)
-            return hapi_error_set(err, rc, "cannot start the warm-up: %s", hapi_strerror(rc));
-        return 0;
-    }
-    if (strcmp(words[0], "evict") == 0) {
-        if (n > 2)
-            return hapi_error_set(err, -EINVAL, "usage: evict [all|PATH]");
-        char *path = NULL;
-        int rc = command_path(fs, n == 2 && strcmp(words[1], "all") != 0 ? words[1] : "", &path,
-                              err);
-        if (rc < 0)
-            return rc;
-        rc = hapi_feat_evict(fs, path, err);
-        if (rc >= 0)
-            hapi_log(HAPI_LOG_INFO, "evicted %d entries of '%s'", rc, path);
-        free(path);
-        return rc < 0 ? (rc > HAPI_ERRNO_BASE ? rc : -EIO) : 0;
-    }
-    if (strcmp(words[0], "split") == 0) {
-        if (n != 2)
-            return hapi_error_set(err, -EINVAL, "usage: split N|NAME|auto");
-        int split;
-        if (strcmp(words[1], "auto") == 0) {
-            hapi_policy_choice *c = malloc(sizeof(*c));
-            int rc = c ? hapi_tune_choose(fs, 0, NULL, c, err)
-                       : hapi_error_set(err, -ENOMEM, "out of memory");
-            split = c ? c->split : 0;
-            free(c);
-            if (rc < 0)
-                return rc == -EAGAIN ? rc : -EINVAL;
-        } else if ((split = hapi_extractor_parse_split(fs->ex, words[1], err)) < 0) {
-            return -EINVAL;
-        }
-        int rc = hapi_tune_set_split(fs, split, strcmp(words[1], "auto") != 0, err);
-        return rc < 0 ? (rc > HAPI_ERRNO_BASE ? rc : -EINVAL) : 0;
-    }
-    if (strcmp(words[0], "batch") == 0) {
-        char *end;
-        long b = n == 2 && strcmp(words[1], "auto") != 0 ? strtol(words[1], &end, 10) : 0;
-        if (n != 2 || (strcmp(words[1], "auto") != 0 && (*end || b < 1 || b > HAPI_BATCH_MAX)))
-            return hapi_error_set(err, -EINVAL, "usage: batch N|auto (N in 1..%d)",
-                                  HAPI_BATCH_MAX);
-        int rc = hapi_tune_set_batch(fs, (int)b, err);
-        return rc < 0 ? (rc > HAPI_ERRNO_BASE ? rc : -EINVAL) : 0;
-    }
-    if (strcmp(words[0], "link") == 0 || strcmp(words[0], "client_speed") == 0 ||
-        strcmp(words[0], "epochs") == 0) {
-        if (n != 2)
-            return hapi_error_set(err, -EINVAL, "usage: %s VALUE", words[0]);
-        double value = 0;
-        char *end;
-        if (words[0][0] == 'l') {
-            if (hapi_policy_parse_rate(words[1], &value, err) < 0)
-                return -EINVAL;
-        } else {
-            value = strtod(words[1], &end);
-            int is_epochs = words[0][0] == 'e';
-            if (*end || !(value > 0) || value > 1e6 || (is_epochs && value != (int)value))
-                return hapi_error_set(err, -EINVAL, "%s %s: expected a positive %s", words[0],
-                                      words[1], is_epochs ? "whole number" : "number");
-        }
-        pthread_mutex_lock(&fs->tune.lock);
-        if (words[0][0] == 'l')
-            fs->tune.in.link_bps = value;
-        else if (words[0][0] == 'c')
-            fs->tune.in.client_speed = value;
-        else
-            fs->tune.in.epochs = (int)value;
-        pthread_mutex_unlock(&fs->tune.lock);
-        hapi_log(HAPI_LOG_INFO, "policy input %s = %s", words[0], words[1]);
-        return 0;
+    for (size_t i = 0; i < sizeof(commands) / sizeof(*commands); i++) {
+        const struct command *cmd = &commands[i];
+        if (strcmp(words[0], cmd->name) != 0)
+            continue;
+        if (n - 1 < cmd->min || n - 1 > cmd->max)
+            return hapi_error_set(err, -EINVAL, "usage: %s", cmd->usage);
+        return cmd->run(c, n, words, err);
     }
     return hapi_error_set(err, -EINVAL,
                           "unknown command '%s' (known: warm, evict, split, batch, link, "
                           "client_speed, epochs)", words[0]);
 }
 
-int hapi_ctl_command(hapi_fs *fs, const char *text, size_t len, hapi_error *err)
+int hapi_ctl_command(hapi_ctl *c, const char *text, size_t len, hapi_error *err)
 {
     if (len > HAPI_CTL_LINE_MAX)
         return hapi_error_set(err, -EINVAL, "command longer than %d bytes", HAPI_CTL_LINE_MAX);
@@ -424,46 +543,9 @@ int hapi_ctl_command(hapi_fs *fs, const char *text, size_t len, hapi_error *err)
         size_t l = strlen(line);
         if (l && line[l - 1] == '\r')
             line[l - 1] = '\0';
-        int rc = run_line(fs, line, err);
+        int rc = run_line(c, line, err);
         if (rc < 0)
             return rc;
     }
     return 0;
-}
-
-/* Appends a newline so that `cat` leaves the prompt on its own line. Takes text. */
-static char *with_newline(char *text)
-{
-    if (!text)
-        return NULL;
-    size_t len = strlen(text);
-    char *bigger = realloc(text, len + 2);
-    if (!bigger) {
-        free(text);
-        return NULL;
-    }
-    memcpy(bigger + len, "\n", 2);
-    return bigger;
-}
-
-char *hapi_ctl_render(hapi_fs *fs, const char *name)
-{
-    json_t *j = NULL;
-    if (strcmp(name, "errors") == 0)
-        return with_newline(hapi_error_ring_json(fs->errors));
-    if (strcmp(name, HAPI_CTL_WRITABLE) == 0)
-        return strdup(ctl_help);
-    if (strcmp(name, "config") == 0)
-        j = render_config(fs);
-    else if (strcmp(name, "stats") == 0)
-        j = render_stats(fs);
-    else if (strcmp(name, "profile") == 0)
-        j = render_profile(fs);
-    else if (strcmp(name, "policy") == 0)
-        j = render_policy(fs);
-    if (!j)
-        return NULL;
-    char *text = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
-    json_decref(j);
-    return with_newline(text);
 }

@@ -4,12 +4,10 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <linux/openat2.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/statvfs.h>
-#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -32,8 +30,14 @@
 #define ENTRY_TIMEOUT 1.0
 #define ATTR_TIMEOUT 1.0
 
-const char *const hapi_ctl_files[] = { "config", "stats", "errors", "profile", "policy",
-                                       HAPI_CTL_MODEL, HAPI_CTL_WRITABLE, NULL };
+/* What a node id names. */
+enum hapi_node_kind {
+    HAPI_NODE_DIR,
+    HAPI_NODE_FILE,     /* a regular source file passed through */
+    HAPI_NODE_FEAT,     /* x.jpg.feat, computed */
+    HAPI_NODE_CTL_DIR,  /* .hapifs */
+    HAPI_NODE_CTL_FILE  /* .hapifs/<name> */
+};
 
 /* ------------------------------------------------------------ node table */
 
@@ -89,8 +93,14 @@ static void node_table_free(struct node_table *t)
     free(t);
 }
 
-void hapi_fs_invalidate_feats(hapi_fs *fs)
+/*
+ * tune.c's split-change callback: tells the kernel to forget the attributes
+ * and pages of every .feat it may hold, so that the next open sees the new
+ * size and contents.
+ */
+static void invalidate_feats(void *arg)
 {
+    hapi_fs *fs = arg;
     struct node_table *t = fs->nodes;
     uint64_t *ids = NULL;
     size_t n = 0, cap = 0;
@@ -201,32 +211,9 @@ static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path)
 
 /* ------------------------------------------------------- the source tree */
 
-int hapi_fs_open_beneath(int root_fd, const char *path, int flags)
-{
-    struct open_how how = {
-        .flags = (uint64_t)(flags | O_CLOEXEC),
-        .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS,
-    };
-    /* glibc 2.36 has no openat2() wrapper. */
-    long fd = syscall(SYS_openat2, root_fd, *path ? path : ".", &how, sizeof(how));
-    if (fd < 0)
-        return errno == EXDEV ? -ENOENT : -errno;
-    return (int)fd;
-}
-
-int hapi_fs_stat_beneath(int root_fd, const char *path, struct stat *st)
-{
-    int fd = hapi_fs_open_beneath(root_fd, path, O_PATH);
-    if (fd < 0)
-        return fd;
-    int rc = fstat(fd, st) < 0 ? -errno : 0;
-    close(fd);
-    return rc;
-}
-
 static uint64_t node_id_for(const hapi_fs *fs, const struct stat *st, int feat)
 {
-    if (st->st_dev == fs->source_dev && st->st_ino < (1ull << 61))
+    if (st->st_dev == hapi_source_dev(fs->source) && st->st_ino < (1ull << 61))
         return (uint64_t)st->st_ino << 1 | (uint64_t)!!feat;
     uint64_t key[2] = { (uint64_t)st->st_dev, (uint64_t)st->st_ino };
     uint64_t h = XXH3_64bits(key, sizeof(key)) & ((1ull << 61) - 1);
@@ -270,7 +257,7 @@ static void source_attr(const hapi_fs *fs, const struct stat *src, uint64_t id, 
  */
 static void feat_attr(hapi_fs *fs, const struct stat *src, uint64_t id, struct stat *st)
 {
-    hapi_view *v = hapi_view_get(fs);
+    hapi_view *v = hapi_views_get(fs->views);
     uint64_t size = v ? v->feat_size : 0;
     hapi_view_put(v);
     *st = *src;
@@ -302,14 +289,22 @@ static int ctl_index(const char *name)
 /* The index in hapi_ctl_files of a control file's node id, or -1. */
 static int ctl_file_index(fuse_ino_t ino)
 {
-    int i = (int)((ino & ~CTL_BASE) - 2);
-    if (ino == CTL_DIR_ID || i < 0 ||
-        i >= (int)(sizeof(hapi_ctl_files) / sizeof(*hapi_ctl_files)) - 1)
+    uint64_t i = (ino & ~CTL_BASE) - 2;
+    if (ino == CTL_DIR_ID || (ino & ~CTL_BASE) < 2)
         return -1;
-    return i;
+    for (uint64_t k = 0; hapi_ctl_files[k]; k++)
+        if (k == i)
+            return (int)i;
+    return -1;
 }
 
-/* A control file's size is that of its content now; reads use direct I/O anyway. */
+/*
+ * A control file's content is made when it is opened and read with direct
+ * I/O, so a stat must not render it (a policy) or wait for it (a profile).
+ * Its size is the bound HAPI_CTL_SIZE_MAX, not 0 as in procfs: a reader
+ * through sshfs or NFS trusts the size and would read nothing. Reads end at
+ * the content's end; the kernel then takes that as the size.
+ */
 static void ctl_file_attr(hapi_fs *fs, int index, struct stat *st)
 {
     if (strcmp(hapi_ctl_files[index], HAPI_CTL_MODEL) == 0) {
@@ -323,15 +318,13 @@ static void ctl_file_attr(hapi_fs *fs, int index, struct stat *st)
         st->st_nlink = 1;
         return;
     }
-    char *text = hapi_ctl_render(fs, hapi_ctl_files[index]);
     memset(st, 0, sizeof(*st));
     st->st_ino = CTL_FILE_ID(index);
     st->st_mode = S_IFREG | (strcmp(hapi_ctl_files[index], HAPI_CTL_WRITABLE) == 0 ? 0644 : 0444);
     st->st_nlink = 1;
-    st->st_size = text ? (off_t)strlen(text) : 0;
+    st->st_size = HAPI_CTL_SIZE_MAX;
     st->st_mtim.tv_sec = time(NULL);
     st->st_ctim = st->st_atim = st->st_mtim;
-    free(text);
 }
 
 /*
@@ -395,7 +388,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
         free(image_name);
         if (!image)
             return -ENOMEM;
-        rc = hapi_fs_stat_beneath(fs->source_fd, image, &src);
+        rc = hapi_source_stat(fs->source, image, &src);
         if (rc == 0 && S_ISREG(src.st_mode)) {
             *kind = HAPI_NODE_FEAT;
             e->ino = node_id_for(fs, &src, 1);
@@ -404,7 +397,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
             return 0;
         }
         if (rc == -ENOENT)
-            hapi_feat_collect(fs, image); /* deleted: its features go too */
+            hapi_serve_collect(fs->serve, image); /* deleted: its features go too */
         free(image);
         /* Not a feature of an image: maybe a real file of that name. */
     }
@@ -412,7 +405,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
     char *child = join_path(parent_path, name);
     if (!child)
         return -ENOMEM;
-    rc = hapi_fs_stat_beneath(fs->source_fd, child, &src);
+    rc = hapi_source_stat(fs->source, child, &src);
     if (rc < 0)
         goto fail;
     if (S_ISDIR(src.st_mode)) {
@@ -510,9 +503,9 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         return;
     }
     if ((rc = node_get(fs, ino, &kind, &path)) < 0 ||
-        (rc = hapi_fs_stat_beneath(fs->source_fd, path, &src)) < 0) {
+        (rc = hapi_source_stat(fs->source, path, &src)) < 0) {
         if (rc == -ENOENT && path && kind == HAPI_NODE_FEAT)
-            hapi_feat_collect(fs, path);
+            hapi_serve_collect(fs->serve, path);
         fuse_reply_err(req, -rc);
         free(path);
         return;
@@ -580,63 +573,51 @@ static void dir_free(struct dir_handle *d)
     free(d);
 }
 
+struct list_walk {
+    hapi_fs *fs;
+    struct dir_handle *d;
+};
+
+/* One entry of a source directory as the mount shows it (a symlink as what it leads to). */
+static int list_one(const hapi_source_entry *e, void *arg)
+{
+    struct list_walk *w = arg;
+    hapi_fs *fs = w->fs;
+    struct stat st;
+    if (!strchr(e->path, '/') && strcmp(e->name, ".hapifs") == 0)
+        return 0; /* shadowed by the control directory */
+    if (S_ISDIR(e->st->st_mode)) {
+        source_attr(fs, e->st, node_id_for(fs, e->st, 0), &st);
+        return dir_add(w->d, e->name, "", HAPI_NODE_DIR, e->path, &st);
+    }
+    if (!e->is_image) {
+        source_attr(fs, e->st, node_id_for(fs, e->st, 0), &st);
+        return dir_add(w->d, e->name, "", HAPI_NODE_FILE, e->path, &st);
+    }
+    feat_attr(fs, e->st, node_id_for(fs, e->st, 1), &st);
+    int rc = dir_add(w->d, e->name, ".feat", HAPI_NODE_FEAT, e->path, &st);
+    if (rc == 0 && fs->opt->show_raw) {
+        source_attr(fs, e->st, node_id_for(fs, e->st, 0), &st);
+        rc = dir_add(w->d, e->name, "", HAPI_NODE_FILE, e->path, &st);
+    }
+    return rc;
+}
+
 /* Lists the source directory path as the mount shows it. */
 static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct dir_handle *d)
 {
-    int rc = 0;
-    int fd = hapi_fs_open_beneath(fs->source_fd, path, O_RDONLY | O_DIRECTORY);
-    if (fd < 0)
-        return fd;
-    DIR *dir = fdopendir(fd);
-    if (!dir) {
-        rc = -errno;
-        close(fd);
-        return rc;
-    }
-    if ((rc = dir_add_bare(d, ".", self, S_IFDIR)) < 0 ||
-        (rc = dir_add_bare(d, "..", FUSE_ROOT_ID, S_IFDIR)) < 0)
-        goto out;
-    for (;;) {
-        errno = 0;
-        struct dirent *de = readdir(dir);
-        if (!de) {
-            rc = errno ? -errno : 0;
-            break;
-        }
-        const char *name = de->d_name;
-        if (strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
-            continue;
-        if (!*path && strcmp(name, ".hapifs") == 0)
-            continue; /* shadowed by the control directory */
-        /* A symlink counts as what it leads to, if that is beneath the root. */
-        struct stat src, st;
-        char *child = join_path(path, name);
-        if (!child) {
-            rc = -ENOMEM;
-            break;
-        }
-        if (hapi_fs_stat_beneath(fs->source_fd, child, &src) == 0) {
-            if (S_ISDIR(src.st_mode)) {
-                source_attr(fs, &src, node_id_for(fs, &src, 0), &st);
-                rc = dir_add(d, name, "", HAPI_NODE_DIR, child, &st);
-            } else if (S_ISREG(src.st_mode) && hapi_image_name_is_image(name)) {
-                feat_attr(fs, &src, node_id_for(fs, &src, 1), &st);
-                rc = dir_add(d, name, ".feat", HAPI_NODE_FEAT, child, &st);
-                if (rc == 0 && fs->opt->show_raw) {
-                    source_attr(fs, &src, node_id_for(fs, &src, 0), &st);
-                    rc = dir_add(d, name, "", HAPI_NODE_FILE, child, &st);
-                }
-            } else if (S_ISREG(src.st_mode)) {
-                source_attr(fs, &src, node_id_for(fs, &src, 0), &st);
-                rc = dir_add(d, name, "", HAPI_NODE_FILE, child, &st);
-            }
-        }
-        free(child);
-        if (rc < 0)
-            break;
-    }
-out:
-    closedir(dir);
+    struct stat st;
+    int rc = hapi_source_stat(fs->source, path, &st);
+    if (rc == 0 && !S_ISDIR(st.st_mode))
+        rc = -ENOTDIR;
+    if (rc == 0)
+        rc = dir_add_bare(d, ".", self, S_IFDIR);
+    if (rc == 0)
+        rc = dir_add_bare(d, "..", FUSE_ROOT_ID, S_IFDIR);
+    struct list_walk w = { fs, d };
+    if (rc == 0)
+        rc = hapi_source_walk(fs->source, path, HAPI_WALK_STAT | HAPI_WALK_ALL, NULL, list_one,
+                              &w);
     return rc;
 }
 
@@ -683,40 +664,17 @@ fail:
     fuse_reply_err(req, -rc);
 }
 
-static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
-                       struct fuse_file_info *fi)
-{
-    struct dir_handle *d = (struct dir_handle *)(uintptr_t)fi->fh;
-    (void)ino;
-    char *buf = malloc(size);
-    if (!buf) {
-        fuse_reply_err(req, ENOMEM);
-        return;
-    }
-    size_t used = 0;
-    for (size_t i = (size_t)off; i < d->count; i++) {
-        size_t need = fuse_add_direntry(req, buf + used, size - used, d->entries[i].name,
-                                        &d->entries[i].attr, (off_t)(i + 1));
-        if (need > size - used)
-            break;
-        used += need;
-    }
-    fuse_reply_buf(req, buf, used);
-    free(buf);
-}
-
 /*
- * readdirplus: names with their attributes, so a listing is not followed by
- * a lookup per file. Each entry returned (but "." and "..") counts as a
- * lookup, so it is entered in the node table first, and taken out again if
- * it does not fit in the reply.
+ * readdir and readdirplus. With plus, names come with their attributes, so a
+ * listing is not followed by a lookup per file; each entry returned (but "."
+ * and "..") then counts as a lookup, so it is entered in the node table
+ * first, and taken out again if it does not fit in the reply.
  */
-static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
-                           struct fuse_file_info *fi)
+static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_info *fi,
+                       int plus)
 {
     hapi_fs *fs = fuse_req_userdata(req);
     struct dir_handle *d = (struct dir_handle *)(uintptr_t)fi->fh;
-    (void)ino;
     char *buf = malloc(size);
     if (!buf) {
         fuse_reply_err(req, ENOMEM);
@@ -725,6 +683,15 @@ static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t of
     size_t used = 0;
     for (size_t i = (size_t)off; i < d->count; i++) {
         struct dir_entry *de = &d->entries[i];
+        size_t need;
+        if (!plus) {
+            need = fuse_add_direntry(req, buf + used, size - used, de->name, &de->attr,
+                                     (off_t)(i + 1));
+            if (need > size - used)
+                break;
+            used += need;
+            continue;
+        }
         struct fuse_entry_param e = { 0 };
         e.attr = de->attr;
         int counted = 0;
@@ -738,8 +705,7 @@ static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t of
                 counted = 1;
             }
         }
-        size_t need = fuse_add_direntry_plus(req, buf + used, size - used, de->name, &e,
-                                             (off_t)(i + 1));
+        need = fuse_add_direntry_plus(req, buf + used, size - used, de->name, &e, (off_t)(i + 1));
         if (need > size - used) {
             if (counted)
                 node_unref(fs->nodes, e.ino, 1);
@@ -749,6 +715,20 @@ static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t of
     }
     fuse_reply_buf(req, buf, used);
     free(buf);
+}
+
+static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                       struct fuse_file_info *fi)
+{
+    (void)ino;
+    do_readdir(req, size, off, fi, 0);
+}
+
+static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                           struct fuse_file_info *fi)
+{
+    (void)ino;
+    do_readdir(req, size, off, fi, 1);
 }
 
 static void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -765,8 +745,14 @@ struct open_file {
     char *path;            /* the source image (FEAT) */
     hapi_source_id id;     /* its identity when opened */
     hapi_view *view;       /* the split it was opened at (FEAT) */
-    char *text;            /* control file content */
-    size_t text_len;
+    /*
+     * A control file's content, made at open; for ctl, replaced by the
+     * outcome of each write ("ok" or "error: REASON"), so that the writer
+     * reads why its command was refused. Under lock: a read takes a
+     * reference and replies from it, even if the handle is released meanwhile.
+     */
+    pthread_mutex_t lock;
+    hapi_ctl_text *text;
 };
 
 static void open_file_free(struct open_file *h)
@@ -776,8 +762,9 @@ static void open_file_free(struct open_file *h)
     if (h->fd >= 0)
         close(h->fd);
     free(h->path);
-    free(h->text);
+    hapi_ctl_text_put(h->text);
     hapi_view_put(h->view);
+    pthread_mutex_destroy(&h->lock);
     free(h);
 }
 
@@ -795,6 +782,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         goto fail;
     }
     h->fd = -1;
+    pthread_mutex_init(&h->lock, NULL);
     if (ino & CTL_BASE) {
         int i = ctl_file_index(ino);
         if (ino == CTL_DIR_ID) {
@@ -823,12 +811,11 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
             goto done;
         }
         h->kind = HAPI_NODE_CTL_FILE;
-        h->text = hapi_ctl_render(fs, hapi_ctl_files[i]);
+        h->text = hapi_ctl_render(fs->ctl, hapi_ctl_files[i]);
         if (!h->text) {
             rc = -ENOMEM;
             goto fail;
         }
-        h->text_len = strlen(h->text);
         fi->direct_io = 1; /* the content is made at open; its size is not known before */
         goto done;
     }
@@ -845,13 +832,13 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     h->kind = kind;
     if (kind == HAPI_NODE_FEAT) {
         /* The source is read when the features are computed; here it must only exist. */
-        if ((rc = hapi_feat_identity(fs, path, &h->id)) < 0) {
+        if ((rc = hapi_source_identity(fs->source, path, &h->id)) < 0) {
             if (rc == -ENOENT)
-                hapi_feat_collect(fs, path);
+                hapi_serve_collect(fs->serve, path);
             goto fail;
         }
         /* The file keeps this split until it is closed, whatever happens meanwhile. */
-        if (!(h->view = hapi_view_get(fs))) {
+        if (!(h->view = hapi_views_get(fs->views))) {
             rc = -ENODEV;
             goto fail;
         }
@@ -860,7 +847,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         /* Features are immutable for a given source identity and namespace. */
         fi->keep_cache = 1;
     } else {
-        rc = hapi_fs_open_beneath(fs->source_fd, path, O_RDONLY);
+        rc = hapi_source_open_beneath(fs->source, path, O_RDONLY);
         if (rc < 0)
             goto fail;
         h->fd = rc;
@@ -876,6 +863,26 @@ fail:
     fuse_reply_err(req, -rc);
 }
 
+/* A .feat read: the bytes come from serve.c into a buffer of ours, then the reply. */
+#define FEAT_STACK_BUF 16384
+
+static void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off)
+{
+    char stack_buf[FEAT_STACK_BUF];
+    char *buf = size <= sizeof(stack_buf) ? stack_buf : malloc(size);
+    if (!buf) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    ssize_t n = hapi_serve_read(fs->serve, h->view, h->path, &h->id, buf, size, off);
+    if (n < 0)
+        fuse_reply_err(req, hapi_fs_errno((int)n)); /* serve.c has recorded why */
+    else
+        fuse_reply_buf(req, buf, (size_t)n);
+    if (buf != stack_buf)
+        free(buf);
+}
+
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                     struct fuse_file_info *fi)
 {
@@ -885,22 +892,28 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 
     switch (h->kind) {
     case HAPI_NODE_FEAT:
-        hapi_feat_read(req, h->view, h->path, &h->id, size, off);
+        read_feat(req, fs, h, size, off);
         return;
-    case HAPI_NODE_CTL_FILE:
-        if ((size_t)off >= h->text_len)
+    case HAPI_NODE_CTL_FILE: {
+        /* The reply is written from a reference of our own: the handle may go meanwhile. */
+        pthread_mutex_lock(&h->lock);
+        hapi_ctl_text *text = hapi_ctl_text_ref(h->text);
+        pthread_mutex_unlock(&h->lock);
+        if ((size_t)off >= text->len)
             fuse_reply_buf(req, NULL, 0);
         else
-            fuse_reply_buf(req, h->text + off,
-                           h->text_len - (size_t)off < size ? h->text_len - (size_t)off : size);
+            fuse_reply_buf(req, text->data + off,
+                           text->len - (size_t)off < size ? text->len - (size_t)off : size);
+        hapi_ctl_text_put(text);
         return;
+    }
     default: {
         /* Passthrough: let the kernel splice from the source file where it can. */
         struct fuse_bufvec buf = FUSE_BUFVEC_INIT(size);
         buf.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK;
         buf.buf[0].fd = h->fd;
         buf.buf[0].pos = off;
-        atomic_fetch_add(&fs->stats.passthrough_bytes, size);
+        hapi_serve_note_passthrough(fs->serve, size);
         fuse_reply_data(req, &buf, FUSE_BUF_SPLICE_MOVE);
         return;
     }
@@ -919,7 +932,7 @@ static void op_statfs(fuse_req_t req, fuse_ino_t ino)
     hapi_fs *fs = fuse_req_userdata(req);
     struct statvfs sv;
     (void)ino;
-    if (fstatvfs(fs->source_fd, &sv) < 0) {
+    if (fstatvfs(hapi_source_root_fd(fs->source), &sv) < 0) {
         fuse_reply_err(req, errno);
         return;
     }
@@ -950,6 +963,23 @@ static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to
     fuse_reply_err(req, EROFS);
 }
 
+/* Sets what a read of the ctl handle h returns now: the outcome of its last write. */
+static void set_outcome(struct open_file *h, int rc, const char *reason)
+{
+    char line[512];
+    int len = rc < 0 ? snprintf(line, sizeof(line), "error: %s\n", reason)
+                     : snprintf(line, sizeof(line), "ok\n");
+    hapi_ctl_text *text = hapi_ctl_text_new(line, len < (int)sizeof(line) ? (size_t)len
+                                                                           : sizeof(line) - 1);
+    if (!text)
+        return; /* the write's own result still says it failed */
+    pthread_mutex_lock(&h->lock);
+    hapi_ctl_text *old = h->text;
+    h->text = text;
+    pthread_mutex_unlock(&h->lock);
+    hapi_ctl_text_put(old);
+}
+
 static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
                      struct fuse_file_info *fi)
 {
@@ -962,11 +992,12 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
         return;
     }
     /* Each write carries whole command lines; a failed one changes nothing. */
-    int rc = hapi_ctl_command(fs, buf, size, &err);
+    int rc = hapi_ctl_command(fs->ctl, buf, size, &err);
+    set_outcome(h, rc, err.message);
     if (rc < 0) {
-        /* logged, and in .hapifs/errors where hapifs-ctl finds why it was refused */
+        /* logged, and kept in .hapifs/errors */
         hapi_error_ring_add(fs->errors, ".hapifs/ctl", rc, err.message);
-        fuse_reply_err(req, -rc);
+        fuse_reply_err(req, hapi_fs_errno(rc));
         return;
     }
     fuse_reply_write(req, size);
@@ -1069,24 +1100,17 @@ const struct fuse_lowlevel_ops hapi_fs_ops = {
 
 int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
 {
-    struct stat st;
     int rc;
 
     memset(fs, 0, sizeof(*fs));
     fs->opt = opt;
-    fs->source_fd = -1;
     /* The model file as loaded, for .hapifs/model, even if the path is replaced later. */
     fs->model_fd = open(opt->model, O_RDONLY | O_CLOEXEC);
     fs->started_ns = hapi_now_ns();
     fs->started_realtime = time(NULL);
 
-    fs->source_fd = open(opt->source, O_PATH | O_DIRECTORY | O_CLOEXEC);
-    if (fs->source_fd < 0 || fstat(fs->source_fd, &st) < 0) {
-        rc = hapi_error_set(err, -errno, "source %s: %s", opt->source, strerror(errno));
+    if ((rc = hapi_source_open(opt->source, &fs->source, err)) < 0)
         goto fail;
-    }
-    fs->source_dev = st.st_dev;
-
     hapi_extractor_config cfg = {
         .model_path = opt->model,
         .split = opt->split,
@@ -1100,73 +1124,76 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     };
     if ((rc = hapi_extractor_open(&cfg, &fs->ex, err)) < 0)
         goto fail;
-
     hapi_cache_options copt = { .max_bytes = opt->cache_size, .reset = opt->cache_reset };
     if ((rc = hapi_cache_open(opt->cache_dir, &copt, &fs->cache, err)) < 0)
         goto fail;
-
-    /* A namespace covers everything that changes the bytes of a feature: this and the split. */
-    const hapi_preprocess *pp = hapi_extractor_preprocess(fs->ex);
-    snprintf(fs->ns_desc, sizeof(fs->ns_desc),
-             "mode=%d resize=%d crop=%d mean=%.9g,%.9g,%.9g std=%.9g,%.9g,%.9g", pp->mode,
-             pp->resize, pp->crop, pp->mean[0], pp->mean[1], pp->mean[2], pp->std[0], pp->std[1],
-             pp->std[2]);
-    /* bf16 features differ from fp32 ones in their last digits: a namespace of their own. The
-       fp32 description stays as it was, so existing caches keep their features. */
-    if (opt->precision == HAPI_PRECISION_BF16)
-        strncat(fs->ns_desc, " precision=bf16", sizeof(fs->ns_desc) - strlen(fs->ns_desc) - 1);
-    /* The split asked for must make an .npy before the mount is promised. */
-    const hapi_stage_info *out = hapi_extractor_output(fs->ex);
-    char header[HAPI_NPY_HEADER_MAX];
-    if ((rc = hapi_npy_header(header, opt->dtype, out->shape, out->ndim)) < 0) {
-        hapi_error_set(err, rc, "cannot describe the output of stage %s as .npy", out->name);
-        goto fail;
-    }
-
-    pthread_mutex_init(&fs->view_lock, NULL);
-    pthread_cond_init(&fs->view_cond, NULL);
-    fs->view_ready_init = 1;
     fs->nodes = node_table_new();
     fs->errors = hapi_error_ring_new();
     if (!fs->nodes || !fs->errors) {
         rc = hapi_error_set(err, -ENOMEM, "out of memory");
         goto fail;
     }
-    if ((rc = hapi_feat_start(fs, err)) < 0)
+    if ((rc = hapi_views_new(fs->ex, opt->dtype, opt->precision, &fs->views, err)) < 0)
+        goto fail;
+    hapi_serve_config scfg = {
+        .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
+        .errors = fs->errors, .batch_wait_us = opt->batch_wait_us,
+        .decode_threads = opt->decode_threads, .mem_budget = opt->mem_budget,
+    };
+    if ((rc = hapi_serve_new(&scfg, &fs->serve, err)) < 0)
+        goto fail;
+    hapi_background_config bcfg = {
+        .source = fs->source, .cache = fs->cache, .views = fs->views, .serve = fs->serve,
+        .prefetch = opt->prefetch, .cache_size = opt->cache_size, .warm = opt->warm,
+    };
+    if ((rc = hapi_background_start(&bcfg, &fs->background, err)) < 0)
         goto fail;
     /* The split and batch are chosen in the background; .feat operations wait for them. */
-    if ((rc = hapi_tune_start(fs, err)) < 0)
+    hapi_tune_config tcfg = {
+        .opt = opt, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
+        .serve = fs->serve, .background = fs->background, .on_split_change = invalidate_feats,
+        .arg = fs,
+    };
+    if ((rc = hapi_tune_start(&tcfg, &fs->tune, err)) < 0)
         goto fail;
+    hapi_ctl_config ccfg = {
+        .opt = opt, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
+        .serve = fs->serve, .background = fs->background, .tune = fs->tune,
+        .errors = fs->errors, .started_ns = fs->started_ns,
+    };
+    if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0) {
+        hapi_error_set(err, rc, "out of memory");
+        goto fail;
+    }
     return 0;
 fail:
     hapi_fs_destroy(fs);
     return rc;
 }
 
+/*
+ * From the top: the policy thread first (it makes views and tells the
+ * background the tree's size), then no view may come any more (a warm-up
+ * waiting for the first goes), the background threads, and the rest.
+ */
 void hapi_fs_destroy(hapi_fs *fs)
 {
     if (!fs->opt)
         return; /* never set up, or destroyed already */
-    if (fs->view_ready_init)
-        hapi_tune_stop(fs);
-    hapi_feat_stop(fs);
-    if (fs->view_ready_init) {
-        hapi_view_put(fs->view);
-        fs->view = NULL;
-    }
+    hapi_ctl_free(fs->ctl);
+    hapi_tune_stop(fs->tune);
+    if (fs->views)
+        hapi_views_stop(fs->views);
+    hapi_background_stop(fs->background);
+    hapi_views_free(fs->views); /* the batchers go with the views, before serve */
+    hapi_serve_free(fs->serve);
     node_table_free(fs->nodes);
     hapi_error_ring_free(fs->errors);
     hapi_cache_close(fs->cache);
     hapi_extractor_close(fs->ex);
-    if (fs->source_fd >= 0)
-        close(fs->source_fd);
+    hapi_source_close(fs->source);
     if (fs->model_fd >= 0)
         close(fs->model_fd);
+    memset(fs, 0, sizeof(*fs));
     fs->model_fd = -1;
-    fs->nodes = NULL;
-    fs->errors = NULL;
-    fs->cache = NULL;
-    fs->ex = NULL;
-    fs->source_fd = -1;
-    fs->opt = NULL;
 }

@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <sys/types.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <fuse_lowlevel.h>
@@ -18,8 +19,6 @@
 #include "policy.h"
 
 /* ----------------------------------------------------------------- options */
-
-enum hapi_prefetch_mode { HAPI_PREFETCH_OFF = 0, HAPI_PREFETCH_DIR = 1 };
 
 /* Everything the command line says, validated. Strings are owned (malloc). */
 typedef struct hapi_fs_options {
@@ -97,40 +96,121 @@ void hapi_error_ring_add(hapi_error_ring *r, const char *path, int code, const c
 /* A JSON text {"count": N, "errors": [...]} (malloc'd, caller frees), or NULL. */
 char *hapi_error_ring_json(hapi_error_ring *r);
 
-/* --------------------------------------------------------------- filesystem */
+/*
+ * ------------------------------------------------------------------ layers
+ *
+ * The daemon is built in layers that call one way only, from the top down:
+ *
+ *   fs.c          FUSE operations and the node table; the only file that
+ *                 replies to the kernel and maps codes to errno
+ *   ctl.c         the .hapifs/ control files and the table of commands
+ *   tune.c        profile, policy, live split and batch changes
+ *   background.c  warm-up walker, directory prefetch, cache keeper
+ *   serve.c       the bytes of a .feat read: cache lookup or computation
+ *                 through the view's batcher; the batcher's load and sink
+ *   view.c        what a .feat is at one split; the current view
+ *   source.c      the source tree: beneath-the-root opens, identities,
+ *                 whole-file loads, the one tree walker
+ *
+ * Each layer owns its struct (opaque to the others), its locks and its
+ * start/stop; it is given borrowed pointers to the layers below when made and
+ * never sees the ones above. Two calls go up, both through callbacks the
+ * upper layer registers: serve tells background of a miss (prefetch), tune
+ * tells fs of a split change (kernel invalidation).
+ *
+ * Lock order (a thread holding one may take only those after it):
+ *   tune.switch_lock      one split change at a time, held through it
+ *   background warm.lock  starting, pausing and joining the warm-up walker
+ *   tune.lock             the profile and the policy's inputs
+ *   views.lock            the current view (leaf but for view refcounts)
+ *   the batcher's and the cache's own locks (extractor/, cache/)
+ *   leaves, never held while taking another: background prefetch.lock and
+ *   keeper.lock, fs's node table lock, a ctl handle's lock, the error ring's
+ *   lock, the log's lock.
+ * Joining a thread while holding a lock is allowed only for warm.lock (the
+ * walker takes none of the locks above it).
+ */
 
-enum hapi_node_kind {
-    HAPI_NODE_DIR,
-    HAPI_NODE_FILE,     /* a regular source file passed through */
-    HAPI_NODE_FEAT,     /* x.jpg.feat, computed */
-    HAPI_NODE_CTL_DIR,  /* .hapifs */
-    HAPI_NODE_CTL_FILE  /* .hapifs/<name> */
-};
-
-/* Counters for .hapifs/stats; all atomic. */
-typedef struct hapi_fs_stats {
-    atomic_uint_fast64_t feat_reads;      /* read requests on .feat files */
-    atomic_uint_fast64_t feat_bytes;      /* bytes replied from .feat files */
-    atomic_uint_fast64_t hits;            /* cache hits */
-    atomic_uint_fast64_t misses;          /* cache misses */
-    atomic_uint_fast64_t computed;        /* samples computed */
-    atomic_uint_fast64_t errors;          /* .feat reads that failed (a kernel retry counts again) */
-    atomic_uint_fast64_t cache_put_failures;
-    atomic_uint_fast64_t hit_ns;          /* time in cache lookups that hit */
-    atomic_uint_fast64_t passthrough_bytes;
-    atomic_uint_fast64_t stale;           /* lookups that found an older version's features */
-    atomic_uint_fast64_t bad;             /* lookups that found damaged entries */
-    atomic_uint_fast64_t collected;       /* entries of deleted sources removed */
-} hapi_fs_stats;
+/* ------------------------------------------------------------ source.c */
 
 /*
- * What the .feat files are at one split: the namespace, the .npy header, the
- * size, and the batcher that computes them. A read keeps the view it opened
- * the file with, so a live split change never mixes two shapes in one open
- * file; the view goes when its last user puts it.
+ * The source tree, opened once: every path is relative to its root ("" is
+ * the root) and resolved beneath it (symlinks may not leave it, magic links
+ * are refused). Immutable after open; every function is thread-safe.
+ */
+typedef struct hapi_source hapi_source;
+
+/* Opens root (a directory). Returns 0, or -errno with err; *out is NULL on failure. */
+int hapi_source_open(const char *root, hapi_source **out, hapi_error *err);
+/* Closes it. Accepts NULL. */
+void hapi_source_close(hapi_source *s);
+
+/* The root's O_PATH descriptor (owned by s) and device. */
+int hapi_source_root_fd(const hapi_source *s);
+dev_t hapi_source_dev(const hapi_source *s);
+
+/*
+ * Opens path beneath the root with openat(2) flags. Returns an fd (the
+ * caller closes it) or -errno; a path that would leave the root is -ENOENT.
+ */
+int hapi_source_open_beneath(const hapi_source *s, const char *path, int flags);
+
+/* stat() of path beneath the root, following symlinks that stay beneath it. Returns 0 or -errno. */
+int hapi_source_stat(const hapi_source *s, const char *path, struct stat *st);
+
+/* The identity (size, times, inode) that st describes. */
+void hapi_source_identity_of(const struct stat *st, hapi_source_id *id);
+
+/* The identity of the regular file path. Returns 0, -EINVAL (not a regular file) or -errno. */
+int hapi_source_identity(const hapi_source *s, const char *path, hapi_source_id *id);
+
+/*
+ * Reads the whole file path into *data (malloc'd, the caller frees; *size
+ * bytes), with in *id (may be NULL) the identity it had throughout the read:
+ * a file changed while being read is read again (three tries, then -EAGAIN).
+ * Returns 0 or < 0 with err; *data is NULL on failure.
+ */
+int hapi_source_load(const hapi_source *s, const char *path, void **data, size_t *size,
+                     hapi_source_id *id, hapi_error *err);
+
+/* What hapi_source_walk() calls its function with; valid during the call only. */
+typedef struct hapi_source_entry {
+    const char *path;        /* relative to the root */
+    const char *name;        /* the last component of path */
+    int is_image;            /* an image name (hapi_image_name_is_image) */
+    const struct stat *st;   /* with HAPI_WALK_STAT: what path leads to; else NULL */
+} hapi_source_entry;
+
+enum hapi_walk_flags {
+    HAPI_WALK_RECURSE = 1,  /* descend into directories, depth first */
+    HAPI_WALK_STAT = 2,     /* stat every entry; those that cannot be are skipped */
+    HAPI_WALK_ALL = 4,      /* call fn for every directory and regular file, not only images */
+};
+
+/*
+ * Calls fn for the entries of directory dir ("" = the root): without
+ * HAPI_WALK_ALL only for images (by name and, with HAPI_WALK_STAT, a regular
+ * file), with it for every directory and regular file too. Stops when fn
+ * returns < 0 (that code is returned) or *stop (may be NULL) is set. Returns
+ * 0 or < 0; a dir that is not a directory is empty (0).
+ */
+int hapi_source_walk(const hapi_source *s, const char *dir, int flags, atomic_int *stop,
+                     int (*fn)(const hapi_source_entry *e, void *arg), void *arg);
+
+/* LMDB's cost of one cache entry beyond its features (keys, LRU records, page slack). */
+#define HAPI_CACHE_ENTRY_OVERHEAD 2048
+
+/* -------------------------------------------------------------- view.c */
+
+/*
+ * What the .feat files are at one split: the namespace, the .npy header,
+ * the size, and the batcher that computes them. Every field is fixed before
+ * the view is shared (the batcher is attached by serve.c, which made it);
+ * only refs changes after. A read keeps the view it opened the file with,
+ * so a live split change never mixes two shapes in one open file; the view
+ * goes when its last user puts it.
  */
 typedef struct hapi_view {
-    struct hapi_fs *fs;
     atomic_int refs;
     int split;                   /* stages [0, split) */
     hapi_stage_info output;      /* of stage split - 1 */
@@ -140,93 +220,354 @@ typedef struct hapi_view {
     size_t npy_header_len;
     size_t sample_bytes;
     uint64_t feat_size;          /* header + data */
-    hapi_batcher *batcher;
     uint64_t serial;             /* 1, 2, ... in order of creation */
+    hapi_batcher *batcher;       /* freed with the view */
+    void *batcher_ctx;           /* the batcher's context, freed (free()) after it */
 } hapi_view;
 
-/* LMDB's cost of one cache entry beyond its features (keys, LRU records, page slack). */
-#define HAPI_CACHE_ENTRY_OVERHEAD 2048
+/* The holder of the current view. Thread-safe. */
+typedef struct hapi_views hapi_views;
 
-/* The mounted filesystem: one per daemon, passed to every handler as userdata. */
-typedef struct hapi_fs {
-    hapi_fs_options *opt;
-    int source_fd;               /* O_PATH of the source root */
-    int model_fd;                /* the model file loaded (read-only), -1 if unreadable */
-    dev_t source_dev;
+/*
+ * Makes the holder for features of ex's model in dtype (enum hapi_dtype),
+ * computed in precision (enum hapi_precision), with no current view. Checks
+ * that ex's split makes an .npy. Returns 0 or < 0 with err. ex must outlive it.
+ */
+int hapi_views_new(hapi_extractor *ex, int dtype, int precision, hapi_views **out,
+                   hapi_error *err);
+/* Frees the holder and puts the current view. Accepts NULL. */
+void hapi_views_free(hapi_views *vs);
+
+/*
+ * The namespace of split: everything that changes the bytes of a feature
+ * (model digest, split, dtype, preprocessing, precision).
+ */
+void hapi_views_namespace(const hapi_views *vs, int split, hapi_cache_namespace *ns);
+
+/*
+ * Describes the .feat files at split in a new view (one reference, no
+ * batcher yet, not current). Returns 0 or HAPI_EINVAL / -ENOMEM with err.
+ */
+int hapi_view_new(hapi_views *vs, int split, hapi_view **out, hapi_error *err);
+
+/* The current view with a reference, waiting while there is none yet; NULL once stopped. */
+hapi_view *hapi_views_get(hapi_views *vs);
+/* The current view with a reference, or NULL if there is none; never waits. */
+hapi_view *hapi_views_peek(hapi_views *vs);
+/*
+ * Makes v current, taking over the caller's reference, and returns the
+ * previous current view with its reference (NULL for the first). v NULL
+ * means there will be nothing to serve: waiters get NULL, as after stop.
+ */
+hapi_view *hapi_views_swap(hapi_views *vs, hapi_view *v);
+/* No view will come any more: wakes every hapi_views_get() waiter with NULL. */
+void hapi_views_stop(hapi_views *vs);
+
+/* Adds a reference. */
+void hapi_view_ref(hapi_view *v);
+/* Drops one; the last frees the view and its batcher. Accepts NULL. */
+void hapi_view_put(hapi_view *v);
+
+/* ------------------------------------------------------------- serve.c */
+
+/* Counters of the serving path; all cumulative since the mount. */
+typedef struct hapi_serve_stats {
+    uint64_t feat_reads;      /* read requests on .feat files */
+    uint64_t feat_bytes;      /* bytes returned */
+    uint64_t hits, misses;
+    uint64_t computed;        /* samples computed and handed to the cache */
+    uint64_t errors;          /* reads that failed (a kernel retry counts again) */
+    uint64_t cache_put_failures;
+    uint64_t hit_ns;          /* time in cache lookups that hit */
+    uint64_t stale;           /* lookups that found an older version's features */
+    uint64_t bad;             /* lookups that found damaged entries */
+    uint64_t collected;       /* entries of deleted sources removed */
+    uint64_t passthrough_bytes; /* asked of source files shown as they are */
+    uint64_t completed[HAPI_PRIORITY_COUNT]; /* results (computed or failed) by origin */
+    uint64_t origin_computed[HAPI_PRIORITY_COUNT]; /* computed, by who asked first */
+} hapi_serve_stats;
+
+/* What serving needs: borrowed, all must outlive it. */
+typedef struct hapi_serve_config {
+    hapi_source *source;
     hapi_extractor *ex;
     hapi_cache *cache;
-    char ns_desc[256];           /* the preprocessing part of every namespace */
-    struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
+    hapi_views *views;
+    hapi_error_ring *errors;   /* failed samples are recorded here */
+    int batch_wait_us;         /* how long a partial batch waits for more demand */
+    int decode_threads;
+    uint64_t mem_budget;       /* in-flight images and tensors, model included */
+} hapi_serve_config;
 
-    /* The current view: NULL until the policy has chosen the split. */
-    pthread_mutex_t view_lock;
-    pthread_cond_t view_cond;
-    hapi_view *view;
-    int view_stopping;
+typedef struct hapi_serve hapi_serve;
 
-    /* The profile, the policy's inputs and its choice; guarded by tune.lock. */
-    struct {
-        pthread_mutex_t lock;
-        pthread_mutex_t switch_lock; /* one split change at a time */
-        pthread_t thread;         /* measures, counts, chooses at mount */
-        int running;
-        int state;                /* 0 measuring, 1 ready, < 0 failed (code) */
-        char error[256];
-        int reused;               /* the profile was read from the cache directory */
-        hapi_profile profile;
-        hapi_policy_input in;     /* without profile, cached[], samples: filled per use */
-        int split_by_operator;    /* the split was given (option or control command) */
-        int batch_auto;
-        int batch;                /* the batch set now */
-        double decode_ms, source_bytes;
-        int decode_samples;       /* images the decode cost was measured on */
-        atomic_uint_fast64_t images; /* images in the tree, once counted */
-        atomic_int counted;
-        atomic_int stop;
-        atomic_uint_fast64_t split_changes;
-    } tune;
-    int feat_started;
-    int view_ready_init;         /* view_lock and view_cond exist */
-    pthread_t keeper;             /* applies the cache's access log now and then */
-    int keeper_running;
-    pthread_mutex_t keeper_lock;
-    pthread_cond_t keeper_cond;
-    int keeper_stop;
-    struct {
-        pthread_mutex_t lock;     /* starting and joining the walker */
-        pthread_t thread;
-        int running;
-        char *root;               /* what is being warmed, relative to the source */
-        hapi_view *view;          /* the view it warms (a reference), set by the walker */
-        uint64_t started_ns;
-        atomic_int stop, counted, walked;
-        atomic_uint_fast64_t total;     /* images found (final once counted) */
-        atomic_uint_fast64_t cached;    /* already in the cache */
-        atomic_uint_fast64_t skipped;   /* vanished or unreadable during the walk */
-        atomic_uint_fast64_t submitted; /* handed to the batcher */
-        atomic_uint_fast64_t completed; /* finished by the batcher (computed or failed) */
-    } warm;
-    atomic_uint_fast64_t view_serial;
-    struct {
-        pthread_mutex_t lock;     /* the queue and the set of directories seen */
-        pthread_cond_t cond;
-        pthread_t thread;
-        int ready, running;
-        atomic_int stop;          /* set under lock; read by the walker and its throttle */
-        struct prefetch_dir *head, *tail;
-        uint64_t *seen;           /* hashes of (directory, view) queued once */
-        size_t seen_size, seen_count;
-        int off_split;            /* split at which "prefetch is off" was logged */
-        atomic_uint_fast64_t dirs;         /* directories walked */
-        atomic_uint_fast64_t pending_dirs; /* waiting for the walker */
-        atomic_uint_fast64_t submitted;    /* images handed to the batcher */
-        atomic_uint_fast64_t cached;       /* images found cached */
-        atomic_uint_fast64_t computed;     /* computed because prefetch asked first */
-        atomic_uint_fast64_t dropped;      /* directories not walked (cache too small, new view) */
-    } prefetch;
-    struct node_table *nodes;
+/* Makes the serving layer. Returns 0 or -ENOMEM with err. */
+int hapi_serve_new(const hapi_serve_config *cfg, hapi_serve **out, hapi_error *err);
+/* Frees it (every view made by it must be gone). Accepts NULL. */
+void hapi_serve_free(hapi_serve *s);
+
+/*
+ * Makes a view of split with its batcher started (not yet current).
+ * model_bytes is the memory the model itself takes at that split and batch
+ * (from the profile; 0 if unknown): the batcher's budget is what the mount's
+ * budget leaves. Returns 0 or < 0 with err.
+ */
+int hapi_serve_view_new(hapi_serve *s, int split, int batch, uint64_t model_bytes,
+                        hapi_view **out, hapi_error *err);
+
+/*
+ * Registers fn, called after every miss has been submitted, with the view and
+ * the image path (prefetch: the layer above queues the rest of the directory).
+ * Set once, before the first read; fn runs on the reading thread.
+ */
+void hapi_serve_on_miss(hapi_serve *s, void (*fn)(void *arg, hapi_view *v, const char *path),
+                        void *arg);
+
+/*
+ * Fills buf with bytes [off, off + size) of the .feat of image path, opened
+ * with identity *id at view v: from the cache, or computed by v's batcher
+ * (waiting; one computation however many readers wait). Returns the bytes
+ * written (0 at or past the end), or a negative code: the image's failure
+ * (HAPI_EDECODE, ...), recorded in the error ring, or -ECANCELED when
+ * unmounting. Thread-safe.
+ */
+ssize_t hapi_serve_read(hapi_serve *s, hapi_view *v, const char *path, const hapi_source_id *id,
+                        char *buf, size_t size, off_t off);
+
+#define HAPI_QUEUE_CACHED 1   /* hapi_serve_queue: already cached, nothing queued */
+#define HAPI_QUEUE_SKIPPED 2  /* ... the source is gone or not a regular file */
+/*
+ * Queues the image path at v for background work at priority (prefetch or
+ * warm-up), fire-and-forget, unless it is cached; waits while two batches of
+ * that priority are queued. Returns 0 (queued), HAPI_QUEUE_CACHED,
+ * HAPI_QUEUE_SKIPPED, or -ECANCELED (stop set, batcher stopping) / -ENOMEM.
+ */
+int hapi_serve_queue(hapi_serve *s, hapi_view *v, const char *path, int priority,
+                     atomic_int *stop);
+
+/* Counts bytes asked of a source file shown as it is (fs.c reads those itself). */
+void hapi_serve_note_passthrough(hapi_serve *s, size_t bytes);
+
+/* Removes the cached features of a source found deleted, at the current view. */
+void hapi_serve_collect(hapi_serve *s, const char *path);
+
+/*
+ * Removes the current view's entries for path: an image, or every image
+ * beneath a directory ("" = all). Returns the count, or < 0 with err.
+ */
+int hapi_serve_evict(hapi_serve *s, const char *path, hapi_error *err);
+
+/* Fills *st. Thread-safe. */
+void hapi_serve_stats_get(hapi_serve *s, hapi_serve_stats *st);
+
+/* -------------------------------------------------------- background.c */
+
+enum hapi_prefetch_mode { HAPI_PREFETCH_OFF = 0, HAPI_PREFETCH_DIR = 1 };
+
+typedef struct hapi_background_config {
+    hapi_source *source;
+    hapi_cache *cache;
+    hapi_views *views;
+    hapi_serve *serve;         /* registers its miss hook there */
+    int prefetch;              /* enum hapi_prefetch_mode */
+    uint64_t cache_size;       /* the cache's bound (prefetch stays under half of it) */
+    int warm;                  /* warm the whole tree at start */
+} hapi_background_config;
+
+typedef struct hapi_background hapi_background;
+
+/*
+ * Starts the cache keeper, the prefetch thread (prefetch=dir) and, with
+ * warm, a warm-up of the whole tree (it counts at once and computes once the
+ * first view exists). A thread that cannot start is logged and left out.
+ * Returns 0 or -ENOMEM with err.
+ */
+int hapi_background_start(const hapi_background_config *cfg, hapi_background **out,
+                          hapi_error *err);
+/*
+ * Stops and joins every thread and frees. The views must be stopped first
+ * (hapi_views_stop) so that a walker waiting for the first view goes, and the
+ * current view's batcher stopped so that one waiting for queue room goes.
+ * Accepts NULL.
+ */
+void hapi_background_stop(hapi_background *bg);
+
+/*
+ * The number of images in the tree (found by the layer above), or ok 0 if
+ * counting failed: prefetch waits for it to judge whether the tree fits half
+ * the cache, and runs if it cannot know.
+ */
+void hapi_background_set_tree_size(hapi_background *bg, uint64_t images, int ok);
+
+/* Starts warming path (relative; "" for all) in the background. Returns 0, -EBUSY, -errno. */
+int hapi_warm_start(hapi_background *bg, const char *path);
+/*
+ * Stops an unfinished warm-up and returns what it was warming (malloc'd, to
+ * hand to hapi_warm_start() again), or NULL if none was running.
+ */
+char *hapi_warm_pause(hapi_background *bg);
+
+enum hapi_warm_state { HAPI_WARM_IDLE, HAPI_WARM_COUNTING, HAPI_WARM_RUNNING, HAPI_WARM_DONE };
+
+/* A warm-up's progress; path is a copy (malloc'd, NULL when idle): free it. */
+typedef struct hapi_warm_status {
+    int state;                 /* enum hapi_warm_state */
+    char *path;
+    uint64_t total, cached, skipped, submitted, completed;
+    double elapsed_s;
+} hapi_warm_status;
+/* Fills *ws (a consistent path with the counters of its run). Returns 0 or -ENOMEM. */
+int hapi_warm_status_get(hapi_background *bg, hapi_warm_status *ws);
+
+typedef struct hapi_prefetch_stats {
+    int mode;                                  /* enum hapi_prefetch_mode */
+    uint64_t dirs, pending_dirs, submitted, cached, computed, dropped;
+} hapi_prefetch_stats;
+void hapi_prefetch_stats_get(hapi_background *bg, hapi_prefetch_stats *ps);
+
+/* -------------------------------------------------------------- tune.c */
+
+typedef struct hapi_tune_config {
+    const hapi_fs_options *opt;
+    hapi_source *source;
+    hapi_extractor *ex;
+    hapi_cache *cache;
+    hapi_views *views;
+    hapi_serve *serve;
+    hapi_background *background;
+    /* Called after every split change, outside tune's locks (fs: kernel invalidation). */
+    void (*on_split_change)(void *arg);
+    void *arg;
+} hapi_tune_config;
+
+typedef struct hapi_tune hapi_tune;
+
+/*
+ * Starts choosing in the background: the profile (stored or measured), the
+ * decode cost, the policy's split and batch; then makes the first view
+ * current and counts the tree. .feat operations wait for that view.
+ * Returns 0 or < 0 with err.
+ */
+int hapi_tune_start(const hapi_tune_config *cfg, hapi_tune **out, hapi_error *err);
+/*
+ * Cancels a profile in progress, joins the thread and frees. Call it before
+ * the views and the layers below go (it does not touch the current view).
+ * Accepts NULL.
+ */
+void hapi_tune_stop(hapi_tune *t);
+
+/*
+ * Switches to split (1..freeze): a new view, the warm-up moved to it, the
+ * callback called. by_operator says who asked. Returns 0, -EAGAIN (no first
+ * view yet), HAPI_EINVAL or < 0 with err.
+ */
+int hapi_tune_set_split(hapi_tune *t, int split, int by_operator, hapi_error *err);
+/* Sets the batch (0 = auto, else 1..HAPI_BATCH_MAX). Returns 0, -EAGAIN or HAPI_EINVAL. */
+int hapi_tune_set_batch(hapi_tune *t, int batch, hapi_error *err);
+
+enum hapi_tune_input { HAPI_TUNE_LINK, HAPI_TUNE_CLIENT_SPEED, HAPI_TUNE_EPOCHS };
+/* Sets one of the policy's inputs (bits/s, a ratio, a count); the caller validated it. */
+void hapi_tune_set_input(hapi_tune *t, int which, double value);
+
+/*
+ * Runs the policy on the current inputs and cache state. split 0 lets it
+ * choose; a split > 0 is explained against every other (its batch chosen);
+ * split -1 means the current view's. Fills *choice and, if in_out is not
+ * NULL, the inputs used (in_out->profile points into t: valid until the next
+ * profile, i.e. for the mount's life). Returns 0, -EAGAIN (still measuring)
+ * or HAPI_EINVAL (no profile) with err.
+ */
+int hapi_tune_choose(hapi_tune *t, int split, hapi_policy_input *in_out,
+                     hapi_policy_choice *choice, hapi_error *err);
+
+/* What tune holds now, for the control files. */
+typedef struct hapi_tune_status {
+    int split_by_operator;
+    int batch, batch_auto;
+    double link_bps, client_speed;
+    int epochs;
+    uint64_t split_changes;
+    int state;                 /* 0 measuring, 1 ready, < 0 failed (code) */
+    char error[256];           /* why, when failed */
+    int reused;                /* the profile was read from the cache directory */
+    double decode_ms, source_bytes;
+    int decode_samples;
+} hapi_tune_status;
+void hapi_tune_status_get(hapi_tune *t, hapi_tune_status *st);
+/* The profile as JSON text (malloc'd, the caller frees), or NULL if there is none. */
+char *hapi_tune_profile_json(hapi_tune *t);
+
+/* --------------------------------------------------------------- ctl.c */
+
+/* Names of the control files, NULL-terminated. */
+extern const char *const hapi_ctl_files[];
+#define HAPI_CTL_WRITABLE "ctl"  /* the one that takes commands */
+#define HAPI_CTL_MODEL "model"   /* the model archive, read through */
+#define HAPI_CTL_LINE_MAX 4096
+/* The size a control file shows: its content (made at open) is never longer. */
+#define HAPI_CTL_SIZE_MAX (4u << 20)
+
+typedef struct hapi_ctl_config {
+    const hapi_fs_options *opt;
+    hapi_source *source;
+    hapi_extractor *ex;
+    hapi_cache *cache;
+    hapi_views *views;
+    hapi_serve *serve;
+    hapi_background *background;
+    hapi_tune *tune;
     hapi_error_ring *errors;
-    hapi_fs_stats stats;
+    uint64_t started_ns;
+} hapi_ctl_config;
+
+typedef struct hapi_ctl hapi_ctl;
+/* Makes the control layer over borrowed layers. Returns 0 or -ENOMEM. */
+int hapi_ctl_new(const hapi_ctl_config *cfg, hapi_ctl **out);
+void hapi_ctl_free(hapi_ctl *c);
+
+/*
+ * A control file's content, shared by reference: a reply may be written from
+ * it while the handle that holds it is released.
+ */
+typedef struct hapi_ctl_text {
+    atomic_int refs;
+    size_t len;
+    char data[];
+} hapi_ctl_text;
+/* Adds a reference; returns t. */
+hapi_ctl_text *hapi_ctl_text_ref(hapi_ctl_text *t);
+/* Drops one; the last frees. Accepts NULL. */
+void hapi_ctl_text_put(hapi_ctl_text *t);
+/* A text holding a copy of data. NULL on out-of-memory. */
+hapi_ctl_text *hapi_ctl_text_new(const char *data, size_t len);
+
+/* The content of control file name ("config", "stats", ...) now (one reference), or NULL. */
+hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name);
+
+/*
+ * Carries out the commands in text (one per line: "warm [PATH]", ...).
+ * Returns 0, or -EINVAL / -EBUSY / -EAGAIN / -ENOENT / -EIO with a message in
+ * err; nothing is changed by the command that fails (earlier lines stand).
+ */
+int hapi_ctl_command(hapi_ctl *c, const char *text, size_t len, hapi_error *err);
+
+/* ---------------------------------------------------------------- fs.c */
+
+/* The mounted filesystem: one per daemon, the userdata of every operation. */
+typedef struct hapi_fs {
+    hapi_fs_options *opt;
+    int model_fd;                /* the model file loaded (read-only), -1 if unreadable */
+    hapi_source *source;
+    hapi_extractor *ex;
+    hapi_cache *cache;
+    hapi_error_ring *errors;
+    hapi_views *views;
+    hapi_serve *serve;
+    hapi_background *background;
+    hapi_tune *tune;
+    hapi_ctl *ctl;
+    struct node_table *nodes;
+    struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
     uint64_t started_ns;
     time_t started_realtime;
 } hapi_fs;
@@ -235,139 +576,17 @@ typedef struct hapi_fs {
 extern const struct fuse_lowlevel_ops hapi_fs_ops;
 
 /*
- * Sets up fs from validated options: opens the source root, loads the model,
- * opens the cache, computes the namespace. Runs in the daemon (after the fork).
+ * Sets up fs from validated options, layer by layer from the bottom: opens
+ * the source root, loads the model, opens the cache, starts serving, the
+ * background work and the policy. Runs in the daemon (after the fork).
  * Returns 0 or a negative code with the message in err; on failure fs is
  * cleaned up.
  */
 int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err);
+/* Stops and frees the layers from the top. Accepts a zeroed or destroyed fs. */
 void hapi_fs_destroy(hapi_fs *fs);
-
-/*
- * The current view with a reference, waiting while the policy is still
- * choosing. NULL only when the filesystem is shutting down.
- */
-hapi_view *hapi_view_get(hapi_fs *fs);
-/* The current view with a reference, or NULL if there is none yet; never waits. */
-hapi_view *hapi_view_peek(hapi_fs *fs);
-/* Drops a reference; the last one stops and frees the view's batcher. Accepts NULL. */
-void hapi_view_put(hapi_view *v);
-
-/* Starts choosing (profile, policy) in the background; the first view appears when done. */
-int hapi_tune_start(hapi_fs *fs, hapi_error *err);
-/* Stops the chooser and drops the current view (after hapi_feat_stop's warm-up stop). */
-void hapi_tune_stop(hapi_fs *fs);
-/*
- * Switches to split (1..freeze): a new view, the warm-up moved to it, the
- * kernel's attributes and pages of every .feat it knows invalidated.
- * by_operator says who asked. Returns 0 or HAPI_EINVAL / -errno with err.
- */
-int hapi_tune_set_split(hapi_fs *fs, int split, int by_operator, hapi_error *err);
-/* Sets the batch (0 = auto). Returns 0 or HAPI_EINVAL. */
-int hapi_tune_set_batch(hapi_fs *fs, int batch, hapi_error *err);
-/*
- * Runs the policy on the current inputs and cache state; with split_auto the
- * split is chosen, else the current split is explained. Fills *choice and,
- * if in is not NULL, the inputs used. Returns 0, -EAGAIN (still measuring) or
- * HAPI_EINVAL.
- */
-int hapi_tune_choose(hapi_fs *fs, int split_auto, hapi_policy_input *in,
-                     hapi_policy_choice *choice, hapi_error *err);
-
-/* Returns the content of control file name ("config", "stats", "errors", "profile", "policy", "ctl") as malloc'd text, or NULL. */
-char *hapi_ctl_render(hapi_fs *fs, const char *name);
-
-/* Names of the control files, NULL-terminated; the last, "ctl", is the writable one. */
-extern const char *const hapi_ctl_files[];
-#define HAPI_CTL_WRITABLE "ctl"
-#define HAPI_CTL_MODEL "model"   /* the model archive, read through */
-#define HAPI_CTL_LINE_MAX 4096
-
-/*
- * Carries out the commands in text (one per line: "warm [PATH]", ...).
- * Returns 0, or -EINVAL / -EBUSY / -ENOENT with a message in err; nothing
- * is changed by a command that fails.
- */
-int hapi_ctl_command(hapi_fs *fs, const char *text, size_t len, hapi_error *err);
-
-/* ------------------------------------------------------------ .feat reads */
-
-/* Starts the batcher; hapi_feat_stop() stops warm-up and the batcher. */
-int hapi_feat_start(hapi_fs *fs, hapi_error *err);
-void hapi_feat_stop(hapi_fs *fs);
-
-/* Replies to a read of the .feat of source path, opened with identity *id at view v. */
-void hapi_feat_read(fuse_req_t req, hapi_view *v, const char *path, const hapi_source_id *id,
-                    size_t size, off_t off);
-
-/* Makes a view of split (batcher started, not yet current). Returns 0 or < 0 with err. */
-int hapi_feat_view_new(hapi_fs *fs, int split, int batch, hapi_view **out, hapi_error *err);
-
-/* Calls fn for every image beneath dir (relative), depth first, until fn returns < 0 or *stop. */
-int hapi_feat_walk(hapi_fs *fs, const char *dir, atomic_int *stop,
-                   int (*fn)(hapi_fs *, const char *, void *), void *arg);
-
-/* The same, for the images directly in dir only. */
-int hapi_feat_list(hapi_fs *fs, const char *dir, atomic_int *stop,
-                   int (*fn)(hapi_fs *, const char *, void *), void *arg);
-
-#define HAPI_QUEUE_CACHED 1   /* hapi_feat_queue: already cached, nothing queued */
-#define HAPI_QUEUE_SKIPPED 2  /* ... the source is gone or not a regular file */
-/*
- * Queues the image path at v for background work at priority (prefetch or
- * warm-up), fire-and-forget, unless it is cached; waits while two batches of
- * that priority are queued. Returns 0 (queued), HAPI_QUEUE_CACHED,
- * HAPI_QUEUE_SKIPPED, or -ECANCELED (stop set, batcher stopping) / -ENOMEM.
- */
-int hapi_feat_queue(hapi_fs *fs, hapi_view *v, const char *path, int priority, atomic_int *stop);
-
-/* Starts the prefetch thread (prefetch=dir); hapi_prefetch_stop() joins it. */
-int hapi_prefetch_start(hapi_fs *fs);
-void hapi_prefetch_stop(hapi_fs *fs);
-/* A read of path at v missed: queue the rest of its directory, once per directory and view. */
-void hapi_prefetch_note(hapi_fs *fs, hapi_view *v, const char *path);
-
-/* Removes the cached features of a source found deleted (path relative to the source). */
-void hapi_feat_collect(hapi_fs *fs, const char *path);
-
-/* Removes this namespace's entries for path: an image, or every image beneath a directory ("" = all). Returns the count or < 0. */
-int hapi_feat_evict(hapi_fs *fs, const char *path, hapi_error *err);
-
-/*
- * Reads the whole source file path into *data (malloc'd, *size bytes), with
- * the identity it had throughout the read in *id (may be NULL): a file
- * changed while being read is read again. Returns 0 or < 0 with err.
- */
-int hapi_feat_load(hapi_fs *fs, const char *path, void **data, size_t *size, hapi_source_id *id,
-                   hapi_error *err);
-
-/* The identity of a regular source file. Returns 0 or -errno. */
-int hapi_feat_identity(hapi_fs *fs, const char *path, hapi_source_id *id);
-
-/* Starts warming path (relative; "" for all) in the background. Returns 0, -EBUSY, -errno. */
-int hapi_warm_start(hapi_fs *fs, const char *path);
-/* True once the walk is over and everything it submitted has finished. */
-int hapi_warm_finished(hapi_fs *fs);
-/*
- * Stops an unfinished warm-up and returns what it was warming (malloc'd, to
- * hand to hapi_warm_start() again), or NULL if none was running.
- */
-char *hapi_warm_pause(hapi_fs *fs);
-
-/* Tells the kernel to forget the attributes and pages of every .feat it may hold. */
-void hapi_fs_invalidate_feats(hapi_fs *fs);
 
 /* Maps a module code to the errno a FUSE reply carries (hapifs codes are EIO). */
 int hapi_fs_errno(int code);
-
-/*
- * Opens path (relative to the source root, "" for the root) beneath the root:
- * symlinks may not leave it, magic links are refused. flags as for openat.
- * Returns an fd or -errno (-EXDEV for an escaping path, mapped to -ENOENT).
- */
-int hapi_fs_open_beneath(int root_fd, const char *path, int flags);
-
-/* stat() of a path beneath the root, following symlinks that stay beneath it. Returns 0 or -errno. */
-int hapi_fs_stat_beneath(int root_fd, const char *path, struct stat *st);
 
 #endif

@@ -12,6 +12,28 @@
 /* Images whose decode and preprocessing are timed at mount. */
 #define DECODE_SAMPLES 8
 
+struct hapi_tune {
+    hapi_tune_config cfg;
+    pthread_mutex_t switch_lock; /* one split change at a time, held through it */
+    pthread_mutex_t lock;        /* everything below but the atomics */
+    pthread_t thread;            /* measures, counts, chooses at mount */
+    int running;
+    int state;                   /* 0 measuring, 1 ready, < 0 failed (code) */
+    char error[256];
+    int reused;                  /* the profile was read from the cache directory */
+    hapi_profile profile;
+    hapi_policy_input in;        /* without profile, cached[], samples: filled per use */
+    int split_by_operator;       /* the split was given (option or control command) */
+    int batch_auto;
+    int batch;                   /* the batch set now */
+    double decode_ms, source_bytes;
+    int decode_samples;          /* images the decode cost was measured on */
+    atomic_uint_fast64_t images; /* images in the tree, once counted */
+    atomic_int counted;
+    atomic_int stop;
+    atomic_uint_fast64_t split_changes;
+};
+
 /* ------------------------------------------------------- decode sample */
 
 struct sample_walk {
@@ -19,24 +41,23 @@ struct sample_walk {
     int n;
 };
 
-static int sample_one(hapi_fs *fs, const char *path, void *arg)
+static int sample_one(const hapi_source_entry *e, void *arg)
 {
     struct sample_walk *w = arg;
-    (void)fs;
     if (w->n == DECODE_SAMPLES)
         return -ECANCELED; /* enough */
-    w->paths[w->n] = strdup(path);
+    w->paths[w->n] = strdup(e->path);
     if (w->paths[w->n])
         w->n++;
     return 0;
 }
 
 /* Times decode + preprocessing of the first images of the tree; their mean size too. */
-static void measure_decode(hapi_fs *fs, double *ms, double *bytes, int *count)
+static void measure_decode(hapi_tune *t, double *ms, double *bytes, int *count)
 {
     struct sample_walk w = { .n = 0 };
-    hapi_feat_walk(fs, "", &fs->tune.stop, sample_one, &w);
-    const hapi_preprocess *pp = hapi_extractor_preprocess(fs->ex);
+    hapi_source_walk(t->cfg.source, "", HAPI_WALK_RECURSE, &t->stop, sample_one, &w);
+    const hapi_preprocess *pp = hapi_extractor_preprocess(t->cfg.ex);
     float *tensor = malloc(3 * (size_t)pp->crop * (size_t)pp->crop * sizeof(float));
     hapi_decoder *dec = NULL;
     double total_ms = 0, total_bytes = 0;
@@ -46,7 +67,7 @@ static void measure_decode(hapi_fs *fs, double *ms, double *bytes, int *count)
             void *data = NULL;
             size_t size = 0;
             hapi_error err = { 0 };
-            if (hapi_feat_load(fs, w.paths[i], &data, &size, NULL, &err) == 0) {
+            if (hapi_source_load(t->cfg.source, w.paths[i], &data, &size, NULL, &err) == 0) {
                 uint64_t t0 = hapi_now_ns();
                 if (hapi_image_load(dec, data, size, pp, tensor, &err) == 0) {
                     total_ms += (double)(hapi_now_ns() - t0) / 1e6;
@@ -66,19 +87,20 @@ static void measure_decode(hapi_fs *fs, double *ms, double *bytes, int *count)
     *bytes = done ? total_bytes / done : 0;
 }
 
-static int count_image(hapi_fs *fs, const char *path, void *arg)
+static int count_image(const hapi_source_entry *e, void *arg)
 {
-    (void)path, (void)arg;
-    atomic_fetch_add(&fs->tune.images, 1);
+    hapi_tune *t = arg;
+    (void)e;
+    atomic_fetch_add(&t->images, 1);
     return 0;
 }
 
 /* ------------------------------------------------------------- profile */
 
 /* A stored profile is used only if it describes this very model. */
-static int profile_matches(hapi_fs *fs, const hapi_profile *p)
+static int profile_matches(hapi_tune *t, const hapi_profile *p)
 {
-    hapi_model *m = hapi_extractor_model(fs->ex);
+    hapi_model *m = hapi_extractor_model(t->cfg.ex);
     if (p->nstages != hapi_model_num_stages(m))
         return 0;
     for (int i = 0; i < p->nstages; i++) {
@@ -90,21 +112,21 @@ static int profile_matches(hapi_fs *fs, const hapi_profile *p)
     return 1;
 }
 
-static int get_profile(hapi_fs *fs, hapi_profile *prof, int *reused, hapi_error *err)
+static int get_profile(hapi_tune *t, hapi_profile *prof, int *reused, hapi_error *err)
 {
     char name[256], path[PATH_MAX + 300];
-    const uint8_t *digest = hapi_extractor_model_digest(fs->ex);
+    const uint8_t *digest = hapi_extractor_model_digest(t->cfg.ex);
     /* A bf16 model is another machine as far as timing goes: its own profile. */
     char device[64];
-    snprintf(device, sizeof(device), "%s%s", fs->opt->device,
-             fs->opt->precision == HAPI_PRECISION_BF16 ? "-bf16" : "");
-    hapi_profile_file_name(digest, device, fs->opt->torch_threads, name, sizeof(name));
-    snprintf(path, sizeof(path), "%s/%s", fs->opt->cache_dir, name);
+    snprintf(device, sizeof(device), "%s%s", t->cfg.opt->device,
+             t->cfg.opt->precision == HAPI_PRECISION_BF16 ? "-bf16" : "");
+    hapi_profile_file_name(digest, device, t->cfg.opt->torch_threads, name, sizeof(name));
+    snprintf(path, sizeof(path), "%s/%s", t->cfg.opt->cache_dir, name);
     *reused = 0;
-    if (!fs->opt->profile_redo) {
+    if (!t->cfg.opt->profile_redo) {
         hapi_error lerr = { 0 };
         int rc = hapi_profile_load(path, prof, &lerr);
-        if (rc == 0 && profile_matches(fs, prof)) {
+        if (rc == 0 && profile_matches(t, prof)) {
             *reused = 1;
             hapi_log(HAPI_LOG_INFO, "profile read from %s", path);
             return 0;
@@ -114,9 +136,9 @@ static int get_profile(hapi_fs *fs, hapi_profile *prof, int *reused, hapi_error 
                      rc < 0 ? lerr.message : "another model's");
     }
     hapi_log(HAPI_LOG_INFO, "profiling the model (once per model, device and thread count)");
-    int rc = hapi_profile_measure(hapi_extractor_model(fs->ex), digest, device,
-                                  fs->opt->torch_threads, fs->opt->mem_budget,
-                                  &fs->tune.stop, prof, err);
+    int rc = hapi_profile_measure(hapi_extractor_model(t->cfg.ex), digest, device,
+                                  t->cfg.opt->torch_threads, t->cfg.opt->mem_budget,
+                                  &t->stop, prof, err);
     if (rc < 0)
         return rc;
     hapi_error serr = { 0 };
@@ -129,56 +151,52 @@ static int get_profile(hapi_fs *fs, hapi_profile *prof, int *reused, hapi_error 
 
 /* ----------------------------------------------------------- the thread */
 
-static void publish(hapi_fs *fs, hapi_view *v)
+/* The memory the model takes at split and batch, from the profile; 0 without one. */
+static uint64_t model_bytes(hapi_tune *t, int split, int batch)
 {
-    pthread_mutex_lock(&fs->view_lock);
-    hapi_view *old = fs->view;
-    fs->view = v;
-    if (!v)
-        fs->view_stopping = 1; /* nothing to serve: readers get an error, not a wait */
-    pthread_cond_broadcast(&fs->view_cond);
-    pthread_mutex_unlock(&fs->view_lock);
-    hapi_view_put(old);
+    pthread_mutex_lock(&t->lock);
+    double m = t->state == 1 ? hapi_profile_memory(&t->profile, split, batch) : 0;
+    pthread_mutex_unlock(&t->lock);
+    return m > 0 ? (uint64_t)m : 0;
 }
 
 static void *tune_main(void *arg)
 {
-    hapi_fs *fs = arg;
+    hapi_tune *t = arg;
     hapi_profile *prof = malloc(sizeof(*prof));
     hapi_error err = { 0 };
     int reused = 0, rc;
 
-    rc = prof ? get_profile(fs, prof, &reused, &err) : hapi_error_set(&err, -ENOMEM, "out of memory");
+    rc = prof ? get_profile(t, prof, &reused, &err) : hapi_error_set(&err, -ENOMEM, "out of memory");
     double decode_ms = 0, source_bytes = 0;
     int decoded = 0;
-    if (!atomic_load(&fs->tune.stop))
-        measure_decode(fs, &decode_ms, &source_bytes, &decoded);
+    if (!atomic_load(&t->stop))
+        measure_decode(t, &decode_ms, &source_bytes, &decoded);
 
-    pthread_mutex_lock(&fs->tune.lock);
+    pthread_mutex_lock(&t->lock);
     if (rc == 0) {
-        fs->tune.profile = *prof;
-        fs->tune.reused = reused;
+        t->profile = *prof;
+        t->reused = reused;
     } else {
-        snprintf(fs->tune.error, sizeof(fs->tune.error), "%s", err.message);
+        snprintf(t->error, sizeof(t->error), "%s", err.message);
     }
-    fs->tune.decode_ms = decode_ms;
-    fs->tune.source_bytes = source_bytes;
-    fs->tune.decode_samples = decoded;
-    fs->tune.state = rc == 0 ? 1 : (rc < 0 ? rc : -EIO);
-    pthread_mutex_unlock(&fs->tune.lock);
+    t->decode_ms = decode_ms;
+    t->source_bytes = source_bytes;
+    t->decode_samples = decoded;
+    t->state = rc == 0 ? 1 : (rc < 0 ? rc : -EIO);
+    int by_operator = t->split_by_operator, batch = t->batch ? t->batch : 16;
+    pthread_mutex_unlock(&t->lock);
     free(prof);
     if (rc < 0)
         hapi_log(HAPI_LOG_WARNING, "no profile (%s): the split is %s, the batch %d", err.message,
-                 fs->tune.split_by_operator ? "the one given" : "the freeze index",
-                 fs->tune.batch ? fs->tune.batch : 16);
+                 by_operator ? "the one given" : "the freeze index", batch);
 
     /* The first view: the operator's split or the policy's, and its batch. */
-    int split = hapi_extractor_split(fs->ex);
-    int batch = fs->tune.batch ? fs->tune.batch : 16;
+    int split = hapi_extractor_split(t->cfg.ex);
     hapi_policy_choice *choice = malloc(sizeof(*choice));
     hapi_error perr = { 0 };
     if (choice && rc == 0 &&
-        hapi_tune_choose(fs, fs->tune.split_by_operator ? split : 0, NULL, choice, &perr) == 0) {
+        hapi_tune_choose(t, by_operator ? split : 0, NULL, choice, &perr) == 0) {
         split = choice->split;
         batch = choice->batch;
         hapi_log(HAPI_LOG_INFO, "split %d (%s), batch %d: %s", split,
@@ -187,109 +205,118 @@ static void *tune_main(void *arg)
         hapi_log(HAPI_LOG_WARNING, "policy: %s", choice ? perr.message : "out of memory");
     }
     free(choice);
-    pthread_mutex_lock(&fs->tune.lock);
-    fs->tune.batch = batch;
-    pthread_mutex_unlock(&fs->tune.lock);
+    pthread_mutex_lock(&t->lock);
+    t->batch = batch;
+    pthread_mutex_unlock(&t->lock);
 
     hapi_view *v = NULL;
-    if (!atomic_load(&fs->tune.stop) && hapi_feat_view_new(fs, split, batch, &v, &err) < 0)
+    if (!atomic_load(&t->stop) &&
+        hapi_serve_view_new(t->cfg.serve, split, batch, model_bytes(t, split, batch), &v, &err) < 0)
         hapi_log(HAPI_LOG_ERROR, "cannot serve features: %s", err.message);
-    publish(fs, v);
     if (v)
         hapi_log(HAPI_LOG_INFO, "serving split %d (%s), namespace %s", v->split, v->output.name,
                  v->ns_hex);
+    hapi_view_put(hapi_views_swap(t->cfg.views, v)); /* v NULL: readers get an error */
 
-    /* The size of the tree, for epoch times and the cache's share of it. */
-    if (hapi_feat_walk(fs, "", &fs->tune.stop, count_image, NULL) >= 0)
-        atomic_store(&fs->tune.counted, 1);
+    /* The size of the tree, for epoch times, the cache's share of it, and prefetch. */
+    int counted = hapi_source_walk(t->cfg.source, "", HAPI_WALK_RECURSE, &t->stop, count_image,
+                                   t) >= 0;
+    atomic_store(&t->counted, counted);
+    hapi_background_set_tree_size(t->cfg.background, atomic_load(&t->images), counted);
     return NULL;
 }
 
-int hapi_tune_start(hapi_fs *fs, hapi_error *err)
+int hapi_tune_start(const hapi_tune_config *cfg, hapi_tune **out, hapi_error *err)
 {
-    const hapi_fs_options *o = fs->opt;
-    const hapi_preprocess *pp = hapi_extractor_preprocess(fs->ex);
-    pthread_mutex_init(&fs->tune.lock, NULL);
-    pthread_mutex_init(&fs->tune.switch_lock, NULL);
-    fs->tune.in = (hapi_policy_input){
+    const hapi_fs_options *o = cfg->opt;
+    const hapi_preprocess *pp = hapi_extractor_preprocess(cfg->ex);
+    const hapi_stage_info *output = hapi_extractor_output(cfg->ex);
+    char header[HAPI_NPY_HEADER_MAX];
+    int header_len = hapi_npy_header(header, o->dtype, output->shape, output->ndim);
+    *out = NULL;
+    hapi_tune *t = calloc(1, sizeof(*t));
+    if (!t)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    t->cfg = *cfg;
+    pthread_mutex_init(&t->lock, NULL);
+    pthread_mutex_init(&t->switch_lock, NULL);
+    t->in = (hapi_policy_input){
         .link_bps = o->link_bps,
         .client_speed = o->client_speed,
         .mem_budget = o->mem_budget,
-        .freeze = hapi_extractor_freeze(fs->ex),
+        .freeze = hapi_extractor_freeze(cfg->ex),
         .epochs = o->epochs,
         .dtype = o->dtype,
         .decode_threads = o->decode_threads,
-        .header_bytes = 128,
+        .header_bytes = header_len > 0 ? (size_t)header_len : 0,
         .input_bytes = 3 * (size_t)pp->crop * (size_t)pp->crop * sizeof(float),
         .hit_ms = HIT_MS,
         .cache_room = o->cache_size,
         .cache_entry_overhead = HAPI_CACHE_ENTRY_OVERHEAD,
     };
-    fs->tune.split_by_operator = o->split && strcmp(o->split, "auto") != 0;
-    fs->tune.batch_auto = o->batch == 0;
-    fs->tune.batch = o->batch;
-    int rc = pthread_create(&fs->tune.thread, NULL, tune_main, fs);
-    if (rc != 0)
+    t->split_by_operator = o->split && strcmp(o->split, "auto") != 0;
+    t->batch_auto = o->batch == 0;
+    t->batch = o->batch;
+    int rc = pthread_create(&t->thread, NULL, tune_main, t);
+    if (rc != 0) {
+        hapi_tune_stop(t);
         return hapi_error_set(err, -rc, "cannot start the policy thread: %s", hapi_strerror(-rc));
-    fs->tune.running = 1;
-    /* Warm-up counts the tree at once and computes once the split is chosen. */
-    if (o->warm && (rc = hapi_warm_start(fs, "")) < 0)
-        hapi_log(HAPI_LOG_WARNING, "cannot start the warm-up: %s", hapi_strerror(rc));
+    }
+    t->running = 1;
+    *out = t;
     return 0;
 }
 
-void hapi_tune_stop(hapi_fs *fs)
+void hapi_tune_stop(hapi_tune *t)
 {
-    atomic_store(&fs->tune.stop, 1);
-    pthread_mutex_lock(&fs->view_lock);
-    fs->view_stopping = 1;
-    pthread_cond_broadcast(&fs->view_cond);
-    pthread_mutex_unlock(&fs->view_lock);
-    if (fs->tune.running) {
-        pthread_join(fs->tune.thread, NULL);
-        fs->tune.running = 0;
-    }
+    if (!t)
+        return;
+    atomic_store(&t->stop, 1);
+    if (t->running)
+        pthread_join(t->thread, NULL);
+    pthread_mutex_destroy(&t->lock);
+    pthread_mutex_destroy(&t->switch_lock);
+    free(t);
 }
 
 /* ------------------------------------------------------------- choosing */
 
-int hapi_tune_choose(hapi_fs *fs, int split, hapi_policy_input *in_out,
+int hapi_tune_choose(hapi_tune *t, int split, hapi_policy_input *in_out,
                      hapi_policy_choice *choice, hapi_error *err)
 {
     hapi_policy_input in;
-    pthread_mutex_lock(&fs->tune.lock);
-    int state = fs->tune.state;
-    if (state <= 0) {
-        pthread_mutex_unlock(&fs->tune.lock);
-        if (state == 0)
-            return hapi_error_set(err, -EAGAIN, "the model is still being profiled");
-        return hapi_error_set(err, HAPI_EINVAL, "no profile: %s", fs->tune.error);
-    }
-    in = fs->tune.in;
-    in.profile = &fs->tune.profile;
-    in.decode_ms = fs->tune.decode_ms;
-    in.source_bytes = fs->tune.source_bytes;
-    in.samples = atomic_load(&fs->tune.counted) ? atomic_load(&fs->tune.images) : 0;
-    in.batch = fs->tune.batch_auto ? 0 : fs->tune.batch;
     if (split < 0) {
-        hapi_view *v = hapi_view_peek(fs);
+        hapi_view *v = hapi_views_peek(t->cfg.views);
         split = v ? v->split : 0;
         hapi_view_put(v);
     }
+    pthread_mutex_lock(&t->lock);
+    int state = t->state;
+    if (state <= 0) {
+        pthread_mutex_unlock(&t->lock);
+        if (state == 0)
+            return hapi_error_set(err, -EAGAIN, "the model is still being profiled");
+        return hapi_error_set(err, HAPI_EINVAL, "no profile: %s", t->error);
+    }
+    in = t->in;
+    in.profile = &t->profile;
+    in.decode_ms = t->decode_ms;
+    in.source_bytes = t->source_bytes;
+    in.samples = atomic_load(&t->counted) ? atomic_load(&t->images) : 0;
+    in.batch = t->batch_auto ? 0 : t->batch;
     in.split = split;
     if (in.samples) {
         /* The cache's state: how much of each split's features is already there. */
         for (int s = 1; s <= in.freeze && s <= HAPI_PROFILE_MAX_STAGES; s++) {
             hapi_cache_namespace ns;
             hapi_cache_namespace_stats st;
-            hapi_cache_namespace_make(hapi_extractor_model_digest(fs->ex), s, fs->opt->dtype,
-                                      fs->ns_desc, &ns);
-            if (hapi_cache_namespace_stats_get(fs->cache, &ns, &st) == 0)
+            hapi_views_namespace(t->cfg.views, s, &ns);
+            if (hapi_cache_namespace_stats_get(t->cfg.cache, &ns, &st) == 0)
                 in.cached[s] = (double)st.entries / (double)in.samples;
         }
     }
     int rc = hapi_policy_choose(&in, choice, err);
-    pthread_mutex_unlock(&fs->tune.lock);
+    pthread_mutex_unlock(&t->lock);
     if (in_out)
         *in_out = in;
     return rc;
@@ -297,55 +324,54 @@ int hapi_tune_choose(hapi_fs *fs, int split, hapi_policy_input *in_out,
 
 /* ------------------------------------------------------------ live change */
 
-int hapi_tune_set_split(hapi_fs *fs, int split, int by_operator, hapi_error *err)
+int hapi_tune_set_split(hapi_tune *t, int split, int by_operator, hapi_error *err)
 {
-    int freeze = hapi_extractor_freeze(fs->ex);
+    int freeze = hapi_extractor_freeze(t->cfg.ex);
     if (split < 1 || split > freeze) {
         hapi_stage_info info;
-        hapi_model_stage(hapi_extractor_model(fs->ex), freeze - 1, &info);
+        hapi_model_stage(hapi_extractor_model(t->cfg.ex), freeze - 1, &info);
         return hapi_error_set(err, HAPI_EINVAL,
                               "split %d is past the freeze index: stages [0, %d) (through %s) "
                               "are frozen", split, freeze, info.name);
     }
-    pthread_mutex_lock(&fs->tune.switch_lock);
+    pthread_mutex_lock(&t->switch_lock);
     int rc = 0;
-    hapi_view *cur = hapi_view_peek(fs), *nv = NULL;
+    hapi_view *cur = hapi_views_peek(t->cfg.views), *nv = NULL;
     if (!cur) {
         rc = hapi_error_set(err, -EAGAIN, "the policy is still choosing the first split");
         goto out;
     }
-    pthread_mutex_lock(&fs->tune.lock);
-    fs->tune.split_by_operator = by_operator;
-    int batch = fs->tune.batch, batch_auto = fs->tune.batch_auto;
-    pthread_mutex_unlock(&fs->tune.lock);
+    pthread_mutex_lock(&t->lock);
+    t->split_by_operator = by_operator;
+    int batch = t->batch, batch_auto = t->batch_auto;
+    pthread_mutex_unlock(&t->lock);
     if (cur->split == split)
         goto out;
 
     if (batch_auto) {
         hapi_policy_choice *c = malloc(sizeof(*c));
         hapi_error cerr = { 0 };
-        if (c && hapi_tune_choose(fs, split, NULL, c, &cerr) == 0)
+        if (c && hapi_tune_choose(t, split, NULL, c, &cerr) == 0)
             batch = c->batch;
         free(c);
     }
-    if ((rc = hapi_feat_view_new(fs, split, batch, &nv, err)) < 0)
+    if ((rc = hapi_serve_view_new(t->cfg.serve, split, batch, model_bytes(t, split, batch), &nv,
+                                  err)) < 0)
         goto out;
-    char *warming = hapi_warm_pause(fs);
-    pthread_mutex_lock(&fs->view_lock);
-    hapi_view *old = fs->view;
-    fs->view = nv;
-    pthread_mutex_unlock(&fs->view_lock);
-    pthread_mutex_lock(&fs->tune.lock);
-    fs->tune.batch = batch;
-    pthread_mutex_unlock(&fs->tune.lock);
-    atomic_fetch_add(&fs->tune.split_changes, 1);
+    char *warming = hapi_warm_pause(t->cfg.background);
+    hapi_view *old = hapi_views_swap(t->cfg.views, nv);
+    pthread_mutex_lock(&t->lock);
+    t->batch = batch;
+    pthread_mutex_unlock(&t->lock);
+    atomic_fetch_add(&t->split_changes, 1);
     /* Readers see the new size and contents at their next open. */
-    hapi_fs_invalidate_feats(fs);
+    if (t->cfg.on_split_change)
+        t->cfg.on_split_change(t->cfg.arg);
     hapi_log(HAPI_LOG_INFO, "split %d (%s) -> %d (%s), batch %d, namespace %s%s", old->split,
              old->output.name, nv->split, nv->output.name, batch, nv->ns_hex,
              by_operator ? "" : " (policy)");
     if (warming) {
-        int wrc = hapi_warm_start(fs, warming);
+        int wrc = hapi_warm_start(t->cfg.background, warming);
         if (wrc < 0)
             hapi_log(HAPI_LOG_WARNING, "warm-up not resumed: %s", hapi_strerror(wrc));
         free(warming);
@@ -353,42 +379,83 @@ int hapi_tune_set_split(hapi_fs *fs, int split, int by_operator, hapi_error *err
     hapi_view_put(old);
 out:
     hapi_view_put(cur);
-    pthread_mutex_unlock(&fs->tune.switch_lock);
+    pthread_mutex_unlock(&t->switch_lock);
     return rc;
 }
 
-int hapi_tune_set_batch(hapi_fs *fs, int batch, hapi_error *err)
+int hapi_tune_set_batch(hapi_tune *t, int batch, hapi_error *err)
 {
     if (batch < 0 || batch > HAPI_BATCH_MAX)
         return hapi_error_set(err, HAPI_EINVAL, "batch %d: expected auto or 1..%d", batch,
                               HAPI_BATCH_MAX);
-    hapi_view *v = hapi_view_peek(fs);
+    hapi_view *v = hapi_views_peek(t->cfg.views);
     if (!v)
         return hapi_error_set(err, -EAGAIN, "the policy is still choosing the first split");
     int rc = 0, chosen = batch;
     if (batch == 0) {
         hapi_policy_choice *c = malloc(sizeof(*c));
-        pthread_mutex_lock(&fs->tune.lock);
-        int was_auto = fs->tune.batch_auto;
-        fs->tune.batch_auto = 1; /* so that the policy chooses the batch */
-        pthread_mutex_unlock(&fs->tune.lock);
-        rc = c ? hapi_tune_choose(fs, v->split, NULL, c, err)
+        pthread_mutex_lock(&t->lock);
+        int was_auto = t->batch_auto;
+        t->batch_auto = 1; /* so that the policy chooses the batch */
+        pthread_mutex_unlock(&t->lock);
+        rc = c ? hapi_tune_choose(t, v->split, NULL, c, err)
                : hapi_error_set(err, -ENOMEM, "out of memory");
         if (rc == 0)
             chosen = c->batch;
         free(c);
-        pthread_mutex_lock(&fs->tune.lock);
-        fs->tune.batch_auto = was_auto;
-        pthread_mutex_unlock(&fs->tune.lock);
+        pthread_mutex_lock(&t->lock);
+        t->batch_auto = was_auto;
+        pthread_mutex_unlock(&t->lock);
     }
     if (rc == 0) {
-        pthread_mutex_lock(&fs->tune.lock);
-        fs->tune.batch_auto = batch == 0;
-        fs->tune.batch = chosen;
-        pthread_mutex_unlock(&fs->tune.lock);
+        pthread_mutex_lock(&t->lock);
+        t->batch_auto = batch == 0;
+        t->batch = chosen;
+        pthread_mutex_unlock(&t->lock);
         hapi_batcher_set_batch(v->batcher, chosen);
         hapi_log(HAPI_LOG_INFO, "batch %d%s", chosen, batch == 0 ? " (auto)" : "");
     }
     hapi_view_put(v);
     return rc;
+}
+
+void hapi_tune_set_input(hapi_tune *t, int which, double value)
+{
+    pthread_mutex_lock(&t->lock);
+    if (which == HAPI_TUNE_LINK)
+        t->in.link_bps = value;
+    else if (which == HAPI_TUNE_CLIENT_SPEED)
+        t->in.client_speed = value;
+    else if (which == HAPI_TUNE_EPOCHS)
+        t->in.epochs = (int)value;
+    pthread_mutex_unlock(&t->lock);
+}
+
+void hapi_tune_status_get(hapi_tune *t, hapi_tune_status *st)
+{
+    pthread_mutex_lock(&t->lock);
+    *st = (hapi_tune_status){
+        .split_by_operator = t->split_by_operator,
+        .batch = t->batch,
+        .batch_auto = t->batch_auto,
+        .link_bps = t->in.link_bps,
+        .client_speed = t->in.client_speed,
+        .epochs = t->in.epochs,
+        .split_changes = atomic_load(&t->split_changes),
+        .state = t->state,
+        .reused = t->reused,
+        .decode_ms = t->decode_ms,
+        .source_bytes = t->source_bytes,
+        .decode_samples = t->decode_samples,
+    };
+    memcpy(st->error, t->error, sizeof(st->error));
+    pthread_mutex_unlock(&t->lock);
+}
+
+char *hapi_tune_profile_json(hapi_tune *t)
+{
+    pthread_mutex_lock(&t->lock);
+    char *text = t->state == 1 ? hapi_profile_to_json(&t->profile) : NULL;
+    pthread_mutex_unlock(&t->lock);
+    return text;
 }

@@ -1,5 +1,7 @@
 """hapifs-ctl against a real mount: status, stats, errors, warm with progress, evict, exit codes."""
+import errno
 import json
+import os
 import subprocess
 
 import pytest
@@ -146,3 +148,43 @@ def test_exit_codes(tree, mounter, models, tmp_path):
     assert r.stderr.strip() == "hapifs-ctl: evict nosuch: 'nosuch': no such file or directory"
     for line in r.stderr.splitlines():
         assert line.startswith("hapifs-ctl: ")
+
+
+def test_refusal_reaches_the_writers_handle(tree, mounter, models):
+    src, _ = tree
+    m = mounter(src, model=models())
+    ctl_file = m.path / ".hapifs" / "ctl"
+    fd = os.open(ctl_file, os.O_RDWR)
+    other = os.open(ctl_file, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 65536, 0).startswith(b"# write one command per line")
+        with pytest.raises(OSError) as e:
+            os.write(fd, b"split 999\n")
+        assert e.value.errno == errno.EINVAL
+        reason = os.pread(fd, 65536, 0).decode()
+        assert reason.startswith("error: ") and "999" in reason and reason.endswith("\n"), reason
+        # another open file of ctl is not told: the reason is the writer's
+        assert os.pread(other, 65536, 0).startswith(b"# write one command per line")
+        assert os.write(fd, b"batch 8\n") == 8
+        assert os.pread(fd, 65536, 0) == b"ok\n"
+    finally:
+        os.close(fd)
+        os.close(other)
+    assert m.ctl("config")["runtime"]["batch"] == 8
+
+
+def test_control_files_show_a_bound_not_a_rendering(tree, mounter, models):
+    """stat never renders a control file: every one but model shows the same bound as size,
+    and a read returns the whole content up to its end."""
+    src, _ = tree
+    m = mounter(src, model=models())
+    ctl_dir = m.path / ".hapifs"
+    for name in ["config", "stats", "errors", "profile", "policy", "ctl"]:
+        st = (ctl_dir / name).stat()
+        assert st.st_size == 4 << 20, (name, st.st_size)
+        text = (ctl_dir / name).read_text()
+        assert 0 < len(text) < st.st_size and text.endswith("\n")
+        if name != "ctl":
+            json.loads(text)
+    sizes = {e.name: e.stat().st_size for e in os.scandir(ctl_dir)}  # readdirplus attributes
+    assert sizes["stats"] == 4 << 20 and sizes["model"] == os.stat(m.options["model"]).st_size

@@ -339,33 +339,40 @@ static int source_name(const char *mnt, const char *arg, char *out, size_t size)
     return 0;
 }
 
-/* The mount's reason for refusing the last control command, from .hapifs/errors. */
-static const char *refusal(json_t *errors)
+/*
+ * The mount's reason for refusing the command just written on fd: a read of
+ * the same open ctl file returns "error: REASON". Fills why (empty if none).
+ */
+static void refusal(int fd, char *why, size_t size)
 {
-    json_t *list = json_object_get(errors, "errors"), *e;
-    const char *why = NULL;
-    size_t i;
-    json_array_foreach(list, i, e)
-        if (strcmp(str(e, "path"), ".hapifs/ctl") == 0)
-            why = str(e, "error");
-    return why;
+    char buf[1024];
+    ssize_t r = pread(fd, buf, sizeof(buf) - 1, 0);
+    why[0] = '\0';
+    if (r <= 0)
+        return;
+    buf[r] = '\0';
+    if (strncmp(buf, "error: ", 7) != 0)
+        return;
+    char *nl = strchr(buf, '\n');
+    if (nl)
+        *nl = '\0';
+    snprintf(why, size, "%s", buf + 7);
 }
 
 /* Writes one command line to ctl; returns 0 or EXIT_REFUSED after printing why. */
 static int send(const char *mnt, const char *command, const char *path)
 {
-    char file[PATH_MAX + 32], line[PATH_MAX + 32];
+    char file[PATH_MAX + 32], line[PATH_MAX + 32], why[1024] = "";
     int n = snprintf(line, sizeof(line), "%s%s%s\n", command, *path ? " " : "", path);
     snprintf(file, sizeof(file), "%s/.hapifs/ctl", mnt);
-    int fd = open(file, O_WRONLY);
+    int fd = open(file, O_RDWR);
     int rc = fd < 0 || write(fd, line, (size_t)n) != n ? -errno : 0;
+    if (rc < 0 && fd >= 0)
+        refusal(fd, why, sizeof(why));
     if (fd >= 0 && close(fd) < 0 && rc == 0)
         rc = -errno;
     if (rc < 0) {
-        json_t *errors = load(mnt, "errors");
-        const char *why = errors ? refusal(errors) : NULL;
-        say("%s%s%s: %s", command, *path ? " " : "", path, why ? why : strerror(-rc));
-        json_decref(errors);
+        say("%s%s%s: %s", command, *path ? " " : "", path, *why ? why : strerror(-rc));
         return EXIT_REFUSED;
     }
     return 0;

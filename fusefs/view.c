@@ -1,0 +1,149 @@
+/* view.c — what a .feat is at one split (namespace, .npy header, size) and the holder of the current view. */
+#include "fusefs-int.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct hapi_views {
+    hapi_extractor *ex;
+    int dtype;
+    char ns_desc[256];          /* the preprocessing part of every namespace */
+    atomic_uint_fast64_t serial;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    hapi_view *current;         /* NULL until the policy has chosen the split */
+    int stopping;               /* no view will come: waiters get NULL */
+};
+
+void hapi_views_namespace(const hapi_views *vs, int split, hapi_cache_namespace *ns)
+{
+    hapi_cache_namespace_make(hapi_extractor_model_digest(vs->ex), split, vs->dtype, vs->ns_desc,
+                              ns);
+}
+
+int hapi_views_new(hapi_extractor *ex, int dtype, int precision, hapi_views **out,
+                   hapi_error *err)
+{
+    *out = NULL;
+    /* The split asked for must make an .npy before the mount is promised. */
+    const hapi_stage_info *o = hapi_extractor_output(ex);
+    char header[HAPI_NPY_HEADER_MAX];
+    int rc = hapi_npy_header(header, dtype, o->shape, o->ndim);
+    if (rc < 0)
+        return hapi_error_set(err, rc, "cannot describe the output of stage %s as .npy", o->name);
+    hapi_views *vs = calloc(1, sizeof(*vs));
+    if (!vs)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    vs->ex = ex;
+    vs->dtype = dtype;
+    /* A namespace covers everything that changes the bytes of a feature: this and the split. */
+    const hapi_preprocess *pp = hapi_extractor_preprocess(ex);
+    snprintf(vs->ns_desc, sizeof(vs->ns_desc),
+             "mode=%d resize=%d crop=%d mean=%.9g,%.9g,%.9g std=%.9g,%.9g,%.9g", pp->mode,
+             pp->resize, pp->crop, pp->mean[0], pp->mean[1], pp->mean[2], pp->std[0], pp->std[1],
+             pp->std[2]);
+    /* bf16 features differ from fp32 ones in their last digits: a namespace of their own. The
+       fp32 description stays as it was, so existing caches keep their features. */
+    if (precision == HAPI_PRECISION_BF16)
+        strncat(vs->ns_desc, " precision=bf16", sizeof(vs->ns_desc) - strlen(vs->ns_desc) - 1);
+    pthread_mutex_init(&vs->lock, NULL);
+    pthread_cond_init(&vs->cond, NULL);
+    *out = vs;
+    return 0;
+}
+
+void hapi_views_free(hapi_views *vs)
+{
+    if (!vs)
+        return;
+    hapi_view_put(vs->current);
+    pthread_mutex_destroy(&vs->lock);
+    pthread_cond_destroy(&vs->cond);
+    free(vs);
+}
+
+int hapi_view_new(hapi_views *vs, int split, hapi_view **out, hapi_error *err)
+{
+    hapi_view *v = calloc(1, sizeof(*v));
+    *out = NULL;
+    if (!v)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    atomic_init(&v->refs, 1);
+    v->serial = atomic_fetch_add(&vs->serial, 1) + 1;
+    v->split = split;
+    if (hapi_model_stage(hapi_extractor_model(vs->ex), split - 1, &v->output) < 0) {
+        free(v);
+        return hapi_error_set(err, HAPI_EINVAL, "no stage %d", split);
+    }
+    hapi_views_namespace(vs, split, &v->ns);
+    hapi_cache_namespace_hex(&v->ns, v->ns_hex);
+    int rc = hapi_npy_header(v->npy_header, vs->dtype, v->output.shape, v->output.ndim);
+    if (rc < 0) {
+        free(v);
+        return hapi_error_set(err, rc, "cannot describe the output of stage %s as .npy",
+                              v->output.name);
+    }
+    v->npy_header_len = (size_t)rc;
+    v->sample_bytes = hapi_extractor_split_bytes(vs->ex, split);
+    v->feat_size = v->npy_header_len + v->sample_bytes;
+    *out = v;
+    return 0;
+}
+
+void hapi_view_ref(hapi_view *v)
+{
+    atomic_fetch_add(&v->refs, 1);
+}
+
+void hapi_view_put(hapi_view *v)
+{
+    if (!v || atomic_fetch_sub(&v->refs, 1) != 1)
+        return;
+    hapi_batcher_free(v->batcher);
+    free(v->batcher_ctx);
+    free(v);
+}
+
+hapi_view *hapi_views_peek(hapi_views *vs)
+{
+    pthread_mutex_lock(&vs->lock);
+    hapi_view *v = vs->current;
+    if (v)
+        hapi_view_ref(v);
+    pthread_mutex_unlock(&vs->lock);
+    return v;
+}
+
+hapi_view *hapi_views_get(hapi_views *vs)
+{
+    pthread_mutex_lock(&vs->lock);
+    while (!vs->current && !vs->stopping)
+        pthread_cond_wait(&vs->cond, &vs->lock);
+    hapi_view *v = vs->current;
+    if (v)
+        hapi_view_ref(v);
+    pthread_mutex_unlock(&vs->lock);
+    return v;
+}
+
+hapi_view *hapi_views_swap(hapi_views *vs, hapi_view *v)
+{
+    pthread_mutex_lock(&vs->lock);
+    hapi_view *old = vs->current;
+    vs->current = v;
+    if (!v)
+        vs->stopping = 1; /* nothing to serve: readers get an error, not a wait */
+    pthread_cond_broadcast(&vs->cond);
+    pthread_mutex_unlock(&vs->lock);
+    return old;
+}
+
+void hapi_views_stop(hapi_views *vs)
+{
+    pthread_mutex_lock(&vs->lock);
+    vs->stopping = 1;
+    pthread_cond_broadcast(&vs->cond);
+    pthread_mutex_unlock(&vs->lock);
+}
