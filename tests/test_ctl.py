@@ -153,6 +153,7 @@ def test_exit_codes(tree, mounter, models, tmp_path):
 def test_refusal_reaches_the_writers_handle(tree, mounter, models):
     src, _ = tree
     m = mounter(src, model=models())
+    m.ctl("config")  # waits for the first split: a batch needs it
     ctl_file = m.path / ".hapifs" / "ctl"
     fd = os.open(ctl_file, os.O_RDWR)
     other = os.open(ctl_file, os.O_RDONLY)
