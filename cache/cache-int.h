@@ -68,9 +68,6 @@ uint64_t hapi_cache__evict_ns(hapi_cache *c);
  */
 long hapi_cache__check_index(hapi_cache *c, char *msg, size_t msg_size);
 
-/* Keys in LRU order, oldest first: calls fn(key, key_len, arg) for each until it returns nonzero. */
-int hapi_cache__walk_lru(hapi_cache *c, int (*fn)(const void *, size_t, void *), void *arg);
-
 #ifdef __cplusplus
 }
 #endif

@@ -227,12 +227,7 @@ void hapi_cache_namespace_make(const uint8_t model_digest[16], int split, int dt
 
 void hapi_cache_namespace_hex(const hapi_cache_namespace *ns, char hex[33])
 {
-    static const char digits[] = "0123456789abcdef";
-    for (int i = 0; i < HAPI_CACHE_NAMESPACE_SIZE; i++) {
-        hex[2 * i] = digits[ns->bytes[i] >> 4];
-        hex[2 * i + 1] = digits[ns->bytes[i] & 0xf];
-    }
-    hex[32] = '\0';
+    hapi_hex(ns->bytes, HAPI_CACHE_NAMESPACE_SIZE, hex);
 }
 
 /* ---- keys and values ---- */
@@ -472,6 +467,16 @@ static uint64_t entry_bytes(const hapi_cache *c, size_t key_len, size_t value_si
     else
         bytes = node + value_size;
     return bytes + 2 * (node + HAPI_CACHE__STAMP_SIZE);
+}
+
+uint64_t hapi_cache_entry_bytes(const hapi_cache *c, size_t path_len, size_t size)
+{
+    /* A long path is cut in the key and kept whole in the value (see put). */
+    size_t key_len = HAPI_CACHE_NAMESPACE_SIZE +
+                     (path_len > HAPI_CACHE_PATH_MAX ? HAPI_CACHE_PATH_MAX : path_len);
+    size_t value_size = HAPI_CACHE__HEADER_SIZE +
+                        (path_len > HAPI_CACHE_PATH_MAX ? pad16(path_len) : 0) + size;
+    return entry_bytes(c, key_len, value_size);
 }
 
 /*
@@ -1440,11 +1445,7 @@ int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
         size_t path_len = strlen(items[i].path);
         if (path_len > UINT32_MAX / 2)
             return hapi_error_set(err, HAPI_EINVAL, "cache put: path too long");
-        size_t key_len = HAPI_CACHE_NAMESPACE_SIZE +
-                         (path_len > HAPI_CACHE_PATH_MAX ? HAPI_CACHE_PATH_MAX : path_len);
-        size_t value_size = HAPI_CACHE__HEADER_SIZE +
-                            (path_len > HAPI_CACHE_PATH_MAX ? pad16(path_len) : 0) + items[i].size;
-        need += entry_bytes(c, key_len, value_size);
+        need += hapi_cache_entry_bytes(c, path_len, items[i].size);
     }
     if (n == 0)
         return 0;
@@ -1849,26 +1850,4 @@ out:
         mdb_cursor_close(cur);
     read_end(c, txn);
     return result;
-}
-
-int hapi_cache__walk_lru(hapi_cache *c, int (*fn)(const void *, size_t, void *), void *arg)
-{
-    MDB_txn *txn;
-    MDB_cursor *cur;
-    MDB_val k, v;
-    MDB_cursor_op op = MDB_FIRST;
-    int rc = read_begin(c, &txn);
-    if (rc)
-        return rc == 1 ? HAPI_ECACHE : lmdb_to_code(rc);
-    rc = mdb_cursor_open(txn, c->lru_dbi, &cur);
-    if (rc == 0) {
-        while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
-            op = MDB_NEXT;
-            if (fn(v.mv_data, v.mv_size, arg))
-                break;
-        }
-        mdb_cursor_close(cur);
-    }
-    read_end(c, txn);
-    return rc == 0 || rc == MDB_NOTFOUND ? 0 : lmdb_to_code(rc);
 }

@@ -162,6 +162,14 @@ int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
                    const hapi_cache_item *items, size_t n, hapi_error *err);
 
 /*
+ * The bytes the store spends on one entry of size bytes of features under a
+ * path of path_len bytes, as a put and eviction count them: the key, the
+ * value's header, the leaf node or the run of overflow pages, and the LRU
+ * records. A lower bound (leaf pages are never full). Thread-safe.
+ */
+uint64_t hapi_cache_entry_bytes(const hapi_cache *c, size_t path_len, size_t size);
+
+/*
  * Applies the access log (the hits noted since the last write) to the LRU
  * order in one write transaction. Call it now and then (e.g. every second)
  * from a thread that holds no value, so that reads between puts count.

@@ -37,6 +37,17 @@ int hapi_error_set(hapi_error *err, int code, const char *fmt, ...)
     return code;
 }
 
+void hapi_hex(const void *bytes, size_t n, char *out)
+{
+    static const char digits[] = "0123456789abcdef";
+    const unsigned char *b = bytes;
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = digits[b[i] >> 4];
+        out[2 * i + 1] = digits[b[i] & 0xf];
+    }
+    out[2 * n] = '\0';
+}
+
 uint64_t hapi_now_ns(void)
 {
     struct timespec ts;

@@ -51,6 +51,12 @@ const char *hapi_strerror(int code);
 int hapi_error_set(hapi_error *err, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/*
+ * Writes the n bytes at bytes as 2n lowercase hex digits and a NUL into out,
+ * which must hold 2n + 1 bytes (digests, namespaces).
+ */
+void hapi_hex(const void *bytes, size_t n, char *out);
+
 /* Monotonic clock in nanoseconds. */
 uint64_t hapi_now_ns(void);
 

@@ -326,7 +326,8 @@ static int cache_has_room(hapi_background *bg, hapi_view *v)
     pthread_mutex_unlock(&bg->prefetch.lock);
     if (atomic_load(&bg->prefetch.stop))
         return 0;
-    uint64_t need = images * ((uint64_t)v->sample_bytes + HAPI_CACHE_ENTRY_OVERHEAD);
+    uint64_t need = images * hapi_cache_entry_bytes(bg->cfg.cache, HAPI_TYPICAL_PATH,
+                                                    v->sample_bytes);
     uint64_t room = bg->cfg.cache_size / 2;
     if (state < 0 || bg->cfg.cache_size == 0 || need <= room)
         return 1;

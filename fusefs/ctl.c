@@ -89,9 +89,7 @@ static json_t *render_config(hapi_ctl *c)
     const hapi_preprocess *pp = hapi_extractor_preprocess(c->cfg.ex);
     hapi_model *m = hapi_extractor_model(c->cfg.ex);
     char digest[33];
-    const uint8_t *d = hapi_extractor_model_digest(c->cfg.ex);
-    for (int i = 0; i < 16; i++)
-        snprintf(digest + 2 * i, 3, "%02x", d[i]);
+    hapi_hex(hapi_extractor_model_digest(c->cfg.ex), 16, digest);
 
     json_t *stages = json_array();
     int n = hapi_model_num_stages(m);

@@ -197,8 +197,8 @@ enum hapi_walk_flags {
 int hapi_source_walk(const hapi_source *s, const char *dir, int flags, atomic_int *stop,
                      int (*fn)(const hapi_source_entry *e, void *arg), void *arg);
 
-/* LMDB's cost of one cache entry beyond its features (keys, LRU records, page slack). */
-#define HAPI_CACHE_ENTRY_OVERHEAD 2048
+/* A path's length for estimates of the store's size ("train/n01440764/n01440764_10026.JPEG"). */
+#define HAPI_TYPICAL_PATH 40
 
 /* -------------------------------------------------------------- view.c */
 

@@ -252,8 +252,11 @@ int hapi_tune_start(const hapi_tune_config *cfg, hapi_tune **out, hapi_error *er
         .input_bytes = 3 * (size_t)pp->crop * (size_t)pp->crop * sizeof(float),
         .hit_ms = HIT_MS,
         .cache_room = o->cache_size,
-        .cache_entry_overhead = HAPI_CACHE_ENTRY_OVERHEAD,
     };
+    /* What one feature of each split costs in the store, for "does the tree fit". */
+    for (int s = 1; s <= t->in.freeze && s <= HAPI_PROFILE_MAX_STAGES; s++)
+        t->in.cache_entry_bytes[s] = (double)hapi_cache_entry_bytes(
+            cfg->cache, HAPI_TYPICAL_PATH, hapi_extractor_split_bytes(cfg->ex, s));
     t->split_by_operator = o->split && strcmp(o->split, "auto") != 0;
     t->batch_auto = o->batch == 0;
     t->batch = o->batch;

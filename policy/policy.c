@@ -151,7 +151,9 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     cached = cached < 0 ? 0 : cached > 1 ? 1 : cached;
     double fit = 1.0;
     if (in->cache_room && in->samples) {
-        double need = (double)in->samples * (double)(feat + in->cache_entry_overhead);
+        double entry = in->cache_entry_bytes[split] > 0 ? in->cache_entry_bytes[split]
+                                                         : (double)feat;
+        double need = (double)in->samples * entry;
         fit = need > 0 ? fmin(1.0, (double)in->cache_room / need) : 1.0;
     }
     if (cached > fit)

@@ -125,7 +125,8 @@ typedef struct hapi_policy_input {
     uint64_t samples;         /* images in the tree (0: unknown; times per 1000 samples) */
     double cached[HAPI_PROFILE_MAX_STAGES + 1]; /* [split]: fraction already in the cache */
     uint64_t cache_room;      /* bytes the cache can hold (0: unlimited) */
-    uint64_t cache_entry_overhead; /* bytes a cache entry costs beyond its features */
+    double cache_entry_bytes[HAPI_PROFILE_MAX_STAGES + 1]; /* [split]: bytes one cached
+                                 feature takes in the store (0: its features alone) */
     int batch;                /* 0: choose (batch=auto), else this batch */
     int split;                /* 0: choose, else this split (the table still explains all) */
 } hapi_policy_input;

@@ -110,8 +110,7 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
         return hapi_error_set(err, HAPI_EINVAL, "profile: %d stages (at most %d)", n,
                               HAPI_PROFILE_MAX_STAGES);
     out->version = HAPI_PROFILE_VERSION;
-    for (int i = 0; i < 16; i++)
-        snprintf(out->model_digest + 2 * i, 3, "%02x", digest[i]);
+    hapi_hex(digest, 16, out->model_digest);
     snprintf(out->device, sizeof(out->device), "%s", device && *device ? device : "cpu");
     out->threads = threads;
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -372,8 +371,7 @@ void hapi_profile_file_name(const uint8_t digest[16], const char *device, int th
                             char *buf, size_t size)
 {
     char hex[33], dev[32];
-    for (int i = 0; i < 16; i++)
-        snprintf(hex + 2 * i, 3, "%02x", digest[i]);
+    hapi_hex(digest, 16, hex);
     snprintf(dev, sizeof(dev), "%s", device && *device ? device : "cpu");
     for (char *c = dev; *c; c++)
         if (*c == ':' || *c == '/')

@@ -261,7 +261,6 @@ START_TEST(estimates_add_up)
     }
     /* a cache too small for the pool features of every sample: warm epochs recompute some */
     in.cache_room = 10000 * 4096 / 2;
-    in.cache_entry_overhead = 0;
     choose(&in, &c);
     ck_assert_double_gt(c.cand[5].warm_s, c.cand[5].link_ms * 10000 / 1e3 * 1.5);
 }

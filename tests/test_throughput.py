@@ -212,8 +212,9 @@ def test_prefetch_off_computes_only_what_is_read(tmp_path, models, mounter):
 
 def test_prefetch_stays_off_when_the_tree_outgrows_the_cache(tmp_path, models, mounter):
     src = tmp_path / "src"
-    # 200 images at ~3.2 KiB of cache each: more than half of a 1 MiB cache
-    make_tree(src, classes=2, per_class=100, size=(32, 40))
+    # 500 images at no less than 1.3 KiB of store each (hapi_cache_entry_bytes of a 1,024-byte
+    # feature): more than half of a 1 MiB cache
+    make_tree(src, classes=2, per_class=250, size=(32, 40))
     m = mounter(src, model=models(), cache_size="1M")
     (m.path / "class0/000.jpg.feat").read_bytes()
     assert wait_for(lambda: m.ctl("stats")["prefetch"]["dropped"] == 1, timeout=30)
