@@ -73,7 +73,10 @@ struct hapi_batcher {
     hapi_batcher_stats stats;
 
     pthread_t *decoders;
-    int ndecoders;
+    int ndecoders;                /* threads created */
+    int decoders_reported;        /* of those, how many said whether their decoder started */
+    int decoders_running;         /* ... and how many have one */
+    pthread_cond_t start_cond;    /* hapi_batcher_new: a decode thread reported */
     pthread_t inference;
     int inference_started;
 };
@@ -270,10 +273,22 @@ static void *decode_main(void *arg)
 {
     hapi_batcher *b = arg;
     hapi_decoder *dec = NULL;
-    if (hapi_decoder_new(&dec) < 0)
-        return NULL; /* the other threads carry on; hapi_batcher_new checks one works */
+    int ok = hapi_decoder_new(&dec) == 0;
 
+    /* hapi_batcher_new waits for every thread's word: with no decoder at all, it fails. */
     pthread_mutex_lock(&b->lock);
+    if (ok && b->decoders_reported < b->cfg.fault_decoders_fail) {
+        hapi_decoder_free(dec); /* testing: this one "fails" */
+        dec = NULL;
+        ok = 0;
+    }
+    b->decoders_reported++;
+    b->decoders_running += ok;
+    pthread_cond_broadcast(&b->start_cond);
+    if (!ok) {
+        pthread_mutex_unlock(&b->lock);
+        return NULL; /* the other threads carry on */
+    }
     for (;;) {
         struct job *j = NULL;
         if (b->stop)
@@ -512,6 +527,7 @@ int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_ba
     pthread_cond_init(&b->work_cond, NULL);
     pthread_cond_init(&b->done_cond, NULL);
     pthread_cond_init(&b->throttle_cond, NULL);
+    pthread_cond_init(&b->start_cond, NULL);
 
     if ((rc = pthread_create(&b->inference, NULL, inference_main, b)) != 0) {
         hapi_error_set(err, -rc, "cannot start the inference thread: %s", hapi_strerror(-rc));
@@ -526,6 +542,17 @@ int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_ba
             return -rc;
         }
         b->ndecoders++;
+    }
+    pthread_mutex_lock(&b->lock);
+    while (b->decoders_reported < b->ndecoders)
+        pthread_cond_wait(&b->start_cond, &b->lock);
+    int running = b->decoders_running;
+    pthread_mutex_unlock(&b->lock);
+    if (running == 0) {
+        hapi_error_set(err, -ENOMEM, "no decode thread could create its decoder (%d tried)",
+                       b->ndecoders);
+        hapi_batcher_free(b);
+        return -ENOMEM;
     }
     *out = b;
     return 0;
@@ -565,6 +592,7 @@ void hapi_batcher_free(hapi_batcher *b)
     pthread_cond_destroy(&b->ready_cond);
     pthread_cond_destroy(&b->done_cond);
     pthread_cond_destroy(&b->throttle_cond);
+    pthread_cond_destroy(&b->start_cond);
     free(b->table);
     free(b->decoders);
     free(b);
@@ -682,5 +710,6 @@ void hapi_batcher_stats_get(hapi_batcher *b, hapi_batcher_stats *st)
         st->queued[p] = b->queue[p].count;
     st->in_flight = b->decoding + ready_total(b);
     st->batch = b->batch;
+    st->decoders = (uint64_t)b->decoders_running;
     pthread_mutex_unlock(&b->lock);
 }

@@ -323,9 +323,11 @@ typedef struct hapi_batch_result {
 } hapi_batch_result;
 
 /*
- * Receives every finished sample, in groups: a batch's successes and
- * failures, on the inference thread, before any waiter is woken (so a sink
- * that stores them makes later lookups hit). Pointers live for the call.
+ * Receives every finished sample before any waiter is woken (so a sink that
+ * stores them makes later lookups hit): a batch's successes and failures on
+ * the inference thread, and a sample that failed to load or decode alone, on
+ * its decode thread. So it may run on several threads at once. Pointers live
+ * for the call.
  */
 typedef void (*hapi_batcher_sink_fn)(void *ctx, const hapi_batch_result *results, size_t n);
 
@@ -341,14 +343,18 @@ typedef struct hapi_batcher_config {
     hapi_batcher_load_fn load;
     hapi_batcher_sink_fn sink;
     void *ctx;
+    int fault_decoders_fail; /* testing: this many decode threads fail to create their
+                                decoder, as on out-of-memory (0 = none) */
     int fault_oom_above;     /* testing: an inference of more samples fails as out of
                                 memory, as libtorch's would (0 = never) */
 } hapi_batcher_config;
 
 /*
  * Starts the decode threads and the inference thread over ex (borrowed: it
- * must outlive the batcher). Returns 0, HAPI_EINVAL or -errno; *out NULL on
- * failure. Free with hapi_batcher_free().
+ * must outlive the batcher), and returns once every decode thread has made
+ * its decoder or failed to: the batcher runs with those that did (stats
+ * say how many). Returns 0, HAPI_EINVAL, -ENOMEM (no decode thread has a
+ * decoder) or -errno; *out NULL on failure. Free with hapi_batcher_free().
  */
 int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_batcher **out,
                      hapi_error *err);
@@ -395,7 +401,9 @@ int hapi_batcher_throttle(hapi_batcher *b, int priority, size_t limit);
 
 typedef struct hapi_batcher_stats {
     uint64_t queued[HAPI_PRIORITY_COUNT]; /* waiting for a decode thread */
-    uint64_t in_flight;                   /* decoding, decoded or in inference */
+    uint64_t in_flight;                   /* being decoded, or decoded and waiting for a
+                                             batch (not the batch in inference) */
+    uint64_t decoders;                    /* decode threads running */
     uint64_t samples;                     /* computed successfully */
     uint64_t failed;                      /* failed to load, decode or run */
     uint64_t batches;                     /* inferences run */

@@ -346,6 +346,39 @@ START_TEST(budget_bounds_memory)
 }
 END_TEST
 
+/* A batcher whose decoders cannot start says so at once instead of leaving tickets waiting. */
+START_TEST(decoders_must_start)
+{
+    hapi_batcher_config cfg = {
+        .batch = 4, .max_wait_us = 1000, .decode_threads = 2, .tag_size = sizeof(int),
+        .load = load, .sink = sink, .fault_decoders_fail = 2,
+    };
+    hapi_batcher *b = (hapi_batcher *)&cfg; /* must be set to NULL */
+    hapi_error err = { 0 };
+    reset_records();
+    uint64_t t0 = hapi_now_ns();
+    ck_assert_int_eq(hapi_batcher_new(ex, &cfg, &b, &err), -ENOMEM);
+    ck_assert_ptr_null(b);
+    ck_assert_ptr_nonnull(strstr(err.message, "decoder"));
+    ck_assert_uint_lt(hapi_now_ns() - t0, 5000000000u);
+
+    /* One of two fails: the other does the work. */
+    cfg.fault_decoders_fail = 1;
+    ck_assert_msg(hapi_batcher_new(ex, &cfg, &b, &err) == 0, "%s", err.message);
+    hapi_batcher_stats st;
+    hapi_batcher_stats_get(b, &st);
+    ck_assert_uint_eq(st.decoders, 1);
+    hapi_ticket *t = NULL;
+    const void *features;
+    ck_assert_int_eq(hapi_batcher_submit(b, "k3", HAPI_PRIORITY_DEMAND, &t), 0);
+    ck_assert_int_eq(hapi_ticket_wait(b, t, &features, NULL, &err), 0);
+    ck_assert_ptr_nonnull(features);
+    hapi_ticket_release(b, t);
+    finish_batcher(b);
+    ck_assert_uint_eq(sink_ok, 1);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ setup */
 
 static void make_images(void)
@@ -415,6 +448,7 @@ int main(void)
         { "failure_is_alone", failure_is_alone },
         { "throttle_and_stop", throttle_and_stop },
         { "budget_bounds_memory", budget_bounds_memory },
+        { "decoders_must_start", decoders_must_start },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
         TCase *tc = tcase_create(cases[i].name);
