@@ -161,14 +161,14 @@ void hapi_fs_usage(const char *prog)
            "    dtype=fp16|fp32      feature type (default fp16)\n"
            "    preprocess=exact|fast  torchvision-exact decode, or DCT-scaled decode (default exact)\n"
            "    precision=fp32|bf16  arithmetic of the model: fp32 (default), or bfloat16 on the CPU,\n"
-           "                         ~4x faster on CPUs with AMX or AVX512-BF16 (cosine > 0.999)\n"
+           "                         ~4x faster on CPUs with AMX or AVX512-BF16 (cosine 0.9999)\n"
            "    cache=DIR            feature cache directory (default " HAPI_DEFAULT_CACHE_DIR ")\n"
            "    cache_size=SIZE      bound on the cache, e.g. 20G (default: 1/4 of free space)\n"
            "    cache_reset=0|1      replace a corrupt or foreign cache instead of failing\n"
            "    threads=N            FUSE worker threads (default 32)\n"
            "    torch_threads=N      libtorch intra-op threads (default: cores)\n"
-           "    batch=auto|N         storage-side batch (default auto: the fastest per sample\n"
-           "                         measured that fits mem)\n"
+           "    batch=auto|N         storage-side batch, N in 1..4096 (default auto: the fastest\n"
+           "                         per sample measured that fits mem)\n"
            "    batch_wait=MS        how long a partial batch waits for more reads (default 5)\n"
            "    decode_threads=N     JPEG/PNG decode threads (default 1)\n"
            "    mem=SIZE             storage-side memory budget: weights, inference, images in\n"
@@ -411,9 +411,9 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
     if (raw->batch) {
         if (strcmp(raw->batch, "auto") == 0)
             o->batch = 0;
-        else if (parse_int(raw->batch, 1, 1024, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "batch=%s: expected auto or 1..1024",
-                                  raw->batch);
+        else if (parse_int(raw->batch, 1, HAPI_BATCH_MAX, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "batch=%s: expected auto or 1..%d",
+                                  raw->batch, HAPI_BATCH_MAX);
         else
             o->batch = (int)v;
     }

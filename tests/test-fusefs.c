@@ -101,6 +101,17 @@ START_TEST(test_options_values)
 END_TEST
 
 /* Each bad option fails with a message that names it. */
+/* batch= takes the range the ctl command and the batcher take. */
+START_TEST(test_options_batch_range)
+{
+    hapi_fs_options o;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(parse(with_base("model=%s,cache=%s,batch=4096"), &o, &err), 0);
+    ck_assert_int_eq(o.batch, HAPI_BATCH_MAX);
+    hapi_fs_options_free(&o);
+}
+END_TEST
+
 START_TEST(test_options_errors)
 {
     static const struct {
@@ -117,6 +128,8 @@ START_TEST(test_options_errors)
         { "model=%s,cache=%s,bogus=1", "bogus=1" },
         { "model=%s,cache=%s,device=tpu", "device=tpu" },
         { "model=%s,cache=%s,split=", "split=" },
+        { "model=%s,cache=%s,batch=0", "batch=0: expected auto or 1..4096" },
+        { "model=%s,cache=%s,batch=4097", "batch=4097" },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
         hapi_fs_options o;
@@ -240,6 +253,7 @@ int main(void)
         { "options_defaults", test_options_defaults },
         { "options_values", test_options_values },
         { "options_errors", test_options_errors },
+        { "options_batch_range", test_options_batch_range },
         { "options_paths", test_options_paths },
         { "options_helper", test_options_helper },
         { "parse_size", test_parse_size },
