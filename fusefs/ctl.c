@@ -236,11 +236,14 @@ static json_t *render_stats(hapi_ctl *c)
 {
     hapi_serve_stats s;
     hapi_tune_status ts;
+    hapi_pack_stats ps;
     hapi_serve_stats_get(c->cfg.serve, &s);
     hapi_tune_status_get(c->cfg.tune, &ts);
+    hapi_pack_stats_get(c->cfg.packs, &ps);
     double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
     return json_pack(
-        "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, s:o, s:o, s:o, s:o, s:{s:I}}",
+        "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, "
+        "s:{s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}}",
         "uptime_s", uptime,
         "split_changes", (json_int_t)ts.split_changes,
         "feat",
@@ -252,6 +255,13 @@ static json_t *render_stats(hapi_ctl *c)
           "failed", (json_int_t)s.errors,
           "cache_put_failures", (json_int_t)s.cache_put_failures,
           "hit_latency_us", s.hits ? (double)s.hit_ns / 1e3 / (double)s.hits : 0.0,
+        "pack",
+          "opens", (json_int_t)ps.opens,
+          "reads", (json_int_t)ps.reads,
+          "bytes", (json_int_t)ps.bytes,
+          "rows", (json_int_t)ps.rows,
+          "rows_failed", (json_int_t)ps.rows_failed,
+          "index_reads", (json_int_t)ps.index_reads,
         "batcher", render_batcher(c),
         "warm", render_warm(c),
         "prefetch", render_prefetch(c),

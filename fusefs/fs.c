@@ -18,7 +18,8 @@
  * (an NFS re-export needs that), in three disjoint ranges:
  *   1                      the root (FUSE_ROOT_ID)
  *   ino << 1 | is_feat     a source file or directory on the root's device, ino < 2^61
- *   2^62 | hash << 1 | f   anything else (another device, a huge inode number)
+ *   2^62 | hash << 1 | f   anything else (another device, a huge inode number),
+ *                          and a directory's pack and index (hash of its inode and kind)
  *   2^63 | n               the control directory and its files
  */
 #define CTL_BASE (1ull << 63)
@@ -36,7 +37,9 @@ enum hapi_node_kind {
     HAPI_NODE_FILE,     /* a regular source file passed through */
     HAPI_NODE_FEAT,     /* x.jpg.feat, computed */
     HAPI_NODE_CTL_DIR,  /* .hapifs */
-    HAPI_NODE_CTL_FILE  /* .hapifs/<name> */
+    HAPI_NODE_CTL_FILE, /* .hapifs/<name> */
+    HAPI_NODE_PACK,     /* DIR/.hapifs-pack.npy; its path is DIR's */
+    HAPI_NODE_PACK_INDEX /* DIR/.hapifs-pack.json */
 };
 
 /* ------------------------------------------------------------ node table */
@@ -109,7 +112,8 @@ static void invalidate_feats(void *arg)
     pthread_mutex_lock(&t->lock);
     for (size_t i = 0; i < t->nbuckets; i++)
         for (struct node *nd = t->buckets[i]; nd; nd = nd->next) {
-            if (nd->kind != HAPI_NODE_FEAT)
+            if (nd->kind != HAPI_NODE_FEAT && nd->kind != HAPI_NODE_PACK &&
+                nd->kind != HAPI_NODE_PACK_INDEX)
                 continue;
             if (n == cap) {
                 uint64_t *bigger = realloc(ids, (cap = cap ? cap * 2 : 256) * sizeof(*ids));
@@ -220,6 +224,14 @@ static uint64_t node_id_for(const hapi_fs *fs, const struct stat *st, int feat)
     return HASHED_BASE | h << 1 | (uint64_t)!!feat;
 }
 
+/* The id of directory st's pack (kind HAPI_NODE_PACK) or index (HAPI_NODE_PACK_INDEX). */
+static uint64_t pack_node_id(const struct stat *st, int kind)
+{
+    uint64_t key[3] = { (uint64_t)st->st_dev, (uint64_t)st->st_ino, (uint64_t)kind };
+    uint64_t h = XXH3_64bits(key, sizeof(key)) & ((1ull << 61) - 1);
+    return HASHED_BASE | h << 1;
+}
+
 static char *join_path(const char *dir, const char *name)
 {
     char *p = NULL;
@@ -266,6 +278,29 @@ static void feat_attr(hapi_fs *fs, const struct stat *src, uint64_t id, struct s
     st->st_nlink = 1;
     st->st_size = (off_t)size;
     st->st_blocks = (blkcnt_t)((size + 511) / 512);
+}
+
+/*
+ * Attributes of a directory's pack or index: exact size of the pack (no
+ * computation; the index shows a bound, and is read with direct I/O like
+ * a control file), readable as the directory is, times of the latest image.
+ */
+static int pack_attr(hapi_fs *fs, const char *dir, const struct stat *dir_st, int kind,
+                     uint64_t id, struct stat *st)
+{
+    hapi_pack_info info;
+    int rc = hapi_pack_info_get(fs->packs, dir, &info);
+    if (rc < 0)
+        return rc;
+    *st = *dir_st;
+    st->st_ino = id;
+    st->st_mode = S_IFREG | (dir_st->st_mode & 0444);
+    st->st_nlink = 1;
+    st->st_size = (off_t)(kind == HAPI_NODE_PACK ? info.size : info.index_bound);
+    st->st_blocks = (blkcnt_t)((st->st_size + 511) / 512);
+    st->st_mtim = info.mtime;
+    st->st_ctim = info.ctime;
+    return 0;
 }
 
 static void ctl_dir_attr(const hapi_fs *fs, struct stat *st)
@@ -380,6 +415,18 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
     }
     if (strlen(name) > NAME_MAX)
         return -ENAMETOOLONG;
+    int pack = strcmp(name, HAPI_PACK_NAME) == 0 ? HAPI_NODE_PACK
+               : strcmp(name, HAPI_PACK_INDEX_NAME) == 0 ? HAPI_NODE_PACK_INDEX : 0;
+    if (pack) {
+        /* Not listed, reachable by name; it shadows a source file of that name. */
+        if ((rc = hapi_source_stat(fs->source, parent_path, &src)) < 0)
+            return rc;
+        e->ino = pack_node_id(&src, pack);
+        if ((rc = pack_attr(fs, parent_path, &src, pack, e->ino, &e->attr)) < 0)
+            return rc;
+        *kind = pack;
+        return (*path = strdup(parent_path)) ? 0 : -ENOMEM;
+    }
 
     size_t stem = feat_stem_len(name);
     if (stem) {
@@ -512,9 +559,14 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     }
     if (kind == HAPI_NODE_FEAT)
         feat_attr(fs, &src, ino, &st);
+    else if (kind == HAPI_NODE_PACK || kind == HAPI_NODE_PACK_INDEX)
+        rc = pack_attr(fs, path, &src, kind, ino, &st);
     else
         source_attr(fs, &src, ino, &st);
-    fuse_reply_attr(req, &st, ATTR_TIMEOUT);
+    if (rc < 0)
+        fuse_reply_err(req, -rc);
+    else
+        fuse_reply_attr(req, &st, ATTR_TIMEOUT);
     free(path);
 }
 
@@ -738,10 +790,11 @@ static void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info 
     fuse_reply_err(req, 0);
 }
 
-/* An open file: a passthrough fd, a .feat's source, or a control file's content. */
+/* An open file: a passthrough fd, a .feat's source, a pack, or a control file's content. */
 struct open_file {
     int kind;
     int fd;
+    hapi_pack *pack;       /* PACK: the directory's snapshot */
     char *path;            /* the source image (FEAT) */
     hapi_source_id id;     /* its identity when opened */
     hapi_view *view;       /* the split it was opened at (FEAT) */
@@ -764,6 +817,7 @@ static void open_file_free(struct open_file *h)
     free(h->path);
     hapi_ctl_text_put(h->text);
     hapi_view_put(h->view);
+    hapi_pack_close(h->pack);
     pthread_mutex_destroy(&h->lock);
     free(h);
 }
@@ -846,6 +900,23 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         path = NULL;
         /* Features are immutable for a given source identity and namespace. */
         fi->keep_cache = 1;
+    } else if (kind == HAPI_NODE_PACK) {
+        /* A snapshot of the directory now; no keep_cache: an image may change in place. */
+        if ((rc = hapi_pack_open(fs->packs, path, &h->pack)) < 0)
+            goto fail;
+    } else if (kind == HAPI_NODE_PACK_INDEX) {
+        char *text = NULL;
+        size_t len = 0;
+        if ((rc = hapi_pack_index(fs->packs, path, &text, &len)) < 0)
+            goto fail;
+        h->kind = HAPI_NODE_CTL_FILE; /* read like a control file: made now, direct I/O */
+        h->text = hapi_ctl_text_new(text, len);
+        free(text);
+        if (!h->text) {
+            rc = -ENOMEM;
+            goto fail;
+        }
+        fi->direct_io = 1;
     } else {
         rc = hapi_source_open_beneath(fs->source, path, O_RDONLY);
         if (rc < 0)
@@ -883,6 +954,22 @@ static void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t s
         free(buf);
 }
 
+/* A pack read: rows computed or looked up by pack.c into a buffer of ours. */
+static void read_pack(fuse_req_t req, struct open_file *h, size_t size, off_t off)
+{
+    char *buf = malloc(size ? size : 1);
+    if (!buf) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    ssize_t n = hapi_pack_read(h->pack, buf, size, off);
+    if (n < 0)
+        fuse_reply_err(req, hapi_fs_errno((int)n));
+    else
+        fuse_reply_buf(req, buf, (size_t)n);
+    free(buf);
+}
+
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                     struct fuse_file_info *fi)
 {
@@ -893,6 +980,9 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     switch (h->kind) {
     case HAPI_NODE_FEAT:
         read_feat(req, fs, h, size, off);
+        return;
+    case HAPI_NODE_PACK:
+        read_pack(req, h, size, off);
         return;
     case HAPI_NODE_CTL_FILE: {
         /* The reply is written from a reference of our own: the handle may go meanwhile. */
@@ -1142,6 +1232,10 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     };
     if ((rc = hapi_serve_new(&scfg, &fs->serve, err)) < 0)
         goto fail;
+    if ((rc = hapi_packs_new(fs->source, fs->views, fs->serve, &fs->packs)) < 0) {
+        hapi_error_set(err, rc, "out of memory");
+        goto fail;
+    }
     hapi_background_config bcfg = {
         .source = fs->source, .cache = fs->cache, .views = fs->views, .serve = fs->serve,
         .prefetch = opt->prefetch, .cache_size = opt->cache_size, .warm = opt->warm,
@@ -1158,8 +1252,8 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         goto fail;
     hapi_ctl_config ccfg = {
         .opt = opt, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
-        .serve = fs->serve, .background = fs->background, .tune = fs->tune,
-        .errors = fs->errors, .started_ns = fs->started_ns,
+        .serve = fs->serve, .packs = fs->packs, .background = fs->background,
+        .tune = fs->tune, .errors = fs->errors, .started_ns = fs->started_ns,
     };
     if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0) {
         hapi_error_set(err, rc, "out of memory");
@@ -1186,6 +1280,7 @@ void hapi_fs_destroy(hapi_fs *fs)
         hapi_views_stop(fs->views);
     hapi_background_stop(fs->background);
     hapi_views_free(fs->views); /* the batchers go with the views, before serve */
+    hapi_packs_free(fs->packs);
     hapi_serve_free(fs->serve);
     node_table_free(fs->nodes);
     hapi_error_ring_free(fs->errors);

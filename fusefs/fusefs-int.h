@@ -106,6 +106,8 @@ char *hapi_error_ring_json(hapi_error_ring *r);
  *   ctl.c         the .hapifs/ control files and the table of commands
  *   tune.c        profile, policy, live split and batch changes
  *   background.c  warm-up walker, directory prefetch, cache keeper
+ *   pack.c        per-directory packs: a snapshot of a directory's images
+ *                 served as one .npy through serve.c, and its index
  *   serve.c       the bytes of a .feat read: cache lookup or computation
  *                 through the view's batcher; the batcher's load and sink
  *   view.c        what a .feat is at one split; the current view
@@ -125,8 +127,8 @@ char *hapi_error_ring_json(hapi_error_ring *r);
  *   views.lock            the current view (leaf but for view refcounts)
  *   the batcher's and the cache's own locks (extractor/, cache/)
  *   leaves, never held while taking another: background prefetch.lock and
- *   keeper.lock, fs's node table lock, a ctl handle's lock, the error ring's
- *   lock, the log's lock.
+ *   keeper.lock, a pack's lock, the packs' failure lock, fs's node table
+ *   lock, a ctl handle's lock, the error ring's lock, the log's lock.
  * Joining a thread while holding a lock is allowed only for warm.lock (the
  * walker takes none of the locks above it).
  */
@@ -213,6 +215,7 @@ int hapi_source_walk(const hapi_source *s, const char *dir, int flags, atomic_in
 typedef struct hapi_view {
     atomic_int refs;
     int split;                   /* stages [0, split) */
+    int dtype;                   /* enum hapi_dtype of the features */
     hapi_stage_info output;      /* of stage split - 1 */
     hapi_cache_namespace ns;
     char ns_hex[33];
@@ -334,6 +337,31 @@ void hapi_serve_on_miss(hapi_serve *s, void (*fn)(void *arg, hapi_view *v, const
 ssize_t hapi_serve_read(hapi_serve *s, hapi_view *v, const char *path, const hapi_source_id *id,
                         char *buf, size_t size, off_t off);
 
+/*
+ * One sample of a read of several (a pack): features bytes [from, to) of the
+ * image path at identity id go to dst. A part with dst NULL is read-ahead:
+ * asked for (unless cached) and not waited for.
+ */
+typedef struct hapi_serve_part {
+    const char *path;
+    const hapi_source_id *id;
+    char *dst;
+    size_t from, to;
+    int code;            /* out: 0, or why this sample has no features */
+} hapi_serve_part;
+
+/*
+ * Fills every part from the cache or by computing it at demand priority:
+ * all misses are submitted before any is waited for, so that they share
+ * batches. A sample's failure is its part's code (recorded in the error ring
+ * by the sink), not the call's. Returns 0, -ENOMEM, or -ECANCELED when
+ * unmounting. Thread-safe.
+ */
+int hapi_serve_read_parts(hapi_serve *s, hapi_view *v, hapi_serve_part *parts, size_t n);
+
+/* 1 if the features of path at identity id are cached at v, else 0. Counts nothing. */
+int hapi_serve_cached(hapi_serve *s, hapi_view *v, const char *path, const hapi_source_id *id);
+
 #define HAPI_QUEUE_CACHED 1   /* hapi_serve_queue: already cached, nothing queued */
 #define HAPI_QUEUE_SKIPPED 2  /* ... the source is gone or not a regular file */
 /*
@@ -359,6 +387,77 @@ int hapi_serve_evict(hapi_serve *s, const char *path, hapi_error *err);
 
 /* Fills *st. Thread-safe. */
 void hapi_serve_stats_get(hapi_serve *s, hapi_serve_stats *st);
+
+/* -------------------------------------------------------------- pack.c */
+
+/*
+ * Per-directory packs: DIR/.hapifs-pack.npy holds the features of every
+ * image directly in DIR (those its listing shows as .feat), in the byte
+ * order of their names, as one .npy array of shape (N, feature shape), so
+ * that a reader fetches a directory's features with a few large sequential
+ * reads instead of a lookup, an open, a read and a release per file.
+ * DIR/.hapifs-pack.json is its index: the namespace, the shape, and per
+ * image its name, source identity and status. Neither is listed.
+ *
+ * A pack is a snapshot taken when it is opened (the names and identities,
+ * the view): its bytes stay those of that snapshot however the directory
+ * changes. A sample that cannot be computed (an undecodable image) does not
+ * fail the pack: its row is all NaN, the index says "failed", and its own
+ * .feat stays an error.
+ */
+#define HAPI_PACK_NAME ".hapifs-pack.npy"
+#define HAPI_PACK_INDEX_NAME ".hapifs-pack.json"
+#define HAPI_PACK_FORMAT "hapifs-pack/1"
+
+typedef struct hapi_packs hapi_packs;
+typedef struct hapi_pack hapi_pack;
+
+/* Makes the pack layer over borrowed layers. Returns 0 or -ENOMEM. */
+int hapi_packs_new(hapi_source *source, hapi_views *views, hapi_serve *serve, hapi_packs **out);
+void hapi_packs_free(hapi_packs *p);
+
+/* What a directory's pack looks like now, without computing anything. */
+typedef struct hapi_pack_info {
+    uint64_t count;            /* images */
+    uint64_t size;             /* bytes of the pack (header + count rows) */
+    uint64_t index_bound;      /* the index is never longer than this */
+    struct timespec mtime, ctime; /* the latest of the directory's and its images' */
+} hapi_pack_info;
+
+/*
+ * Describes dir's pack at the current view (waiting for the first).
+ * Returns 0, -ENOENT (no image directly in dir), -ENOTDIR, -ENODEV
+ * (unmounting) or -errno.
+ */
+int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info);
+
+/*
+ * Opens dir's pack at the current view: a snapshot of its images. Returns 0
+ * or what hapi_pack_info_get() returns; *out NULL on failure.
+ */
+int hapi_pack_open(hapi_packs *p, const char *dir, hapi_pack **out);
+/* The pack's size in bytes. */
+uint64_t hapi_pack_size(const hapi_pack *k);
+/*
+ * Fills buf with bytes [off, off + size) of the pack, computing the rows it
+ * covers (and asking for the next ones ahead). Waits only for the rows it
+ * covers. Returns the bytes written (0 at the end), or -ECANCELED / -ENOMEM.
+ * Thread-safe.
+ */
+ssize_t hapi_pack_read(hapi_pack *k, char *buf, size_t size, off_t off);
+/* Closes it. Accepts NULL. */
+void hapi_pack_close(hapi_pack *k);
+
+/*
+ * dir's index as JSON text (malloc'd, *len bytes, the caller frees), made
+ * now. Returns 0 or what hapi_pack_info_get() returns.
+ */
+int hapi_pack_index(hapi_packs *p, const char *dir, char **text, size_t *len);
+
+typedef struct hapi_pack_stats {
+    uint64_t opens, reads, bytes, rows, rows_failed, index_reads;
+} hapi_pack_stats;
+void hapi_pack_stats_get(hapi_packs *p, hapi_pack_stats *st);
 
 /* -------------------------------------------------------- background.c */
 
@@ -514,6 +613,7 @@ typedef struct hapi_ctl_config {
     hapi_cache *cache;
     hapi_views *views;
     hapi_serve *serve;
+    hapi_packs *packs;
     hapi_background *background;
     hapi_tune *tune;
     hapi_error_ring *errors;
@@ -563,6 +663,7 @@ typedef struct hapi_fs {
     hapi_error_ring *errors;
     hapi_views *views;
     hapi_serve *serve;
+    hapi_packs *packs;
     hapi_background *background;
     hapi_tune *tune;
     hapi_ctl *ctl;

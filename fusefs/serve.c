@@ -240,6 +240,60 @@ ssize_t hapi_serve_read(hapi_serve *s, hapi_view *v, const char *path, const hap
     return (ssize_t)n;
 }
 
+/* Whether the features of path at identity id are cached at v; counts nothing. */
+static int probe(hapi_serve *s, hapi_view *v, const char *path, const hapi_source_id *id)
+{
+    hapi_cache_value val;
+    if (hapi_cache_get(s->cfg.cache, &v->ns, path, id, &val) != 1)
+        return 0;
+    int ok = val.size == v->sample_bytes;
+    hapi_cache_release(s->cfg.cache, &val);
+    return ok;
+}
+
+int hapi_serve_cached(hapi_serve *s, hapi_view *v, const char *path, const hapi_source_id *id)
+{
+    return probe(s, v, path, id);
+}
+
+int hapi_serve_read_parts(hapi_serve *s, hapi_view *v, hapi_serve_part *parts, size_t n)
+{
+    hapi_ticket *stack[64] = { 0 };
+    hapi_ticket **tickets = n <= 64 ? stack : calloc(n, sizeof(*tickets));
+    int rc = 0;
+    if (!tickets)
+        return -ENOMEM;
+    /* Hits are copied now; every miss is asked for before any is waited for: one batch. */
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        hapi_serve_part *p = &parts[i];
+        p->code = 0;
+        if (p->dst) {
+            if (lookup(s, v, p->path, p->id, p->dst, p->from, p->to))
+                continue;
+            atomic_fetch_add(&s->stats.misses, 1);
+            p->code = hapi_batcher_submit(v->batcher, p->path, HAPI_PRIORITY_DEMAND, &tickets[i]);
+        } else if (!probe(s, v, p->path, p->id)) {
+            p->code = hapi_batcher_submit(v->batcher, p->path, HAPI_PRIORITY_DEMAND, NULL);
+        }
+        if (p->code == -ECANCELED)
+            rc = -ECANCELED;
+    }
+    for (size_t i = 0; i < n; i++) {
+        hapi_serve_part *p = &parts[i];
+        if (!tickets[i])
+            continue;
+        const void *features;
+        if (rc == 0)
+            p->code = hapi_ticket_wait(v->batcher, tickets[i], &features, NULL, NULL);
+        if (rc == 0 && p->code == 0)
+            memcpy(p->dst, (const char *)features + p->from, p->to - p->from);
+        hapi_ticket_release(v->batcher, tickets[i]);
+    }
+    if (tickets != stack)
+        free(tickets);
+    return rc;
+}
+
 int hapi_serve_queue(hapi_serve *s, hapi_view *v, const char *path, int priority,
                      atomic_int *stop)
 {

@@ -73,6 +73,7 @@ int hapi_view_new(hapi_views *vs, int split, hapi_view **out, hapi_error *err)
     atomic_init(&v->refs, 1);
     v->serial = atomic_fetch_add(&vs->serial, 1) + 1;
     v->split = split;
+    v->dtype = vs->dtype;
     if (hapi_model_stage(hapi_extractor_model(vs->ex), split - 1, &v->output) < 0) {
         free(v);
         return hapi_error_set(err, HAPI_EINVAL, "no stage %d", split);

@@ -1,0 +1,480 @@
+/* pack.c — per-directory packs: the features of a directory's images as one .npy, and its index. */
+#include "fusefs-int.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+/*
+ * Failures of pack rows, remembered so that the index can say "failed" and
+ * why. Direct-mapped by the path's hash: bounded memory, and an entry
+ * overwritten by a later failure only turns that row's status back to
+ * "pending" (its row in a pack is NaN either way).
+ */
+#define PACK_FAILURES 4096
+
+struct pack_failure {
+    uint64_t hash;             /* of the path; 0 = empty */
+    uint64_t view_serial;
+    hapi_source_id id;
+    int code;
+};
+
+struct hapi_packs {
+    hapi_source *source;
+    hapi_views *views;
+    hapi_serve *serve;
+    pthread_mutex_t failure_lock;
+    struct pack_failure failures[PACK_FAILURES];
+    struct {
+        atomic_uint_fast64_t opens, reads, bytes, rows, rows_failed, index_reads;
+    } stats;
+};
+
+/* The images of a directory at one moment, in the byte order of their names. */
+struct snapshot {
+    size_t count, cap;
+    char **names;
+    char **paths;
+    hapi_source_id *ids;
+    struct timespec mtime, ctime;
+};
+
+struct hapi_pack {
+    hapi_packs *packs;
+    hapi_view *view;           /* a reference: the split the pack was opened at */
+    struct snapshot snap;
+    char header[HAPI_NPY_HEADER_MAX];
+    size_t header_len;
+    uint64_t size;
+    pthread_mutex_t lock;
+    size_t ahead;              /* rows before this one have been asked for */
+};
+
+int hapi_packs_new(hapi_source *source, hapi_views *views, hapi_serve *serve, hapi_packs **out)
+{
+    hapi_packs *p = calloc(1, sizeof(*p));
+    *out = NULL;
+    if (!p)
+        return -ENOMEM;
+    p->source = source;
+    p->views = views;
+    p->serve = serve;
+    pthread_mutex_init(&p->failure_lock, NULL);
+    *out = p;
+    return 0;
+}
+
+void hapi_packs_free(hapi_packs *p)
+{
+    if (!p)
+        return;
+    pthread_mutex_destroy(&p->failure_lock);
+    free(p);
+}
+
+/* ---------------------------------------------------------------- snapshot */
+
+static void snapshot_free(struct snapshot *sn)
+{
+    for (size_t i = 0; i < sn->count; i++) {
+        free(sn->names[i]);
+        free(sn->paths[i]);
+    }
+    free(sn->names);
+    free(sn->paths);
+    free(sn->ids);
+    memset(sn, 0, sizeof(*sn));
+}
+
+static void latest(struct timespec *t, const struct timespec *u)
+{
+    if (u->tv_sec > t->tv_sec || (u->tv_sec == t->tv_sec && u->tv_nsec > t->tv_nsec))
+        *t = *u;
+}
+
+static int snapshot_add(const hapi_source_entry *e, void *arg)
+{
+    struct snapshot *sn = arg;
+    if (sn->count == sn->cap) {
+        size_t cap = sn->cap ? sn->cap * 2 : 64;
+        char **names = realloc(sn->names, cap * sizeof(*names));
+        if (names)
+            sn->names = names;
+        char **paths = realloc(sn->paths, cap * sizeof(*paths));
+        if (paths)
+            sn->paths = paths;
+        hapi_source_id *ids = realloc(sn->ids, cap * sizeof(*ids));
+        if (ids)
+            sn->ids = ids;
+        if (!names || !paths || !ids)
+            return -ENOMEM;
+        sn->cap = cap;
+    }
+    sn->names[sn->count] = strdup(e->name);
+    sn->paths[sn->count] = strdup(e->path);
+    if (!sn->names[sn->count] || !sn->paths[sn->count]) {
+        free(sn->names[sn->count]);
+        free(sn->paths[sn->count]);
+        return -ENOMEM;
+    }
+    hapi_source_identity_of(e->st, &sn->ids[sn->count]);
+    latest(&sn->mtime, &e->st->st_mtim);
+    latest(&sn->ctime, &e->st->st_ctim);
+    sn->count++;
+    return 0;
+}
+
+/* Sorts the three arrays together by name (byte order). */
+static void snapshot_sort(struct snapshot *sn)
+{
+    /* Insertion into an order array, then a permutation: names are unique in a directory. */
+    size_t n = sn->count;
+    size_t *order = malloc(n * sizeof(*order));
+    char **names = malloc(n * sizeof(*names)), **paths = malloc(n * sizeof(*paths));
+    hapi_source_id *ids = malloc(n * sizeof(*ids));
+    if (!order || !names || !paths || !ids) {
+        free(order), free(names), free(paths), free(ids);
+        return; /* callers check sortedness below */
+    }
+    for (size_t i = 0; i < n; i++)
+        order[i] = i;
+    /* A merge sort on indices: directories of 10^4 images must not cost n^2. */
+    size_t *tmp = malloc(n * sizeof(*tmp));
+    if (!tmp) {
+        free(order), free(names), free(paths), free(ids);
+        return;
+    }
+    for (size_t width = 1; width < n; width *= 2) {
+        for (size_t lo = 0; lo < n; lo += 2 * width) {
+            size_t mid = lo + width < n ? lo + width : n;
+            size_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+            size_t a = lo, b = mid, k = lo;
+            while (a < mid && b < hi)
+                tmp[k++] = strcmp(sn->names[order[a]], sn->names[order[b]]) <= 0 ? order[a++]
+                                                                                 : order[b++];
+            while (a < mid)
+                tmp[k++] = order[a++];
+            while (b < hi)
+                tmp[k++] = order[b++];
+        }
+        memcpy(order, tmp, n * sizeof(*order));
+    }
+    free(tmp);
+    for (size_t i = 0; i < n; i++) {
+        names[i] = sn->names[order[i]];
+        paths[i] = sn->paths[order[i]];
+        ids[i] = sn->ids[order[i]];
+    }
+    free(sn->names), free(sn->paths), free(sn->ids), free(order);
+    sn->names = names;
+    sn->paths = paths;
+    sn->ids = ids;
+    sn->cap = n;
+}
+
+/* Takes the snapshot of dir's images. Returns 0, -ENOENT (none), -ENOTDIR or -errno. */
+static int snapshot_take(hapi_packs *p, const char *dir, struct snapshot *sn)
+{
+    struct stat st;
+    memset(sn, 0, sizeof(*sn));
+    int rc = hapi_source_stat(p->source, dir, &st);
+    if (rc == 0 && !S_ISDIR(st.st_mode))
+        rc = -ENOTDIR;
+    if (rc < 0)
+        return rc;
+    sn->mtime = st.st_mtim;
+    sn->ctime = st.st_ctim;
+    /* The images the listing shows as .feat: regular files with an image name. */
+    rc = hapi_source_walk(p->source, dir, HAPI_WALK_STAT, NULL, snapshot_add, sn);
+    if (rc == 0 && sn->count == 0)
+        rc = -ENOENT;
+    if (rc == 0) {
+        snapshot_sort(sn);
+        for (size_t i = 1; i < sn->count && rc == 0; i++)
+            if (strcmp(sn->names[i - 1], sn->names[i]) >= 0)
+                rc = -ENOMEM; /* the sort had no memory */
+    }
+    if (rc < 0)
+        snapshot_free(sn);
+    return rc;
+}
+
+/* The .npy header of count rows at v. Returns its length or < 0. */
+static int pack_header(const hapi_view *v, uint64_t count, char *buf)
+{
+    int64_t shape[HAPI_MAX_DIMS + 1];
+    shape[0] = (int64_t)count;
+    for (int i = 0; i < v->output.ndim; i++)
+        shape[i + 1] = v->output.shape[i];
+    return hapi_npy_header(buf, v->dtype, shape, v->output.ndim + 1);
+}
+
+/* What the index of a snapshot can grow to: its fixed part and, per row, a bound. */
+static uint64_t index_bound(const struct snapshot *sn)
+{
+    uint64_t bound = 4096;
+    for (size_t i = 0; i < sn->count; i++)
+        bound += 6 * strlen(sn->names[i]) + 256; /* \uXXXX escapes at worst */
+    return bound;
+}
+
+/*
+ * The current view (a reference in *v), the snapshot of dir and the header
+ * of its pack: what every use of a pack starts with. Returns the header's
+ * length, or < 0 with nothing held.
+ */
+static int take(hapi_packs *p, const char *dir, hapi_view **v, struct snapshot *sn,
+                char *header)
+{
+    if (!(*v = hapi_views_get(p->views)))
+        return -ENODEV;
+    int rc = snapshot_take(p, dir, sn);
+    if (rc == 0 && (rc = pack_header(*v, sn->count, header)) < 0)
+        snapshot_free(sn);
+    if (rc < 0) {
+        hapi_view_put(*v);
+        *v = NULL;
+    }
+    return rc;
+}
+
+int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info)
+{
+    struct snapshot sn;
+    char header[HAPI_NPY_HEADER_MAX];
+    hapi_view *v;
+    int rc = take(p, dir, &v, &sn, header);
+    if (rc < 0)
+        return rc;
+    info->count = sn.count;
+    info->size = (uint64_t)rc + sn.count * (uint64_t)v->sample_bytes;
+    info->index_bound = index_bound(&sn);
+    info->mtime = sn.mtime;
+    info->ctime = sn.ctime;
+    snapshot_free(&sn);
+    hapi_view_put(v);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ reads */
+
+int hapi_pack_open(hapi_packs *p, const char *dir, hapi_pack **out)
+{
+    *out = NULL;
+    hapi_pack *k = calloc(1, sizeof(*k));
+    if (!k)
+        return -ENOMEM;
+    k->packs = p;
+    pthread_mutex_init(&k->lock, NULL);
+    int rc = take(p, dir, &k->view, &k->snap, k->header);
+    if (rc < 0) {
+        hapi_pack_close(k);
+        return rc;
+    }
+    k->header_len = (size_t)rc;
+    k->size = k->header_len + k->snap.count * (uint64_t)k->view->sample_bytes;
+    atomic_fetch_add(&p->stats.opens, 1);
+    *out = k;
+    return 0;
+}
+
+uint64_t hapi_pack_size(const hapi_pack *k)
+{
+    return k->size;
+}
+
+void hapi_pack_close(hapi_pack *k)
+{
+    if (!k)
+        return;
+    snapshot_free(&k->snap);
+    hapi_view_put(k->view);
+    pthread_mutex_destroy(&k->lock);
+    free(k);
+}
+
+static struct pack_failure *failure_slot(hapi_packs *p, uint64_t hash)
+{
+    return &p->failures[hash % PACK_FAILURES];
+}
+
+static void failure_note(hapi_packs *p, const hapi_view *v, const char *path,
+                         const hapi_source_id *id, int code)
+{
+    uint64_t hash = XXH3_64bits(path, strlen(path)) | 1;
+    pthread_mutex_lock(&p->failure_lock);
+    *failure_slot(p, hash) = (struct pack_failure){ hash, v->serial, *id, code };
+    pthread_mutex_unlock(&p->failure_lock);
+}
+
+/* The failure remembered for path at v and identity id, or 0. */
+static int failure_find(hapi_packs *p, const hapi_view *v, const char *path,
+                        const hapi_source_id *id)
+{
+    uint64_t hash = XXH3_64bits(path, strlen(path)) | 1;
+    int code = 0;
+    pthread_mutex_lock(&p->failure_lock);
+    struct pack_failure *f = failure_slot(p, hash);
+    if (f->hash == hash && f->view_serial == v->serial && memcmp(&f->id, id, sizeof(*id)) == 0)
+        code = f->code;
+    pthread_mutex_unlock(&p->failure_lock);
+    return code;
+}
+
+/* Writes NaN over bytes [from, to) of a row of v's dtype (little-endian, as the header says). */
+static void fill_nan(const hapi_view *v, char *dst, size_t from, size_t to)
+{
+    static const unsigned char nan16[2] = { 0x00, 0x7e }, nan32[4] = { 0x00, 0x00, 0xc0, 0x7f };
+    const unsigned char *nan = v->dtype == HAPI_DTYPE_FP16 ? nan16 : nan32;
+    size_t width = v->dtype == HAPI_DTYPE_FP16 ? 2 : 4;
+    for (size_t i = from; i < to; i++)
+        dst[i - from] = (char)nan[i % width];
+}
+
+ssize_t hapi_pack_read(hapi_pack *k, char *buf, size_t size, off_t off)
+{
+    hapi_packs *p = k->packs;
+    hapi_view *v = k->view;
+    atomic_fetch_add(&p->stats.reads, 1);
+    if (off < 0 || (uint64_t)off >= k->size)
+        return 0;
+    uint64_t pos = (uint64_t)off, hdr = k->header_len, sb = v->sample_bytes;
+    uint64_t end = size < k->size - pos ? pos + size : k->size;
+    size_t n = 0;
+    if (pos < hdr) {
+        uint64_t stop = end < hdr ? end : hdr;
+        memcpy(buf, k->header + pos, stop - pos);
+        n = stop - pos;
+    }
+    if (end <= hdr) {
+        atomic_fetch_add(&p->stats.bytes, n);
+        return (ssize_t)n;
+    }
+    /* The rows the read covers, and the rows asked for ahead of it so batches stay full. */
+    uint64_t dpos = (pos > hdr ? pos : hdr) - hdr, dend = end - hdr;
+    size_t r0 = dpos / sb, r1 = (dend + sb - 1) / sb;
+    hapi_batcher_stats bs;
+    hapi_batcher_stats_get(v->batcher, &bs);
+    size_t window = 2 * (size_t)(bs.batch > 0 ? bs.batch : 1);
+    pthread_mutex_lock(&k->lock);
+    size_t a0 = k->ahead > r1 ? k->ahead : r1;
+    size_t a1 = r1 + window < k->snap.count ? r1 + window : k->snap.count;
+    if (a1 < a0)
+        a1 = a0;
+    if (a1 > k->ahead)
+        k->ahead = a1;
+    pthread_mutex_unlock(&k->lock);
+
+    size_t nparts = (r1 - r0) + (a1 - a0);
+    hapi_serve_part *parts = calloc(nparts, sizeof(*parts));
+    if (!parts)
+        return -ENOMEM;
+    for (size_t r = r0; r < r1; r++) {
+        hapi_serve_part *pt = &parts[r - r0];
+        uint64_t row = r * sb;
+        uint64_t from = dpos > row ? dpos - row : 0;
+        uint64_t to = dend < row + sb ? dend - row : sb;
+        pt->path = k->snap.paths[r];
+        pt->id = &k->snap.ids[r];
+        pt->dst = buf + n + (row + from - dpos);
+        pt->from = from;
+        pt->to = to;
+    }
+    for (size_t r = a0; r < a1; r++) {
+        parts[r1 - r0 + r - a0].path = k->snap.paths[r];
+        parts[r1 - r0 + r - a0].id = &k->snap.ids[r];
+    }
+    int rc = hapi_serve_read_parts(p->serve, v, parts, nparts);
+    if (rc == 0) {
+        for (size_t r = r0; r < r1; r++) {
+            hapi_serve_part *pt = &parts[r - r0];
+            if (pt->code == 0)
+                continue;
+            /* The row of an image that cannot be computed is NaN; the index says why. */
+            fill_nan(v, pt->dst, pt->from, pt->to);
+            failure_note(p, v, pt->path, pt->id, pt->code);
+            atomic_fetch_add(&p->stats.rows_failed, 1);
+        }
+        atomic_fetch_add(&p->stats.rows, r1 - r0);
+    }
+    free(parts);
+    if (rc < 0)
+        return rc;
+    n += (size_t)(dend - dpos);
+    atomic_fetch_add(&p->stats.bytes, n);
+    return (ssize_t)n;
+}
+
+/* ------------------------------------------------------------------ index */
+
+static json_t *index_entry(hapi_packs *p, const hapi_view *v, const struct snapshot *sn, size_t i)
+{
+    const hapi_source_id *id = &sn->ids[i];
+    int failed = failure_find(p, v, sn->paths[i], id);
+    const char *status = failed ? "failed"
+                         : hapi_serve_cached(p->serve, (hapi_view *)v, sn->paths[i], id)
+                             ? "cached"
+                             : "pending";
+    json_t *e = json_pack("{s:s, s:I, s:I, s:I, s:I, s:s}", "name", sn->names[i],
+                          "size", (json_int_t)id->size, "mtime_ns", (json_int_t)id->mtime_ns,
+                          "ctime_ns", (json_int_t)id->ctime_ns, "ino", (json_int_t)id->ino,
+                          "status", status);
+    if (e && failed)
+        json_object_set_new(e, "error", json_string(hapi_strerror(failed)));
+    return e;
+}
+
+int hapi_pack_index(hapi_packs *p, const char *dir, char **text, size_t *len)
+{
+    struct snapshot sn;
+    char header[HAPI_NPY_HEADER_MAX];
+    hapi_view *v;
+    *text = NULL;
+    int rc = take(p, dir, &v, &sn, header);
+    if (rc < 0)
+        return rc;
+    json_t *shape = json_array(), *entries = json_array();
+    for (int i = 0; shape && i < v->output.ndim; i++)
+        json_array_append_new(shape, json_integer(v->output.shape[i]));
+    for (size_t i = 0; entries && i < sn.count; i++)
+        if (json_array_append_new(entries, index_entry(p, v, &sn, i)) < 0)
+            rc = -ENOMEM;
+    json_t *j = NULL;
+    if (rc >= 0 && shape && entries) {
+        uint64_t hdr = (uint64_t)rc;
+        j = json_pack("{s:s, s:s, s:s, s:s, s:i, s:s, s:s, s:O, s:I, s:I, s:I, s:I, s:s, s:O}",
+                      "format", HAPI_PACK_FORMAT, "dir", dir, "pack", HAPI_PACK_NAME,
+                      "namespace", v->ns_hex, "split", v->split, "stage", v->output.name,
+                      "dtype", v->dtype == HAPI_DTYPE_FP16 ? "<f2" : "<f4", "row_shape", shape,
+                      "count", (json_int_t)sn.count, "header_bytes", (json_int_t)hdr,
+                      "row_bytes", (json_int_t)v->sample_bytes,
+                      "size", (json_int_t)(hdr + sn.count * (uint64_t)v->sample_bytes),
+                      "failed_rows", "NaN", "entries", entries);
+    }
+    json_decref(shape);
+    json_decref(entries);
+    *text = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    rc = *text ? 0 : -ENOMEM;
+    if (*text)
+        *len = strlen(*text);
+    if (rc == 0)
+        atomic_fetch_add(&p->stats.index_reads, 1);
+    snapshot_free(&sn);
+    hapi_view_put(v);
+    return rc;
+}
+
+void hapi_pack_stats_get(hapi_packs *p, hapi_pack_stats *st)
+{
+    st->opens = atomic_load(&p->stats.opens);
+    st->reads = atomic_load(&p->stats.reads);
+    st->bytes = atomic_load(&p->stats.bytes);
+    st->rows = atomic_load(&p->stats.rows);
+    st->rows_failed = atomic_load(&p->stats.rows_failed);
+    st->index_reads = atomic_load(&p->stats.index_reads);
+}
