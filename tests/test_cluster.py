@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import HAPIFS, PYTHON, SOURCE_ROOT, daemon_pid, wait_gone
+from conftest import HAPIFS, PYTHON, SOURCE_ROOT, daemon_pid, npy_bytes, wait_gone
 
 CLUSTER = SOURCE_ROOT / "tools" / "hapifs-cluster"
 _serial = itertools.count()
@@ -229,6 +229,18 @@ def test_two_nodes_end_to_end(cluster, dataset, models):
     assert ".hapifs" not in os.listdir(root)
     config = json.loads((root / ".hapifs" / "config").read_text())
     assert config["mountpoint"] == str(c.state / "s1" / "mnt")
+
+    # a class folder's pack and its index pass through sshfs and mergerfs untouched
+    for cls in classes:
+        direct = c.state / f"s{classes.index(cls) % 2 + 1}" / "mnt" / cls
+        through = (root / cls / ".hapifs-pack.npy").read_bytes()
+        assert through == (direct / ".hapifs-pack.npy").read_bytes()
+        assert json.loads((root / cls / ".hapifs-pack.json").read_text())["entries"] == \
+            json.loads((direct / ".hapifs-pack.json").read_text())["entries"]
+        rows = np.load(root / cls / ".hapifs-pack.npy", mmap_mode="r")
+        assert rows.shape[0] == sum(p.startswith(cls + "/") for p in images)
+        first = sorted(p for p in images if p.startswith(cls + "/"))[0]
+        assert npy_bytes(np.asarray(rows[0])) == (root / (first + ".feat")).read_bytes()
 
     # the link is shaped: 4 MB at 100 Mbit/s take at least 0.32 s
     start = time.monotonic()

@@ -133,3 +133,20 @@ def test_a_pack_follows_the_split(tree, mounter, models):
     assert after.shape[1:] == np.load(d / "000.jpg.feat").shape
     assert json.loads((d / INDEX).read_text())["namespace"] == \
         m.ctl("config")["split"]["namespace"]
+
+
+def test_the_linear_probe_example_reads_packs(tree, mounter, models):
+    import subprocess
+    from conftest import PYTHON, SOURCE_ROOT
+    src, paths, _ = tree
+    (src / "class1" / "004.jpg").write_bytes(b"not an image at all")
+    m = mounter(src, model=models(), prefetch="off", split="pool")
+    r = subprocess.run([PYTHON, str(SOURCE_ROOT / "examples" / "probe-packs.py"), str(m.path),
+                        "--val-fraction", "0.25"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    # class0 and class1 have packs (the subdirectory class0/more is not a class of ROOT)
+    assert lines[0].startswith("read 17 samples of 512 features from 2 packs"), lines[0]
+    assert "(1 failed rows left out)" in lines[0]
+    train_acc = float(lines[1].split()[2].rstrip(","))
+    assert train_acc == 1.0  # 13 samples, 512 dimensions: a linear probe separates them
