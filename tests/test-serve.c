@@ -277,6 +277,85 @@ START_TEST(undecodable_image_fails_alone)
 }
 END_TEST
 
+START_TEST(pack_rows_are_the_feats)
+{
+    hapi_view *v = make_current(hapi_extractor_split(ex));
+    hapi_packs *packs = NULL;
+    ck_assert_int_eq(hapi_packs_new(source, views, serve, &packs), 0);
+    char full[PATH_MAX];
+    snprintf(full, sizeof(full), "%s/a/bad.jpg", src_path); /* sorts first: row 0 */
+    FILE *f = fopen(full, "wb");
+    fputs("\xff\xd8 not a jpeg", f);
+    fclose(f);
+
+    hapi_pack_info info;
+    ck_assert_int_eq(hapi_pack_info_get(packs, "a", &info), 0);
+    ck_assert_uint_eq(info.count, IMAGES + 1);
+    hapi_pack *k = NULL;
+    ck_assert_int_eq(hapi_pack_open(packs, "a", &k), 0);
+    uint64_t size = hapi_pack_size(k);
+    ck_assert_uint_eq(size, info.size);
+    /* Read in odd slices, as a reader across a network might: rows straddle reads. */
+    char *pack = malloc(size + 1000);
+    uint64_t got = 0;
+    for (;;) {
+        ssize_t n = hapi_pack_read(k, pack + got, 777, (off_t)got);
+        ck_assert_int_ge(n, 0);
+        if (n == 0)
+            break;
+        got += (uint64_t)n;
+    }
+    ck_assert_uint_eq(got, size);
+    size_t hdr = (size_t)(size - info.count * v->sample_bytes);
+    ck_assert_mem_eq(pack, "\x93NUMPY", 6);
+    ck_assert_ptr_nonnull(memmem(pack, hdr, "'shape': (7, ", 12));
+    /* Row 0 is NaN, rows 1.. are the .feat files of x0.. in order. */
+    if (v->dtype == HAPI_DTYPE_FP16) {
+        for (size_t b = 0; b < v->sample_bytes; b += 2) /* 0x7e00, little-endian */
+            ck_assert(pack[hdr + b] == 0 && (unsigned char)pack[hdr + b + 1] == 0x7e);
+    } else {
+        for (size_t b = 0; b < v->sample_bytes; b += 4) {
+            float x;
+            memcpy(&x, pack + hdr + b, 4);
+            ck_assert(x != x);
+        }
+    }
+    for (int i = 0; i < IMAGES; i++) {
+        char path[32];
+        snprintf(path, sizeof(path), "a/x%d.jpg", i);
+        ssize_t n;
+        char *feat = read_feat(v, path, &n);
+        ck_assert_int_eq(n, (ssize_t)v->feat_size);
+        ck_assert_mem_eq(pack + hdr + (size_t)(i + 1) * v->sample_bytes, feat + v->npy_header_len,
+                         v->sample_bytes);
+        free(feat);
+    }
+    char *index = NULL;
+    size_t len = 0;
+    ck_assert_int_eq(hapi_pack_index(packs, "a", &index, &len), 0);
+    ck_assert_uint_le(len, info.index_bound);
+    ck_assert_ptr_nonnull(strstr(index, "\"name\":\"bad.jpg\""));
+    ck_assert_ptr_nonnull(strstr(index, "\"status\":\"failed\""));
+    ck_assert_ptr_nonnull(strstr(index, v->ns_hex));
+    free(index);
+    hapi_pack_close(k);
+
+    /* No images directly in the root; a symlink out of the source is not followed. */
+    ck_assert_int_eq(hapi_pack_info_get(packs, "", &info), -ENOENT);
+    ck_assert_int_lt(hapi_pack_open(packs, "b/out", &k), 0);
+    ck_assert_int_eq(hapi_pack_info_get(packs, "notes.txt", &info), -ENOTDIR);
+    hapi_pack_stats ps;
+    hapi_pack_stats_get(packs, &ps);
+    ck_assert_uint_ge(ps.rows_failed, 1); /* per read that covered the row */
+    ck_assert_uint_ge(ps.rows, IMAGES + 1);
+
+    unlink(full);
+    free(pack);
+    hapi_packs_free(packs);
+    hapi_view_put(v);
+}
+END_TEST
+
 static int count_images(const hapi_source_entry *e, void *arg)
 {
     (void)e;
@@ -457,6 +536,7 @@ int main(void)
         { "split_change_keeps_the_old_view_whole", split_change_keeps_the_old_view_whole },
         { "undecodable_image_fails_alone", undecodable_image_fails_alone },
         { "walker_sees_what_the_mount_shows", walker_sees_what_the_mount_shows },
+        { "pack_rows_are_the_feats", pack_rows_are_the_feats },
         { "warm_up_and_its_status", warm_up_and_its_status }, /* last: it stops the views */
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
