@@ -326,6 +326,175 @@ static json_t *render_policy(hapi_ctl *c)
     return j;
 }
 
+/* ------------------------------------------------- a remote mount's files */
+
+/* The cache part of a remote mount's stats: the store, and the sources' namespace in it. */
+static json_t *render_remote_cache(hapi_ctl *c)
+{
+    hapi_cache_stats cs = { 0 };
+    hapi_cache_namespace_stats ns = { 0 };
+    hapi_remote_source_stats ss;
+    hapi_cache_stats_get(c->cfg.cache, &cs);
+    hapi_cache_namespace n;
+    for (size_t i = 0; i < hapi_remote_source_count(c->cfg.remote); i++) {
+        hapi_remote_source_stats_get(c->cfg.remote, i, &ss);
+        if (ss.refused)
+            continue;
+        for (size_t k = 0; k < sizeof(n.bytes); k++) {
+            unsigned v = 0;
+            sscanf(ss.namespace_hex + 2 * k, "%2x", &v);
+            n.bytes[k] = (uint8_t)v;
+        }
+        hapi_cache_namespace_stats_get(c->cfg.cache, &n, &ns);
+        break;
+    }
+    return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:{s:I, s:I}}",
+                     "entries", (json_int_t)cs.entries,
+                     "bytes_used", (json_int_t)cs.bytes_used,
+                     "bytes_free", (json_int_t)cs.bytes_free,
+                     "size_limit", (json_int_t)cs.map_size,
+                     "hits", (json_int_t)cs.hits,
+                     "misses", (json_int_t)cs.misses,
+                     "stale", (json_int_t)cs.stale,
+                     "evictions", (json_int_t)cs.evictions,
+                     "evictions_total", (json_int_t)cs.evictions_total,
+                     "hit_latency_us", cs.hit_mean_us,
+                     "namespace", "entries", (json_int_t)ns.entries,
+                     "bytes", (json_int_t)ns.bytes);
+}
+
+static json_t *render_remote_sources(hapi_ctl *c)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < hapi_remote_source_count(c->cfg.remote); i++) {
+        hapi_remote_source_stats ss;
+        hapi_remote_source_stats_get(c->cfg.remote, i, &ss);
+        json_array_append_new(
+            a, json_pack("{s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:s}",
+                         "path", ss.path,
+                         "state", ss.refused ? "refused" : ss.reachable ? "ok" : "unreachable",
+                         "namespace", ss.namespace_hex,
+                         "index_reads", (json_int_t)ss.index_reads,
+                         "index_bytes", (json_int_t)ss.index_bytes,
+                         "packs", (json_int_t)ss.packs,
+                         "pack_bytes", (json_int_t)ss.pack_bytes,
+                         "rows", (json_int_t)ss.rows,
+                         "rows_failed", (json_int_t)ss.rows_failed,
+                         "fetch_failures", (json_int_t)ss.fetch_failures,
+                         "file_reads", (json_int_t)ss.file_reads,
+                         "last_error", ss.last_error));
+    }
+    return a;
+}
+
+static json_t *render_remote_stats(hapi_ctl *c)
+{
+    static const char *const states[] = { "idle", "counting", "running", "done" };
+    hapi_remote_stats rs;
+    hapi_remote_stats_get(c->cfg.remote, &rs);
+    json_t *sources = render_remote_sources(c);
+    uint64_t index_bytes = 0, pack_bytes = 0, packs = 0;
+    for (size_t i = 0; i < json_array_size(sources); i++) {
+        json_t *e = json_array_get(sources, i);
+        index_bytes += (uint64_t)json_integer_value(json_object_get(e, "index_bytes"));
+        pack_bytes += (uint64_t)json_integer_value(json_object_get(e, "pack_bytes"));
+        packs += (uint64_t)json_integer_value(json_object_get(e, "packs"));
+    }
+    uint64_t done = rs.warm_cached + rs.warm_fetched + rs.warm_failed;
+    double rate = rs.warm_elapsed_s > 0 ? (double)rs.warm_fetched / rs.warm_elapsed_s : 0;
+    double eta = rs.warm_state == HAPI_WARM_DONE ? 0.0
+                 : rate > 0 && rs.warm_total > done ? (double)(rs.warm_total - done) / rate
+                                                     : -1;
+    json_t *warm = rs.warm_state == HAPI_WARM_IDLE
+                       ? json_pack("{s:s}", "state", "idle")
+                       : json_pack("{s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f}",
+                                   "state", states[rs.warm_state], "path", rs.warm_path,
+                                   "total", (json_int_t)rs.warm_total, "done", (json_int_t)done,
+                                   "cached", (json_int_t)rs.warm_cached,
+                                   "computed", (json_int_t)rs.warm_fetched,
+                                   "skipped", (json_int_t)rs.warm_failed,
+                                   "dirs", (json_int_t)rs.warm_dirs, "rate_per_s", rate,
+                                   "elapsed_s", rs.warm_elapsed_s, "eta_s", eta);
+    double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
+    return json_pack("{s:f, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, "
+                     "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:o}, s:o, s:o}",
+                     "uptime_s", uptime,
+                     "feat",
+                       "reads", (json_int_t)rs.reads,
+                       "bytes", (json_int_t)rs.bytes,
+                       "hits", (json_int_t)rs.hits,
+                       "misses", (json_int_t)rs.misses,
+                       "computed", (json_int_t)0,
+                       "fetched", (json_int_t)rs.fetched_rows,
+                       "failed", (json_int_t)rs.failed,
+                       "stale", (json_int_t)rs.stale,
+                     "remote",
+                       "packs", (json_int_t)packs,
+                       "pack_bytes", (json_int_t)pack_bytes,
+                       "index_bytes", (json_int_t)index_bytes,
+                       "fetches_running", (json_int_t)rs.fetches_running,
+                       "fetches_queued", (json_int_t)rs.fetches_queued,
+                       "waits", (json_int_t)rs.waits,
+                       "sources", sources,
+                     "warm", warm,
+                     "cache", render_remote_cache(c));
+}
+
+/*
+ * A remote mount's config: the storage side's (read now, or as it was at
+ * mount if no source answers), so that a training script finds the model
+ * and the split, with this mount's own source, mount point, cache and
+ * sources.
+ */
+static json_t *render_remote_config(hapi_ctl *c)
+{
+    const hapi_fs_options *o = c->cfg.opt;
+    char *text = NULL;
+    size_t len = 0;
+    json_t *j = NULL;
+    if (hapi_remote_read_storage_file(c->cfg.remote, "config", &text, &len) == 0)
+        j = json_loadb(text, len, 0, NULL);
+    free(text);
+    if (!j) {
+        const char *stored = hapi_remote_storage_config(c->cfg.remote);
+        j = stored ? json_loads(stored, 0, NULL) : NULL;
+    }
+    if (!j && !(j = json_object()))
+        return NULL;
+    json_t *split = json_object_get(j, "split");
+    const char *ns = split ? json_string_value(json_object_get(split, "namespace")) : NULL;
+    json_t *storage_source = json_object_get(j, "source");
+    json_object_set(j, "storage_source", storage_source ? storage_source : json_null());
+    json_object_set_new(j, "source", json_string(o->source));
+    json_object_set_new(j, "mountpoint", json_string(o->mountpoint));
+    json_object_set_new(j, "cache", json_pack("{s:s, s:s, s:I}", "dir", o->cache_dir,
+                                              "namespace", ns ? ns : "",
+                                              "size_limit", (json_int_t)o->cache_size));
+    json_object_set_new(j, "remote",
+                        json_pack("{s:o, s:f, s:i, s:i}", "sources", render_remote_sources(c),
+                                  "refresh_s", o->refresh_ms / 1000.0, "fetch_threads",
+                                  o->fetch_threads, "threads", o->threads));
+    json_object_del(j, "runtime");
+    json_object_del(j, "policy");
+    return j;
+}
+
+/* profile and policy of a remote mount: the storage side's, read through. */
+static hapi_ctl_text *render_remote_storage_file(hapi_ctl *c, const char *name)
+{
+    char *text = NULL;
+    size_t len = 0;
+    if (hapi_remote_read_storage_file(c->cfg.remote, name, &text, &len) < 0) {
+        char line[128];
+        int n = snprintf(line, sizeof(line), "{\"state\": \"unavailable\", \"error\": "
+                         "\"no source answered\"}\n");
+        return hapi_ctl_text_new(line, (size_t)n);
+    }
+    hapi_ctl_text *t = hapi_ctl_text_new(text, len);
+    free(text);
+    return t;
+}
+
 static const char ctl_help[] =
     "# write one command per line to this file:\n"
     "#   warm [PATH]   compute the features of PATH (default: everything) in the background;\n"
@@ -337,6 +506,16 @@ static const char ctl_help[] =
     "#   batch N|auto  the storage-side batch\n"
     "#   link RATE     tell the policy the link's rate (e.g. 1Gbit); see .hapifs/policy\n"
     "#   client_speed X, epochs N   the policy's other inputs\n"
+    "# a write that is refused fails (EINVAL, EBUSY, ...); reading the same open file\n"
+    "# then returns \"error: REASON\" (after a command that worked, \"ok\")\n";
+
+static const char remote_ctl_help[] =
+    "# a remote (compute-side) mount; write one command per line to this file:\n"
+    "#   warm [PATH]   fetch the packs of PATH (default: everything) into the local cache;\n"
+    "#                 progress in .hapifs/stats under \"warm\"\n"
+    "#   evict [all]   drop the cached features of the sources' namespace\n"
+    "#   evict PATH    drop those of a .feat, or of every .feat beneath a directory\n"
+    "# split, batch and the policy's inputs belong to the storage side's mount\n"
     "# a write that is refused fails (EINVAL, EBUSY, ...); reading the same open file\n"
     "# then returns \"error: REASON\" (after a command that worked, \"ok\")\n";
 
@@ -365,8 +544,15 @@ hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name)
     if (strcmp(name, "errors") == 0)
         return text_of(hapi_error_ring_json(c->cfg.errors));
     if (strcmp(name, HAPI_CTL_WRITABLE) == 0)
-        return hapi_ctl_text_new(ctl_help, sizeof(ctl_help) - 1);
-    if (strcmp(name, "config") == 0)
+        return c->cfg.remote ? hapi_ctl_text_new(remote_ctl_help, sizeof(remote_ctl_help) - 1)
+                             : hapi_ctl_text_new(ctl_help, sizeof(ctl_help) - 1);
+    if (c->cfg.remote) {
+        if (strcmp(name, "profile") == 0 || strcmp(name, "policy") == 0)
+            return render_remote_storage_file(c, name);
+        j = strcmp(name, "config") == 0  ? render_remote_config(c)
+            : strcmp(name, "stats") == 0 ? render_remote_stats(c)
+                                         : NULL;
+    } else if (strcmp(name, "config") == 0)
         j = render_config(c);
     else if (strcmp(name, "stats") == 0)
         j = render_stats(c);
@@ -383,6 +569,21 @@ hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name)
 
 /* -------------------------------------------------------------- commands */
 
+/* On a remote mount: path is a directory or file of the mount, or an image whose .feat is. */
+static int remote_path_exists(hapi_ctl *c, const char *path)
+{
+    struct stat st;
+    int kind;
+    if (hapi_remote_stat(c->cfg.remote, path, &kind, &st) == 0)
+        return 1;
+    char *feat = NULL;
+    if (asprintf(&feat, "%s.feat", path) < 0)
+        return 0;
+    int ok = hapi_remote_stat(c->cfg.remote, feat, &kind, &st) == 0;
+    free(feat);
+    return ok;
+}
+
 /* A path given to a command: relative to the mount, beneath it, existing in the source. */
 static int command_path(hapi_ctl *c, const char *word, char **out, hapi_error *err)
 {
@@ -398,7 +599,8 @@ static int command_path(hapi_ctl *c, const char *word, char **out, hapi_error *e
     while (len && path[len - 1] == '/')
         path[--len] = '\0';
     struct stat st;
-    if (hapi_source_stat(c->cfg.source, path, &st) < 0) {
+    if (c->cfg.remote ? !remote_path_exists(c, path)
+                      : hapi_source_stat(c->cfg.source, path, &st) < 0) {
         free(path);
         return hapi_error_set(err, -ENOENT, "'%s': no such file or directory", word);
     }
@@ -418,7 +620,8 @@ static int cmd_warm(hapi_ctl *c, int n, char **words, hapi_error *err)
     int rc = command_path(c, n == 2 ? words[1] : "", &path, err);
     if (rc < 0)
         return rc;
-    rc = hapi_warm_start(c->cfg.background, path);
+    rc = c->cfg.remote ? hapi_remote_warm_start(c->cfg.remote, path)
+                       : hapi_warm_start(c->cfg.background, path);
     free(path);
     if (rc == -EBUSY)
         return hapi_error_set(err, rc, "a warm-up is already running");
@@ -433,7 +636,8 @@ static int cmd_evict(hapi_ctl *c, int n, char **words, hapi_error *err)
     int rc = command_path(c, n == 2 && strcmp(words[1], "all") != 0 ? words[1] : "", &path, err);
     if (rc < 0)
         return rc;
-    rc = hapi_serve_evict(c->cfg.serve, path, err);
+    rc = c->cfg.remote ? hapi_remote_evict(c->cfg.remote, path, err)
+                       : hapi_serve_evict(c->cfg.serve, path, err);
     if (rc >= 0)
         hapi_log(HAPI_LOG_INFO, "evicted %d entries of '%s'", rc, path);
     free(path);
@@ -530,6 +734,9 @@ static int run_line(hapi_ctl *c, char *line, hapi_error *err)
             continue;
         if (n - 1 < cmd->min || n - 1 > cmd->max)
             return hapi_error_set(err, -EINVAL, "usage: %s", cmd->usage);
+        if (c->cfg.remote && cmd->run != cmd_warm && cmd->run != cmd_evict)
+            return hapi_error_set(err, -EINVAL, "%s: a command of the storage side's mount; "
+                                  "this is a remote mount (warm and evict only)", cmd->name);
         return cmd->run(c, n, words, err);
     }
     return hapi_error_set(err, -EINVAL,

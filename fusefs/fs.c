@@ -39,7 +39,8 @@ enum hapi_node_kind {
     HAPI_NODE_CTL_DIR,  /* .hapifs */
     HAPI_NODE_CTL_FILE, /* .hapifs/<name> */
     HAPI_NODE_PACK,     /* DIR/.hapifs-pack.npy; its path is DIR's */
-    HAPI_NODE_PACK_INDEX /* DIR/.hapifs-pack.json */
+    HAPI_NODE_PACK_INDEX, /* DIR/.hapifs-pack.json */
+    HAPI_NODE_REMOTE_FEAT /* a remote mount's .feat; its path is the mount's */
 };
 
 /* ------------------------------------------------------------ node table */
@@ -113,7 +114,7 @@ static void invalidate_feats(void *arg)
     for (size_t i = 0; i < t->nbuckets; i++)
         for (struct node *nd = t->buckets[i]; nd; nd = nd->next) {
             if (nd->kind != HAPI_NODE_FEAT && nd->kind != HAPI_NODE_PACK &&
-                nd->kind != HAPI_NODE_PACK_INDEX)
+                nd->kind != HAPI_NODE_PACK_INDEX && nd->kind != HAPI_NODE_REMOTE_FEAT)
                 continue;
             if (n == cap) {
                 uint64_t *bigger = realloc(ids, (cap = cap ? cap * 2 : 256) * sizeof(*ids));
@@ -263,6 +264,38 @@ static void source_attr(const hapi_fs *fs, const struct stat *src, uint64_t id, 
     st->st_mode &= ~(mode_t)0222;
 }
 
+/* ------------------------------------------------------- a remote mount */
+
+/*
+ * A compute-side mount (-o remote) names nodes by a hash of their path (the
+ * sources' inode numbers are another machine's, and a network filesystem
+ * may not keep them); the path is the mount's, .feat included.
+ */
+static uint64_t remote_node_id(const char *path, int kind)
+{
+    uint64_t h = XXH3_64bits(path, strlen(path)) & ((1ull << 61) - 1);
+    return HASHED_BASE | h << 1 | (uint64_t)(kind == HAPI_NODE_REMOTE_FEAT);
+}
+
+static int remote_node_kind(int remote_kind)
+{
+    return remote_kind == HAPI_REMOTE_DIR    ? HAPI_NODE_DIR
+           : remote_kind == HAPI_REMOTE_FEAT ? HAPI_NODE_REMOTE_FEAT
+                                             : HAPI_NODE_FILE;
+}
+
+/* Attributes of path on a remote mount, its node kind and id. Returns 0 or a negative errno. */
+static int remote_attr(hapi_fs *fs, const char *path, int *kind, struct stat *st)
+{
+    int rkind;
+    int rc = hapi_remote_stat(fs->remote, path, &rkind, st);
+    if (rc < 0)
+        return rc;
+    *kind = remote_node_kind(rkind);
+    st->st_ino = remote_node_id(path, *kind);
+    return 0;
+}
+
 /*
  * Attributes of x.jpg.feat: exact size without computing anything (the
  * current split's; waits while the policy is still choosing it); times of the source.
@@ -391,8 +424,12 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     conn->congestion_threshold = 192;
     if (conn->capable & FUSE_CAP_ATOMIC_O_TRUNC)
         conn->want |= FUSE_CAP_ATOMIC_O_TRUNC;
-    hapi_log(HAPI_LOG_INFO, "mounted %s on %s (model %s)", fs->opt->source,
-             fs->opt->mountpoint, fs->opt->model);
+    if (fs->remote)
+        hapi_log(HAPI_LOG_INFO, "mounted %s on %s (remote)", fs->opt->source,
+                 fs->opt->mountpoint);
+    else
+        hapi_log(HAPI_LOG_INFO, "mounted %s on %s (model %s)", fs->opt->source,
+                 fs->opt->mountpoint, fs->opt->model);
 }
 
 /* Resolves name in directory parent_path; fills e and returns 0 or a negative errno. */
@@ -415,6 +452,18 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
     }
     if (strlen(name) > NAME_MAX)
         return -ENAMETOOLONG;
+    if (fs->remote) {
+        char *child = join_path(parent_path, name);
+        if (!child)
+            return -ENOMEM;
+        if ((rc = remote_attr(fs, child, kind, &e->attr)) < 0) {
+            free(child);
+            return rc;
+        }
+        e->ino = e->attr.st_ino;
+        *path = child;
+        return 0;
+    }
     int pack = strcmp(name, HAPI_PACK_NAME) == 0 ? HAPI_NODE_PACK
                : strcmp(name, HAPI_PACK_INDEX_NAME) == 0 ? HAPI_NODE_PACK_INDEX : 0;
     if (pack) {
@@ -549,6 +598,17 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         fuse_reply_attr(req, &st, 0);
         return;
     }
+    if (fs->remote) {
+        if ((rc = node_get(fs, ino, &kind, &path)) == 0 &&
+            (rc = remote_attr(fs, path, &kind, &st)) == 0)
+            st.st_ino = ino;
+        if (rc < 0)
+            fuse_reply_err(req, -rc);
+        else
+            fuse_reply_attr(req, &st, ATTR_TIMEOUT);
+        free(path);
+        return;
+    }
     if ((rc = node_get(fs, ino, &kind, &path)) < 0 ||
         (rc = hapi_source_stat(fs->source, path, &src)) < 0) {
         if (rc == -ENOENT && path && kind == HAPI_NODE_FEAT)
@@ -655,10 +715,37 @@ static int list_one(const hapi_source_entry *e, void *arg)
     return rc;
 }
 
+struct remote_list {
+    struct dir_handle *d;
+    const char *dir;
+};
+
+/* One entry of a remote mount's directory. */
+static int remote_list_one(void *arg, const char *name, int kind, const struct stat *st)
+{
+    struct remote_list *w = arg;
+    char *path = join_path(w->dir, name);
+    if (!path)
+        return -ENOMEM;
+    struct stat attr = *st;
+    int node_kind = remote_node_kind(kind);
+    attr.st_ino = remote_node_id(path, node_kind);
+    int rc = dir_add(w->d, name, "", node_kind, path, &attr);
+    free(path);
+    return rc;
+}
+
 /* Lists the source directory path as the mount shows it. */
 static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct dir_handle *d)
 {
     struct stat st;
+    if (fs->remote) {
+        struct remote_list w = { d, path };
+        int rc = dir_add_bare(d, ".", self, S_IFDIR);
+        if (rc == 0)
+            rc = dir_add_bare(d, "..", FUSE_ROOT_ID, S_IFDIR);
+        return rc == 0 ? hapi_remote_list(fs->remote, path, remote_list_one, &w) : rc;
+    }
     int rc = hapi_source_stat(fs->source, path, &st);
     if (rc == 0 && !S_ISDIR(st.st_mode))
         rc = -ENOTDIR;
@@ -798,6 +885,7 @@ struct open_file {
     char *path;            /* the source image (FEAT) */
     hapi_source_id id;     /* its identity when opened */
     hapi_view *view;       /* the split it was opened at (FEAT) */
+    hapi_remote_feat *remote_feat; /* a remote mount's .feat, as its index was at open */
     /*
      * A control file's content, made at open; for ctl, replaced by the
      * outcome of each write ("ok" or "error: REASON"), so that the writer
@@ -818,6 +906,7 @@ static void open_file_free(struct open_file *h)
     hapi_ctl_text_put(h->text);
     hapi_view_put(h->view);
     hapi_pack_close(h->pack);
+    hapi_remote_feat_close(h->remote_feat);
     pthread_mutex_destroy(&h->lock);
     free(h);
 }
@@ -884,7 +973,16 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         goto fail;
     }
     h->kind = kind;
-    if (kind == HAPI_NODE_FEAT) {
+    if (kind == HAPI_NODE_REMOTE_FEAT) {
+        /* The index entry of now: the bytes of this open file never change. */
+        if ((rc = hapi_remote_feat_open(fs->remote, path, &h->remote_feat)) < 0)
+            goto fail;
+        fi->keep_cache = 1;
+    } else if (fs->remote) {
+        if ((rc = hapi_remote_open_file(fs->remote, path)) < 0)
+            goto fail;
+        h->fd = rc;
+    } else if (kind == HAPI_NODE_FEAT) {
         /* The source is read when the features are computed; here it must only exist. */
         if ((rc = hapi_source_identity(fs->source, path, &h->id)) < 0) {
             if (rc == -ENOENT)
@@ -945,9 +1043,12 @@ static void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t s
         fuse_reply_err(req, ENOMEM);
         return;
     }
-    ssize_t n = hapi_serve_read(fs->serve, h->view, h->path, &h->id, buf, size, off);
+    /* a remote mount's from its cache or its directory's pack; else from serve.c */
+    ssize_t n = h->remote_feat
+                    ? hapi_remote_feat_read(fs->remote, h->remote_feat, buf, size, off)
+                    : hapi_serve_read(fs->serve, h->view, h->path, &h->id, buf, size, off);
     if (n < 0)
-        fuse_reply_err(req, hapi_fs_errno((int)n)); /* serve.c has recorded why */
+        fuse_reply_err(req, hapi_fs_errno((int)n)); /* the layer has recorded why */
     else
         fuse_reply_buf(req, buf, (size_t)n);
     if (buf != stack_buf)
@@ -984,6 +1085,9 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     case HAPI_NODE_PACK:
         read_pack(req, h, size, off);
         return;
+    case HAPI_NODE_REMOTE_FEAT:
+        read_feat(req, fs, h, size, off);
+        return;
     case HAPI_NODE_CTL_FILE: {
         /* The reply is written from a reference of our own: the handle may go meanwhile. */
         pthread_mutex_lock(&h->lock);
@@ -1003,7 +1107,8 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         buf.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK;
         buf.buf[0].fd = h->fd;
         buf.buf[0].pos = off;
-        hapi_serve_note_passthrough(fs->serve, size);
+        if (fs->serve)
+            hapi_serve_note_passthrough(fs->serve, size);
         fuse_reply_data(req, &buf, FUSE_BUF_SPLICE_MOVE);
         return;
     }
@@ -1022,7 +1127,9 @@ static void op_statfs(fuse_req_t req, fuse_ino_t ino)
     hapi_fs *fs = fuse_req_userdata(req);
     struct statvfs sv;
     (void)ino;
-    if (fstatvfs(hapi_source_root_fd(fs->source), &sv) < 0) {
+    /* A remote mount reports its cache's filesystem: a dead source must not hang df. */
+    if (fs->remote ? statvfs(fs->opt->cache_dir, &sv) < 0
+                   : fstatvfs(hapi_source_root_fd(fs->source), &sv) < 0) {
         fuse_reply_err(req, errno);
         return;
     }
@@ -1188,11 +1295,53 @@ const struct fuse_lowlevel_ops hapi_fs_ops = {
 
 /* ------------------------------------------------------------- set-up */
 
+/*
+ * A compute-side mount: the cache, the remote feature source over the
+ * storage mounts, and the control files; no model, batcher or policy.
+ */
+static int init_remote(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
+{
+    int rc;
+    hapi_cache_options copt = { .max_bytes = opt->cache_size, .reset = opt->cache_reset };
+    if ((rc = hapi_cache_open(opt->cache_dir, &copt, &fs->cache, err)) < 0)
+        return rc;
+    fs->nodes = node_table_new();
+    fs->errors = hapi_error_ring_new();
+    if (!fs->nodes || !fs->errors)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    hapi_remote_config rcfg = {
+        .roots = (const char *const *)opt->roots, .nroots = opt->nroots, .cache = fs->cache,
+        .errors = fs->errors, .refresh_ms = opt->refresh_ms,
+        .fetch_threads = opt->fetch_threads, .on_change = invalidate_feats, .arg = fs,
+    };
+    if ((rc = hapi_remote_open(&rcfg, &fs->remote, err)) < 0)
+        return rc;
+    /* The storage side's model archive, for the training side's remaining stages. */
+    rc = hapi_remote_open_storage_file(fs->remote, "model");
+    fs->model_fd = rc >= 0 ? rc : -1;
+    hapi_ctl_config ccfg = {
+        .opt = opt, .cache = fs->cache, .remote = fs->remote, .errors = fs->errors,
+        .started_ns = fs->started_ns,
+    };
+    if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0)
+        return hapi_error_set(err, rc, "out of memory");
+    return 0;
+}
+
 int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
 {
     int rc;
 
     memset(fs, 0, sizeof(*fs));
+    if (opt->remote) {
+        fs->opt = opt;
+        fs->model_fd = -1;
+        fs->started_ns = hapi_now_ns();
+        fs->started_realtime = time(NULL);
+        if ((rc = init_remote(fs, opt, err)) < 0)
+            hapi_fs_destroy(fs);
+        return rc;
+    }
     fs->opt = opt;
     /* The model file as loaded, for .hapifs/model, even if the path is replaced later. */
     fs->model_fd = open(opt->model, O_RDONLY | O_CLOEXEC);
@@ -1275,6 +1424,7 @@ void hapi_fs_destroy(hapi_fs *fs)
     if (!fs->opt)
         return; /* never set up, or destroyed already */
     hapi_ctl_free(fs->ctl);
+    hapi_remote_close(fs->remote);
     hapi_tune_stop(fs->tune);
     if (fs->views)
         hapi_views_stop(fs->views);

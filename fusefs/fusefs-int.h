@@ -54,6 +54,11 @@ typedef struct hapi_fs_options {
     int fake;              /* mount helper called with -f: do nothing */
     int show_help;
     int show_version;
+    int remote;            /* -o remote: a compute-side mount over storage mounts */
+    char **roots;          /* remote: the SOURCE directories (source split at ':'), resolved */
+    size_t nroots;
+    int refresh_ms;        /* remote: how long a directory's index is trusted */
+    int fetch_threads;     /* remote: packs fetched at once */
     struct fuse_args fuse_args; /* what goes to fuse_session_new() */
 } hapi_fs_options;
 
@@ -266,6 +271,15 @@ hapi_view *hapi_views_swap(hapi_views *vs, hapi_view *v);
 /* No view will come any more: wakes every hapi_views_get() waiter with NULL. */
 void hapi_views_stop(hapi_views *vs);
 
+/*
+ * A read of bytes [off, off + size) of a .feat (an .npy header of header_len
+ * bytes, then the features, feat_size bytes in all): copies the header's
+ * part into buf and sets [*dpos, *dend), the part of the features that
+ * follows it in buf. Returns the header bytes copied, or -1 at or past the end.
+ */
+ssize_t hapi_feat_split_read(const char *header, size_t header_len, uint64_t feat_size,
+                             char *buf, size_t size, off_t off, size_t *dpos, size_t *dend);
+
 /* Adds a reference. */
 void hapi_view_ref(hapi_view *v);
 /* Drops one; the last frees the view and its batcher. Accepts NULL. */
@@ -459,6 +473,122 @@ typedef struct hapi_pack_stats {
 } hapi_pack_stats;
 void hapi_pack_stats_get(hapi_packs *p, hapi_pack_stats *st);
 
+/* ------------------------------------------------------------ remote.c */
+
+/*
+ * The compute-side feature source (-o remote): the union of SOURCE
+ * directories where storage nodes' hapifs mounts are visible through any
+ * network filesystem (sshfs, NFS, a mergerfs union). A .feat that misses the
+ * local cache is fetched with its directory's pack (DIR/.hapifs-pack.npy,
+ * checked against DIR/.hapifs-pack.json) and every row of it stored in the
+ * local cache, so a directory costs a few large reads instead of a round
+ * trip per file. Paths are the mount's, relative to its root ("" the root);
+ * a .feat's cache key is its image's path with the storage side's namespace
+ * and the image's identity from the index. Thread-safe.
+ */
+typedef struct hapi_remote hapi_remote;
+
+typedef struct hapi_remote_config {
+    const char *const *roots;   /* the SOURCE directories, absolute; borrowed during open */
+    size_t nroots;
+    hapi_cache *cache;          /* borrowed: outlives the remote */
+    hapi_error_ring *errors;    /* borrowed */
+    int refresh_ms;             /* a directory's index is read again when older than this */
+    int fetch_threads;          /* packs fetched at once */
+    void (*on_change)(void *arg); /* a directory's namespace changed (fs: kernel invalidation) */
+    void *arg;
+} hapi_remote_config;
+
+/*
+ * Checks every root's .hapifs/config (a storage mount's, with a namespace;
+ * all roots the same namespace) and starts the fetch threads. A root that
+ * fails the check is refused (one line in the log and the error ring) and
+ * the others serve. Returns 0, or < 0 with err when no root is usable.
+ */
+int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_error *err);
+/* Stops the fetches and the warm-up, joins, frees. Accepts NULL. */
+void hapi_remote_close(hapi_remote *r);
+
+enum hapi_remote_kind {
+    HAPI_REMOTE_DIR,
+    HAPI_REMOTE_FILE,       /* a regular file of a source, read through */
+    HAPI_REMOTE_FEAT,       /* a .feat in a directory's index: served from the cache or a pack */
+    HAPI_REMOTE_FEAT_FILE   /* a .feat no index lists (yet): read through from its source */
+};
+
+/*
+ * What path is (enum hapi_remote_kind) and its attributes: a .feat's from
+ * its directory's index (exact size, the image's times; no request per
+ * file), anything else the first source's that has it. Returns 0, -ENOENT,
+ * -EIO (a source that has it may be unreachable) or -ENOMEM.
+ */
+int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *st);
+
+/*
+ * Calls fn for every entry of directory dir in the union of the sources (a
+ * name in several: the first source's), with attributes as
+ * hapi_remote_stat() gives them. Stops when fn returns < 0 (returned).
+ * Returns 0, -ENOENT (no source has dir), -EIO or < 0.
+ */
+int hapi_remote_list(hapi_remote *r, const char *dir,
+                     int (*fn)(void *arg, const char *name, int kind, const struct stat *st),
+                     void *arg);
+
+/* Opens a regular file of the first source that has it for reading. Returns an fd or -errno. */
+int hapi_remote_open_file(hapi_remote *r, const char *path);
+/* Opens the storage side's .hapifs/NAME (the model archive) for reading. Returns an fd or -errno. */
+int hapi_remote_open_storage_file(hapi_remote *r, const char *name);
+/* The storage side's .hapifs/NAME read now (malloc'd text, the caller frees). Returns 0 or -errno. */
+int hapi_remote_read_storage_file(hapi_remote *r, const char *name, char **text, size_t *len);
+/* The first usable source's .hapifs/config as read at open (owned by r), or NULL. */
+const char *hapi_remote_storage_config(hapi_remote *r);
+
+/* An open .feat: the index entry it had at open; its bytes never change while open. */
+typedef struct hapi_remote_feat hapi_remote_feat;
+/* Opens the .feat path. Returns 0, -ENOENT (no index lists it), -EIO or -ENOMEM. */
+int hapi_remote_feat_open(hapi_remote *r, const char *path, hapi_remote_feat **out);
+uint64_t hapi_remote_feat_size(const hapi_remote_feat *f);
+/*
+ * Fills buf with bytes [off, off + size) of f: from the cache, or from its
+ * directory's pack (joining a fetch in progress; waiting only for the chunk
+ * that holds its row). Returns the bytes (0 past the end), or -EIO (the
+ * reason in the error ring) / -ENOMEM. Thread-safe.
+ */
+ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, size_t size,
+                              off_t off);
+/* Closes f. Accepts NULL. */
+void hapi_remote_feat_close(hapi_remote_feat *f);
+
+/* Starts fetching every pack under path ("" all) with a row not cached. Returns 0, -EBUSY, -errno. */
+int hapi_remote_warm_start(hapi_remote *r, const char *path);
+/*
+ * Removes the cached features under path (a directory, a .feat or its
+ * image's name; "" every namespace the sources serve). Returns the count or
+ * < 0 with err.
+ */
+int hapi_remote_evict(hapi_remote *r, const char *path, hapi_error *err);
+
+typedef struct hapi_remote_stats {
+    uint64_t reads, bytes, hits, misses, fetched_rows, waits, failed, stale;
+    uint64_t fetches_running, fetches_queued;
+    int warm_state;                  /* enum hapi_warm_state */
+    char warm_path[1024];
+    uint64_t warm_total, warm_cached, warm_fetched, warm_failed, warm_dirs;
+    double warm_elapsed_s;
+} hapi_remote_stats;
+void hapi_remote_stats_get(hapi_remote *r, hapi_remote_stats *st);
+
+typedef struct hapi_remote_source_stats {
+    const char *path;                /* owned by r */
+    int refused, reachable;
+    char namespace_hex[33];
+    uint64_t index_reads, index_bytes, packs, pack_bytes, rows, rows_failed, fetch_failures,
+        file_reads;
+    char last_error[512];
+} hapi_remote_source_stats;
+size_t hapi_remote_source_count(const hapi_remote *r);
+void hapi_remote_source_stats_get(hapi_remote *r, size_t i, hapi_remote_source_stats *st);
+
 /* -------------------------------------------------------- background.c */
 
 enum hapi_prefetch_mode { HAPI_PREFETCH_OFF = 0, HAPI_PREFETCH_DIR = 1 };
@@ -616,6 +746,7 @@ typedef struct hapi_ctl_config {
     hapi_packs *packs;
     hapi_background *background;
     hapi_tune *tune;
+    hapi_remote *remote;       /* a compute-side mount: the layers above remote are NULL */
     hapi_error_ring *errors;
     uint64_t started_ns;
 } hapi_ctl_config;
@@ -667,6 +798,7 @@ typedef struct hapi_fs {
     hapi_background *background;
     hapi_tune *tune;
     hapi_ctl *ctl;
+    hapi_remote *remote;         /* -o remote: every layer above but ctl is NULL */
     struct node_table *nodes;
     struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
     uint64_t started_ns;

@@ -21,6 +21,8 @@ struct raw_options {
     char *threads, *torch_threads, *show_raw, *max_pixels, *device, *log;
     char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
     char *link, *client_speed, *epochs, *profile, *prefetch;
+    char *refresh, *fetch_threads;
+    int remote;
     char *nonopt[3];
     int nonopts;
     int helper;
@@ -59,6 +61,9 @@ static const struct fuse_opt option_table[] = {
     RAW("client_speed=%s", client_speed),
     RAW("epochs=%s", epochs),
     RAW("profile=%s", profile),
+    RAW("refresh=%s", refresh),
+    RAW("fetch_threads=%s", fetch_threads),
+    { "remote", offsetof(struct raw_options, remote), 1 },
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-d", KEY_DEBUG),
     FUSE_OPT_KEY("debug", KEY_DEBUG),
@@ -149,9 +154,13 @@ static int option_proc(void *data, const char *arg, int key, struct fuse_args *o
 void hapi_fs_usage(const char *prog)
 {
     printf("usage: %s SOURCE MOUNTPOINT -o model=PATH[,OPTIONS] [-f] [-d]\n"
+           "       %s SOURCE[:SOURCE...] MOUNTPOINT -o remote[,OPTIONS] [-f] [-d]\n"
            "\n"
            "Shows every image x.jpg under SOURCE as x.jpg.feat, a .npy array of the\n"
            "features a frozen model prefix computes from it, cached in LMDB.\n"
+           "With remote (on a compute node), each SOURCE is where a storage node's hapifs\n"
+           "mount is visible (sshfs, NFS, mergerfs): the mount shows the union of their\n"
+           ".feat files and fetches each directory's features in bulk into a local cache.\n"
            "\n"
            "options:\n"
            "    model=PATH           staged model archive (hapifs-export-model); required\n"
@@ -188,8 +197,17 @@ void hapi_fs_usage(const char *prog)
            "    allow_other, default_permissions, nosuid, nodev, noexec: as for any FUSE mount\n"
            "    -f                   stay in the foreground\n"
            "    -d                   debug output (implies -f)\n"
-           "    -h, -V               help, version\n",
-           prog);
+           "    -h, -V               help, version\n"
+           "\n"
+           "remote options (a compute-side mount; cache=, cache_size=, cache_reset=, threads=,\n"
+           "log= and the FUSE options apply too):\n"
+           "    remote               SOURCE[:SOURCE...] are storage mounts seen through a network\n"
+           "                         filesystem; features are fetched as per-directory packs\n"
+           "    refresh=SECONDS      a directory's index (names, identities, namespace) is read\n"
+           "                         again after this long: the bound on serving features of a\n"
+           "                         changed image or an old split (default 30, 0 = every use)\n"
+           "    fetch_threads=N      packs fetched at once (default 4)\n",
+           prog, prog);
 }
 
 int hapi_fs_parse_size(const char *text, uint64_t *out)
@@ -337,6 +355,91 @@ static uint64_t default_cache_size(const char *dir)
     return size;
 }
 
+static int validate_common(struct raw_options *raw, hapi_fs_options *o, hapi_error *err);
+
+/*
+ * A compute-side mount: SOURCE is one or more directories joined by ':', each
+ * resolved; the model and everything that computes features belong to the
+ * storage side and are refused here, so a copied fstab line fails clearly.
+ */
+static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    const char *storage_only[][2] = {
+        { "model", raw->model }, { "split", raw->split }, { "freeze", raw->freeze },
+        { "dtype", raw->dtype }, { "preprocess", raw->preprocess },
+        { "precision", raw->precision }, { "torch_threads", raw->torch_threads },
+        { "batch", raw->batch }, { "batch_wait", raw->batch_wait },
+        { "decode_threads", raw->decode_threads }, { "mem", raw->mem }, { "warm", raw->warm },
+        { "prefetch", raw->prefetch }, { "link", raw->link },
+        { "client_speed", raw->client_speed }, { "epochs", raw->epochs },
+        { "profile", raw->profile }, { "device", raw->device }, { "max_pixels", raw->max_pixels },
+        { "show_raw", raw->show_raw },
+    };
+    for (size_t i = 0; i < sizeof(storage_only) / sizeof(*storage_only); i++)
+        if (storage_only[i][1])
+            return hapi_error_set(err, HAPI_EINVAL, "%s= is an option of the storage side's "
+                                  "mount, not of a remote one", storage_only[i][0]);
+    long v;
+    int rc;
+    o->remote = 1;
+    char *list = strdup(raw->nonopt[0]), *save = NULL;
+    if (!list)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    size_t n = 1;
+    for (const char *p = list; *p; p++)
+        n += *p == ':';
+    o->roots = calloc(n, sizeof(*o->roots));
+    rc = o->roots ? 0 : hapi_error_set(err, -ENOMEM, "out of memory");
+    for (char *part = strtok_r(list, ":", &save); rc == 0 && part;
+         part = strtok_r(NULL, ":", &save)) {
+        char *dir = NULL;
+        if ((rc = resolve_dir("source", part, &dir, err)) < 0)
+            break;
+        for (size_t i = 0; i < o->nroots; i++)
+            if (strcmp(o->roots[i], dir) == 0)
+                rc = hapi_error_set(err, HAPI_EINVAL, "source %s is given twice", dir);
+        if (rc < 0) {
+            free(dir);
+            break;
+        }
+        o->roots[o->nroots++] = dir;
+    }
+    free(list);
+    if (rc < 0)
+        return rc;
+    if (o->nroots == 0)
+        return hapi_error_set(err, HAPI_EINVAL, "remote: no SOURCE directory given");
+    /* The mount's name lists its sources: what df and /proc/mounts show. */
+    size_t len = 1;
+    for (size_t i = 0; i < o->nroots; i++)
+        len += strlen(o->roots[i]) + 1;
+    if (!(o->source = calloc(1, len)))
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    for (size_t i = 0; i < o->nroots; i++) {
+        if (i)
+            strcat(o->source, ":");
+        strcat(o->source, o->roots[i]);
+    }
+    o->refresh_ms = 30000;
+    if (raw->refresh) {
+        if (parse_int(raw->refresh, 0, 86400, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "refresh=%s: expected 0..86400 (seconds)",
+                                  raw->refresh);
+        o->refresh_ms = (int)v * 1000;
+    }
+    o->fetch_threads = 4;
+    if (raw->fetch_threads) {
+        if (parse_int(raw->fetch_threads, 1, 256, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "fetch_threads=%s: expected 1..256",
+                                  raw->fetch_threads);
+        o->fetch_threads = (int)v;
+    }
+    o->device = strdup("cpu");
+    if (!o->device)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    return validate_common(raw, o, err);
+}
+
 static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
 {
     long v;
@@ -346,9 +449,14 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
         return hapi_error_set(err, HAPI_EINVAL, "unknown option or argument '%s'", raw->bad_option);
     if (raw->nonopts < 2)
         return hapi_error_set(err, HAPI_EINVAL, "usage: hapifs SOURCE MOUNTPOINT -o model=PATH[,...]");
-    if ((rc = resolve_dir("source", raw->nonopt[0], &o->source, err)) < 0)
-        return rc;
     if ((rc = resolve_dir("mount point", raw->nonopt[1], &o->mountpoint, err)) < 0)
+        return rc;
+    if (raw->remote)
+        return validate_remote(raw, o, err);
+    if (raw->refresh || raw->fetch_threads)
+        return hapi_error_set(err, HAPI_EINVAL, "%s= is an option of a remote mount (-o remote)",
+                              raw->refresh ? "refresh" : "fetch_threads");
+    if ((rc = resolve_dir("source", raw->nonopt[0], &o->source, err)) < 0)
         return rc;
 
     if (!raw->model)
@@ -392,12 +500,6 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
         return hapi_error_set(err, HAPI_EINVAL, "precision=bf16 runs on the CPU only, not %s",
                               o->device);
 
-    o->threads = 32;
-    if (raw->threads) {
-        if (parse_int(raw->threads, 1, 1024, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "threads=%s: expected 1..1024", raw->threads);
-        o->threads = (int)v;
-    }
     o->torch_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (o->torch_threads < 1)
         o->torch_threads = 1;
@@ -464,12 +566,6 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
             return hapi_error_set(err, HAPI_EINVAL, "warm=%s: expected 0 or 1", raw->warm);
         o->warm = (int)v;
     }
-    if (raw->cache_reset) {
-        if (parse_int(raw->cache_reset, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "cache_reset=%s: expected 0 or 1",
-                                  raw->cache_reset);
-        o->cache_reset = (int)v;
-    }
     if (raw->show_raw) {
         if (parse_int(raw->show_raw, 0, 1, &v) < 0)
             return hapi_error_set(err, HAPI_EINVAL, "show_raw=%s: expected 0 or 1", raw->show_raw);
@@ -481,6 +577,26 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
         return hapi_error_set(err, HAPI_EINVAL, "max_pixels=%s: expected a positive number",
                               raw->max_pixels);
 
+    return validate_common(raw, o, err);
+}
+
+/* What both kinds of mount take: the cache, its bound, the log. */
+static int validate_common(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    int rc;
+    long v;
+    o->threads = 32;
+    if (raw->threads) {
+        if (parse_int(raw->threads, 1, 1024, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "threads=%s: expected 1..1024", raw->threads);
+        o->threads = (int)v;
+    }
+    if (raw->cache_reset) {
+        if (parse_int(raw->cache_reset, 0, 1, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "cache_reset=%s: expected 0 or 1",
+                                  raw->cache_reset);
+        o->cache_reset = (int)v;
+    }
     const char *cache = raw->cache ? raw->cache : HAPI_DEFAULT_CACHE_DIR;
     if ((rc = prepare_cache_dir(cache, !raw->cache, &o->cache_dir, err)) < 0)
         return rc;
@@ -576,6 +692,8 @@ out:
     free(raw.epochs);
     free(raw.profile);
     free(raw.cache_reset);
+    free(raw.refresh);
+    free(raw.fetch_threads);
     free(raw.bad_option);
     free(raw.kernel_opts);
     for (int i = 0; i < raw.nonopts; i++)
@@ -593,6 +711,9 @@ void hapi_fs_options_free(hapi_fs_options *o)
     free(o->cache_dir);
     free(o->log_path);
     free(o->device);
+    for (size_t i = 0; i < o->nroots; i++)
+        free(o->roots[i]);
+    free(o->roots);
     fuse_opt_free_args(&o->fuse_args);
     memset(o, 0, sizeof(*o));
 }

@@ -204,18 +204,12 @@ ssize_t hapi_serve_read(hapi_serve *s, hapi_view *v, const char *path, const hap
                         char *buf, size_t size, off_t off)
 {
     atomic_fetch_add(&s->stats.feat_reads, 1);
-    if (off < 0 || (uint64_t)off >= v->feat_size)
+    size_t dpos, dend;
+    ssize_t head = hapi_feat_split_read(v->npy_header, v->npy_header_len, v->feat_size, buf,
+                                        size, off, &dpos, &dend);
+    if (head < 0)
         return 0;
-    size_t pos = (size_t)off, hdr = v->npy_header_len;
-    size_t end = size < v->feat_size - pos ? pos + size : (size_t)v->feat_size;
-    size_t n = 0;
-    if (pos < hdr) {
-        size_t stop = end < hdr ? end : hdr;
-        memcpy(buf, v->npy_header + pos, stop - pos);
-        n = stop - pos;
-    }
-    /* The data part of the read, as offsets into the features. */
-    size_t dpos = (pos > hdr ? pos : hdr) - hdr, dend = end > hdr ? end - hdr : dpos;
+    size_t n = (size_t)head;
     char *dst = buf + n;
 
     /* Even a read of the header alone looks the features up: it says an open file is read. */

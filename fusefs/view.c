@@ -148,3 +148,22 @@ void hapi_views_stop(hapi_views *vs)
     pthread_cond_broadcast(&vs->cond);
     pthread_mutex_unlock(&vs->lock);
 }
+
+ssize_t hapi_feat_split_read(const char *header, size_t header_len, uint64_t feat_size,
+                             char *buf, size_t size, off_t off, size_t *dpos, size_t *dend)
+{
+    if (off < 0 || (uint64_t)off >= feat_size)
+        return -1;
+    size_t pos = (size_t)off, hdr = header_len;
+    size_t end = size < feat_size - pos ? pos + size : (size_t)feat_size;
+    size_t n = 0;
+    if (pos < hdr) {
+        size_t stop = end < hdr ? end : hdr;
+        memcpy(buf, header + pos, stop - pos);
+        n = stop - pos;
+    }
+    /* The data part of the read, as offsets into the features. */
+    *dpos = (pos > hdr ? pos : hdr) - hdr;
+    *dend = end > hdr ? end - hdr : *dpos;
+    return (ssize_t)n;
+}

@@ -141,7 +141,7 @@ class Mount:
         self.path.mkdir(parents=True, exist_ok=True)
         self.options = options
         self.log = self.path.parent / (self.path.name + ".log")
-        opts = ",".join(f"{k}={v}" for k, v in options.items())
+        opts = ",".join(k if v is None else f"{k}={v}" for k, v in options.items())
         cmd = [str(binary), str(source), str(mountpoint), "-o", f"{opts},log={self.log}"]
         self.proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if self.proc.returncode != 0:
@@ -219,7 +219,7 @@ def mounter(tmp_path):
         return m
 
     yield mount
-    for m in mounts:
+    for m in reversed(mounts):  # the last first: a remote mount holds the storage mount open
         m.unmount()
     for m in mounts:
         assert not is_mounted(m.path), f"{m.path} still mounted"

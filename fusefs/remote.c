@@ -1,0 +1,1836 @@
+/* remote.c — the compute-side feature source: the union of storage mounts seen through a network filesystem, features fetched in bulk as per-directory packs into the local cache. */
+#include "fusefs-int.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+/*
+ * What a compute-side mount does with a read of DIR/x.jpg.feat:
+ *   1. the index of DIR on each source (DIR/.hapifs-pack.json, kept for
+ *      refresh_ms) says which source has x.jpg, its identity and the
+ *      storage side's namespace: the cache key is (namespace, DIR/x.jpg,
+ *      identity), so a changed image or a new split is a miss, never old
+ *      features served as new;
+ *   2. a hit is copied from the local LMDB cache;
+ *   3. a miss joins (or starts) the fetch of DIR's pack from that source: a
+ *      fetch thread reads the pack with large sequential reads, checks its
+ *      size and header against the index, hands each row to the readers
+ *      waiting for it as soon as its chunk arrives, and stores every row in
+ *      the cache. So a directory costs a few large reads instead of a
+ *      lookup, an open, a read and a release per file, and the first file
+ *      of a pack is answered as soon as its chunk has arrived.
+ *
+ * Locks (leaves in the daemon's order, never held together): index_lock
+ * (the index slots), fetch_lock (fetches, their waiters, the queue), a
+ * source's lock (its root handle), warm_lock.
+ */
+
+#define FETCH_CHUNK (1u << 20)   /* bytes per read of a pack: large sequential reads */
+#define FAILED_INDEX_RETRY_NS (1000ull * 1000 * 1000) /* an unreachable source is tried again after 1 s */
+#define INDEX_MAX (256u << 20)   /* an index longer than this is refused */
+
+/* ------------------------------------------------------------ sources */
+
+/* A source's root, reopened after the network filesystem under it died and came back. */
+struct root {
+    atomic_int refs;
+    hapi_source *source;
+};
+
+struct remote_source {
+    char *path;                   /* as given, absolute */
+    pthread_mutex_t lock;
+    struct root *root;            /* NULL while unreachable */
+    int refused;                  /* not a hapifs storage mount: never used */
+    char ns_hex[33];              /* the namespace its config named at mount */
+    char *config;                 /* its .hapifs/config at mount (JSON text) */
+    struct {
+        atomic_uint_fast64_t index_reads, index_bytes, packs, pack_bytes, rows, rows_failed,
+            fetch_failures, file_reads;
+    } stats;
+    char last_error[512];         /* under lock */
+};
+
+/* ------------------------------------------------------------- indexes */
+
+struct index_entry {
+    char *name;                   /* the image's name in DIR */
+    hapi_source_id id;
+    int failed;                   /* the storage side could not compute it */
+};
+
+/* One directory's index on one source, immutable once made; shared by reference. */
+struct dir_index {
+    atomic_int refs;
+    int src;
+    char *dir;
+    hapi_cache_namespace ns;
+    char ns_hex[33];
+    int dtype;
+    int ndim;
+    int64_t shape[HAPI_MAX_DIMS];
+    char header[HAPI_NPY_HEADER_MAX]; /* of one sample: a .feat */
+    size_t header_len;
+    size_t row_bytes;
+    size_t pack_header_len;
+    uint64_t pack_size;
+    size_t count;
+    struct index_entry *entries;  /* in the pack's row order: the byte order of names */
+};
+
+/* The latest index of (source, dir), or why there is none. */
+struct index_slot {
+    int src;
+    char *dir;
+    uint64_t hash;
+    struct dir_index *index;      /* a reference, or NULL */
+    int code;                     /* 0, or why there is no index (-ENOENT: no images) */
+    uint64_t at_ns;               /* when it was read */
+    int loading;
+    int expired;                  /* read again at the next use */
+    struct index_slot *next;
+};
+
+#define INDEX_BUCKETS 4096
+
+/* -------------------------------------------------------------- fetches */
+
+struct waiter {
+    const char *name;
+    hapi_source_id id;
+    char *dst;
+    size_t from, to;
+    int state;                    /* 0 waiting, 1 filled, < 0 failed */
+    struct waiter *next;
+};
+
+struct fetch {
+    int refs;                     /* under fetch_lock */
+    struct dir_index *index;      /* a reference: the rows it fetches */
+    int warm;                     /* asked by the warm-up, not a reader */
+    int started, finished;
+    int code;                     /* the fetch's failure, once finished */
+    size_t done;                  /* rows before this one are delivered */
+    struct waiter *waiters;
+    pthread_cond_t cond;
+    struct fetch *next;           /* in r->fetches */
+    struct fetch *queue_next;     /* in the queue */
+};
+
+struct hapi_remote {
+    hapi_remote_config cfg;
+    size_t nsources;
+    struct remote_source *sources;
+    uint64_t started_ns;
+
+    pthread_mutex_t index_lock;
+    pthread_cond_t index_cond;
+    struct index_slot *slots[INDEX_BUCKETS];
+
+    pthread_mutex_t fetch_lock;
+    pthread_cond_t queue_cond;
+    struct fetch *fetches;        /* every fetch not yet finished */
+    struct fetch *queue_head, *queue_tail; /* not yet started; readers' before the warm-up's */
+    int stopping;
+    size_t nthreads;
+    pthread_t *threads;
+
+    pthread_mutex_t warm_lock;
+    pthread_t warm_thread;
+    int warm_running;             /* a thread to join */
+    atomic_int warm_stop;
+    struct {
+        int state;                /* enum hapi_warm_state */
+        char *path;
+        uint64_t total, cached, fetched, failed, dirs;
+        uint64_t t0_ns, t1_ns;
+    } warm;
+
+    struct {
+        atomic_uint_fast64_t reads, bytes, hits, misses, fetched_rows, waits, failed,
+            stale, passthrough;
+    } stats;
+};
+
+static void index_put(struct dir_index *x)
+{
+    if (!x || atomic_fetch_sub(&x->refs, 1) != 1)
+        return;
+    for (size_t i = 0; i < x->count; i++)
+        free(x->entries[i].name);
+    free(x->entries);
+    free(x->dir);
+    free(x);
+}
+
+static void root_put(struct root *rt)
+{
+    if (rt && atomic_fetch_sub(&rt->refs, 1) == 1) {
+        hapi_source_close(rt->source);
+        free(rt);
+    }
+}
+
+/* The source's root with a reference, opening it again if it was lost. NULL (-errno in *rc) if unreachable. */
+static struct root *root_get(hapi_remote *r, int src, int *rc)
+{
+    struct remote_source *s = &r->sources[src];
+    pthread_mutex_lock(&s->lock);
+    struct root *rt = s->root;
+    if (!rt) {
+        hapi_error err = { 0 };
+        hapi_source *so = NULL;
+        *rc = hapi_source_open(s->path, &so, &err);
+        if (*rc == 0 && !(rt = calloc(1, sizeof(*rt)))) {
+            hapi_source_close(so);
+            *rc = -ENOMEM;
+        }
+        if (rt) {
+            atomic_init(&rt->refs, 1);
+            rt->source = so;
+            s->root = rt;
+        }
+    }
+    if (rt)
+        atomic_fetch_add(&rt->refs, 1);
+    pthread_mutex_unlock(&s->lock);
+    return rt;
+}
+
+/* Codes that say the filesystem under a source is gone (a dead sshfs, a stale NFS handle). */
+static int is_transport_error(int rc)
+{
+    return rc == -ENOTCONN || rc == -ESTALE || rc == -EIO || rc == -ECONNABORTED ||
+           rc == -ETIMEDOUT || rc == -EHOSTDOWN || rc == -EHOSTUNREACH || rc == -ENETDOWN ||
+           rc == -ECONNRESET || rc == -ENXIO;
+}
+
+/* Notes that src failed with rc doing what: dropped root (reopened next time), the error ring. */
+static void source_failed(hapi_remote *r, int src, const char *path, int rc, const char *what)
+{
+    struct remote_source *s = &r->sources[src];
+    char msg[512];
+    snprintf(msg, sizeof(msg), "source %s: %s: %s", s->path, what, hapi_strerror(rc));
+    pthread_mutex_lock(&s->lock);
+    struct root *old = NULL;
+    if (is_transport_error(rc)) {
+        old = s->root;
+        s->root = NULL;
+    }
+    snprintf(s->last_error, sizeof(s->last_error), "%.500s", msg);
+    pthread_mutex_unlock(&s->lock);
+    root_put(old);
+    hapi_error_ring_add(r->cfg.errors, path, rc, msg);
+}
+
+/*
+ * Calls hapi_source_open_beneath on src's root; a transport error drops the
+ * root and tries once more on a fresh one (the network filesystem may have
+ * been mounted again). Returns an fd or -errno.
+ */
+static int source_open(hapi_remote *r, int src, const char *path, int flags)
+{
+    int rc = 0;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        struct root *rt = root_get(r, src, &rc);
+        if (!rt)
+            return rc;
+        rc = hapi_source_open_beneath(rt->source, path, flags);
+        root_put(rt);
+        if (rc >= 0 || !is_transport_error(rc))
+            return rc;
+        pthread_mutex_lock(&r->sources[src].lock);
+        struct root *old = r->sources[src].root == rt ? rt : NULL;
+        if (old)
+            r->sources[src].root = NULL;
+        pthread_mutex_unlock(&r->sources[src].lock);
+        root_put(old);
+    }
+    return rc;
+}
+
+static int source_stat(hapi_remote *r, int src, const char *path, struct stat *st)
+{
+    int fd = source_open(r, src, path, O_PATH);
+    if (fd < 0)
+        return fd;
+    int rc = fstat(fd, st) < 0 ? -errno : 0;
+    close(fd);
+    return rc;
+}
+
+/* Reads fd to its end (at most max bytes) into *text (malloc'd, NUL-terminated); closes fd. */
+static int read_text(int fd, size_t max, char **text, size_t *len)
+{
+    *text = NULL;
+    if (fd < 0)
+        return fd;
+    size_t cap = 65536, used = 0;
+    char *buf = malloc(cap + 1);
+    int rc = buf ? 0 : -ENOMEM;
+    while (rc == 0) {
+        if (used == cap) {
+            if (cap >= max) {
+                rc = -EFBIG;
+                break;
+            }
+            char *bigger = realloc(buf, cap * 2 + 1);
+            if (!bigger) {
+                rc = -ENOMEM;
+                break;
+            }
+            buf = bigger;
+            cap *= 2;
+        }
+        ssize_t n = read(fd, buf + used, cap - used);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            rc = -errno;
+        else if (n == 0)
+            break;
+        else
+            used += (size_t)n;
+    }
+    close(fd);
+    if (rc < 0) {
+        free(buf);
+        return rc;
+    }
+    buf[used] = '\0';
+    *text = buf;
+    if (len)
+        *len = used;
+    return 0;
+}
+
+/* Reads the file path of src whole (at most max bytes) into *text (malloc'd, NUL-terminated). */
+static int source_read_text(hapi_remote *r, int src, const char *path, size_t max, char **text,
+                            size_t *len)
+{
+    return read_text(source_open(r, src, path, O_RDONLY), max, text, len);
+}
+
+/* ----------------------------------------------------------- index text */
+
+/* A name from an index: one path component, not "." or "..", an image. */
+static int name_ok(const char *name)
+{
+    size_t len = strlen(name);
+    return len > 0 && len <= NAME_MAX - 5 && !strchr(name, '/') && strcmp(name, ".") != 0 &&
+           strcmp(name, "..") != 0 && hapi_image_name_is_image(name);
+}
+
+static int hex_to_ns(const char *hex, hapi_cache_namespace *ns)
+{
+    if (!hex || strlen(hex) != 2 * sizeof(ns->bytes))
+        return -1;
+    for (size_t i = 0; i < sizeof(ns->bytes); i++) {
+        unsigned v;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1 || !strchr("0123456789abcdef", hex[2 * i]) ||
+            !strchr("0123456789abcdef", hex[2 * i + 1]))
+            return -1;
+        ns->bytes[i] = (uint8_t)v;
+    }
+    return 0;
+}
+
+static int64_t json_int_of(json_t *o, const char *key, int *bad)
+{
+    json_t *v = json_object_get(o, key);
+    if (!json_is_integer(v)) {
+        *bad = 1;
+        return 0;
+    }
+    return json_integer_value(v);
+}
+
+/*
+ * Parses an index text of dir on src into *out (one reference). Every field
+ * is checked against the others (sizes, header, order of the names), so a
+ * corrupt or foreign index is refused with why in err.
+ */
+static int index_parse(const char *text, size_t len, int src, const char *dir,
+                       struct dir_index **out, hapi_error *err)
+{
+    json_error_t je;
+    *out = NULL;
+    json_t *j = json_loadb(text, len, 0, &je);
+    if (!j)
+        return hapi_error_set(err, HAPI_ECORRUPT, "not JSON (%s, line %d)", je.text, je.line);
+    int rc = HAPI_ECORRUPT, bad = 0;
+    struct dir_index *x = calloc(1, sizeof(*x));
+    if (!x) {
+        json_decref(j);
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    }
+    atomic_init(&x->refs, 1);
+    x->src = src;
+    json_t *format = json_object_get(j, "format"), *entries = json_object_get(j, "entries");
+    json_t *shape = json_object_get(j, "row_shape");
+    const char *dtype = json_string_value(json_object_get(j, "dtype"));
+    const char *ns = json_string_value(json_object_get(j, "namespace"));
+    if (!json_is_string(format) || strcmp(json_string_value(format), HAPI_PACK_FORMAT) != 0) {
+        hapi_error_set(err, rc, "not a %s index", HAPI_PACK_FORMAT);
+        goto out;
+    }
+    if (!ns || hex_to_ns(ns, &x->ns) < 0 || !dtype ||
+        (strcmp(dtype, "<f2") != 0 && strcmp(dtype, "<f4") != 0) || !json_is_array(shape) ||
+        json_array_size(shape) < 1 || json_array_size(shape) > HAPI_MAX_DIMS - 1 ||
+        !json_is_array(entries)) {
+        hapi_error_set(err, rc, "missing or malformed namespace, dtype, row_shape or entries");
+        goto out;
+    }
+    memcpy(x->ns_hex, ns, 33);
+    x->dtype = strcmp(dtype, "<f2") == 0 ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32;
+    x->ndim = (int)json_array_size(shape);
+    uint64_t elems = 1;
+    for (int i = 0; i < x->ndim; i++) {
+        json_t *d = json_array_get(shape, (size_t)i);
+        if (!json_is_integer(d) || json_integer_value(d) < 1 || json_integer_value(d) > (1 << 24)) {
+            hapi_error_set(err, rc, "bad row_shape");
+            goto out;
+        }
+        x->shape[i] = json_integer_value(d);
+        elems *= (uint64_t)x->shape[i];
+    }
+    x->row_bytes = (size_t)(elems * (x->dtype == HAPI_DTYPE_FP16 ? 2 : 4));
+    int64_t count = json_int_of(j, "count", &bad), row_bytes = json_int_of(j, "row_bytes", &bad);
+    int64_t header_bytes = json_int_of(j, "header_bytes", &bad), size = json_int_of(j, "size", &bad);
+    if (bad || elems > (1u << 28) || count < 0 || (size_t)count != json_array_size(entries) ||
+        (uint64_t)row_bytes != x->row_bytes) {
+        hapi_error_set(err, rc, "count, row_bytes or entries disagree");
+        goto out;
+    }
+    int hl = hapi_npy_header(x->header, x->dtype, x->shape, x->ndim);
+    int64_t pack_shape[HAPI_MAX_DIMS];
+    char pack_header[HAPI_NPY_HEADER_MAX];
+    pack_shape[0] = count;
+    memcpy(pack_shape + 1, x->shape, (size_t)x->ndim * sizeof(int64_t));
+    int phl = hapi_npy_header(pack_header, x->dtype, pack_shape, x->ndim + 1);
+    if (hl < 0 || phl < 0 || header_bytes != phl ||
+        (uint64_t)size != (uint64_t)phl + (uint64_t)count * x->row_bytes) {
+        hapi_error_set(err, rc, "header_bytes or size disagree with the shape");
+        goto out;
+    }
+    x->header_len = (size_t)hl;
+    x->pack_header_len = (size_t)phl;
+    x->pack_size = (uint64_t)size;
+    x->count = (size_t)count;
+    x->entries = calloc(x->count ? x->count : 1, sizeof(*x->entries));
+    if (!x->entries || !(x->dir = strdup(dir))) {
+        rc = hapi_error_set(err, -ENOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < x->count; i++) {
+        json_t *e = json_array_get(entries, i);
+        const char *name = json_string_value(json_object_get(e, "name"));
+        const char *status = json_string_value(json_object_get(e, "status"));
+        struct index_entry *ie = &x->entries[i];
+        ie->id.size = (uint64_t)json_int_of(e, "size", &bad);
+        ie->id.mtime_ns = json_int_of(e, "mtime_ns", &bad);
+        ie->id.ctime_ns = json_int_of(e, "ctime_ns", &bad);
+        ie->id.ino = (uint64_t)json_int_of(e, "ino", &bad);
+        if (bad || !name || !name_ok(name) || !status) {
+            hapi_error_set(err, rc, "entry %zu: bad name, identity or status", i);
+            goto out;
+        }
+        /* The pack's rows are in the byte order of the names: the index must say so too. */
+        if (i > 0 && strcmp(x->entries[i - 1].name, name) >= 0) {
+            hapi_error_set(err, rc, "entry %zu: names out of order", i);
+            goto out;
+        }
+        ie->failed = strcmp(status, "failed") == 0;
+        if (!(ie->name = strdup(name))) {
+            rc = hapi_error_set(err, -ENOMEM, "out of memory");
+            goto out;
+        }
+    }
+    rc = 0;
+    *out = x;
+    x = NULL;
+out:
+    json_decref(j);
+    if (x)
+        index_put(x);
+    return rc;
+}
+
+/* The entry of name in x, or NULL (binary search: names are in byte order). */
+static const struct index_entry *index_find(const struct dir_index *x, const char *name,
+                                            size_t *row)
+{
+    size_t lo = 0, hi = x->count;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(x->entries[mid].name, name);
+        if (c == 0) {
+            if (row)
+                *row = mid;
+            return &x->entries[mid];
+        }
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
+}
+
+static char *join(const char *dir, const char *name)
+{
+    char *p = NULL;
+    if (asprintf(&p, "%s%s%s", dir, *dir ? "/" : "", name) < 0)
+        return NULL;
+    return p;
+}
+
+/* Reads and parses dir's index on src. Returns 0, -ENOENT (no images there), or < 0 (logged). */
+static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index **out)
+{
+    struct remote_source *s = &r->sources[src];
+    char *path = join(dir, HAPI_PACK_INDEX_NAME);
+    char *text = NULL;
+    size_t len = 0;
+    *out = NULL;
+    if (!path)
+        return -ENOMEM;
+    int rc = source_read_text(r, src, path, INDEX_MAX, &text, &len);
+    if (rc == 0) {
+        atomic_fetch_add(&s->stats.index_reads, 1);
+        atomic_fetch_add(&s->stats.index_bytes, len);
+        hapi_error err = { 0 };
+        if ((rc = index_parse(text, len, src, dir, out, &err)) < 0) {
+            char msg[600];
+            snprintf(msg, sizeof(msg), "source %s: %s: index refused: %s", s->path, path,
+                     err.message);
+            hapi_error_ring_add(r->cfg.errors, path, rc, msg);
+        }
+    } else if (rc != -ENOENT && rc != -ENOTDIR) {
+        source_failed(r, src, path, rc, "cannot read the index");
+    }
+    free(text);
+    free(path);
+    return rc == -ENOTDIR ? -ENOENT : rc;
+}
+
+static uint64_t slot_hash(int src, const char *dir)
+{
+    return XXH3_64bits_withSeed(dir, strlen(dir), (uint64_t)src + 1);
+}
+
+/* Remembers that something of dir on src looked changed: the next use reads its index again. */
+static void index_expire(hapi_remote *r, int src, const char *dir)
+{
+    uint64_t h = slot_hash(src, dir);
+    pthread_mutex_lock(&r->index_lock);
+    for (struct index_slot *sl = r->slots[h % INDEX_BUCKETS]; sl; sl = sl->next)
+        if (sl->hash == h && sl->src == src && strcmp(sl->dir, dir) == 0)
+            sl->expired = 1;
+    pthread_mutex_unlock(&r->index_lock);
+}
+
+/*
+ * The index of dir on src with a reference, read again when older than
+ * refresh_ms (one reader reads it; the others wait for it). Returns 0,
+ * -ENOENT (no images there, or no such directory) or < 0.
+ */
+static int index_get(hapi_remote *r, int src, const char *dir, struct dir_index **out)
+{
+    uint64_t h = slot_hash(src, dir);
+    *out = NULL;
+    if (r->sources[src].refused)
+        return -ENOENT;
+    pthread_mutex_lock(&r->index_lock);
+    struct index_slot *sl = r->slots[h % INDEX_BUCKETS];
+    while (sl && !(sl->hash == h && sl->src == src && strcmp(sl->dir, dir) == 0))
+        sl = sl->next;
+    if (!sl) {
+        sl = calloc(1, sizeof(*sl));
+        if (!sl || !(sl->dir = strdup(dir))) {
+            free(sl);
+            pthread_mutex_unlock(&r->index_lock);
+            return -ENOMEM;
+        }
+        sl->src = src;
+        sl->hash = h;
+        sl->expired = 1;
+        sl->next = r->slots[h % INDEX_BUCKETS];
+        r->slots[h % INDEX_BUCKETS] = sl;
+    }
+    /* A load that ends while we wait is fresh enough for us, even with refresh=0. */
+    int waited = 0;
+    for (;;) {
+        uint64_t now = hapi_now_ns();
+        uint64_t life = sl->code < 0 && sl->code != -ENOENT ? FAILED_INDEX_RETRY_NS
+                                                             : (uint64_t)r->cfg.refresh_ms * 1000000;
+        int fresh = !sl->expired && (waited || now - sl->at_ns < life);
+        if (fresh || sl->loading) {
+            if (sl->loading) {
+                pthread_cond_wait(&r->index_cond, &r->index_lock);
+                waited = 1;
+                continue;
+            }
+            int rc = sl->code;
+            if (sl->index) {
+                atomic_fetch_add(&sl->index->refs, 1);
+                *out = sl->index;
+            }
+            pthread_mutex_unlock(&r->index_lock);
+            return rc;
+        }
+        sl->loading = 1;
+        pthread_mutex_unlock(&r->index_lock);
+        struct dir_index *x = NULL;
+        int rc = index_load(r, src, dir, &x);
+        pthread_mutex_lock(&r->index_lock);
+        struct dir_index *old = sl->index;
+        int changed = old && x && memcmp(&old->ns, &x->ns, sizeof(x->ns)) != 0;
+        sl->index = x;
+        sl->code = rc;
+        sl->at_ns = hapi_now_ns();
+        sl->expired = 0;
+        sl->loading = 0;
+        if (x)
+            atomic_fetch_add(&x->refs, 1);
+        *out = x;
+        pthread_cond_broadcast(&r->index_cond);
+        pthread_mutex_unlock(&r->index_lock);
+        index_put(old);
+        if (changed) {
+            hapi_log(HAPI_LOG_INFO, "source %s: '%s' now has features of namespace %.12s",
+                     r->sources[src].path, dir, x->ns_hex);
+            if (r->cfg.on_change)
+                r->cfg.on_change(r->cfg.arg);
+        }
+        return rc;
+    }
+}
+
+/* ------------------------------------------------------------- the tree */
+
+/* If name is "<image>.feat", its length without ".feat", else 0. */
+static size_t feat_stem(const char *name)
+{
+    size_t len = strlen(name);
+    if (len <= 5 || strcmp(name + len - 5, ".feat") != 0 || len - 5 > NAME_MAX)
+        return 0;
+    char stem[NAME_MAX + 1];
+    memcpy(stem, name, len - 5);
+    stem[len - 5] = '\0';
+    return hapi_image_name_is_image(stem) ? len - 5 : 0;
+}
+
+/* Splits path into a malloc'd dir and a pointer to its last component. */
+static char *split_path(const char *path, const char **name)
+{
+    const char *slash = strrchr(path, '/');
+    *name = slash ? slash + 1 : path;
+    return slash ? strndup(path, (size_t)(slash - path)) : strdup("");
+}
+
+static void feat_attr(const struct dir_index *x, const struct index_entry *e, struct stat *st)
+{
+    memset(st, 0, sizeof(*st));
+    st->st_mode = S_IFREG | 0444;
+    st->st_nlink = 1;
+    st->st_uid = getuid();
+    st->st_gid = getgid();
+    st->st_size = (off_t)(x->header_len + x->row_bytes);
+    st->st_blocks = (st->st_size + 511) / 512;
+    st->st_blksize = 4096;
+    st->st_mtim.tv_sec = e->id.mtime_ns / 1000000000;
+    st->st_mtim.tv_nsec = e->id.mtime_ns % 1000000000;
+    st->st_ctim.tv_sec = e->id.ctime_ns / 1000000000;
+    st->st_ctim.tv_nsec = e->id.ctime_ns % 1000000000;
+    st->st_atim = st->st_mtim;
+}
+
+/*
+ * The source and index entry of image name in dir: the first source whose
+ * index lists it. Returns 0 (with a reference in *x), -ENOENT or < 0 (a
+ * source that could not say, when no other had it).
+ */
+static int find_image(hapi_remote *r, const char *dir, const char *name, struct dir_index **x,
+                      const struct index_entry **e, size_t *row)
+{
+    int result = -ENOENT;
+    for (size_t i = 0; i < r->nsources; i++) {
+        struct dir_index *xi = NULL;
+        int rc = index_get(r, (int)i, dir, &xi);
+        if (rc < 0) {
+            if (rc != -ENOENT)
+                result = rc;
+            continue;
+        }
+        const struct index_entry *ei = index_find(xi, name, row);
+        if (ei) {
+            *x = xi;
+            *e = ei;
+            return 0;
+        }
+        index_put(xi);
+    }
+    return result;
+}
+
+int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *st)
+{
+    const char *name;
+    char *dir = split_path(path, &name);
+    if (!dir)
+        return -ENOMEM;
+    int rc = -ENOENT, why = -ENOENT;
+    size_t stem = *path ? feat_stem(name) : 0;
+    if (stem) {
+        char image[NAME_MAX + 1];
+        memcpy(image, name, stem);
+        image[stem] = '\0';
+        struct dir_index *x = NULL;
+        const struct index_entry *e = NULL;
+        if ((rc = find_image(r, dir, image, &x, &e, NULL)) == 0) {
+            *kind = HAPI_REMOTE_FEAT;
+            feat_attr(x, e, st);
+            index_put(x);
+            free(dir);
+            return 0;
+        }
+        why = rc;
+    }
+    /* Directories and other files: the first source that has it, as it shows it. */
+    for (size_t i = 0; i < r->nsources; i++) {
+        if (r->sources[i].refused)
+            continue;
+        struct stat s;
+        rc = source_stat(r, (int)i, path, &s);
+        if (rc == 0 && (S_ISDIR(s.st_mode) || S_ISREG(s.st_mode))) {
+            *kind = S_ISDIR(s.st_mode) ? HAPI_REMOTE_DIR
+                    : stem ? HAPI_REMOTE_FEAT_FILE : HAPI_REMOTE_FILE;
+            *st = s;
+            st->st_mode &= ~(mode_t)0222;
+            free(dir);
+            return 0;
+        }
+        if (rc < 0 && rc != -ENOENT && rc != -ENOTDIR) {
+            source_failed(r, (int)i, path, rc, "cannot stat");
+            why = rc;
+        }
+    }
+    free(dir);
+    return why == -ENOENT || why == -ENOTDIR ? -ENOENT : -EIO;
+}
+
+/* The names seen while listing, to merge the sources' listings: a hash set. */
+struct seen {
+    size_t count, cap;            /* cap: a power of two, or 0 */
+    char **names;
+};
+
+static size_t seen_slot(const struct seen *s, const char *name)
+{
+    size_t i = (size_t)XXH3_64bits(name, strlen(name)) & (s->cap - 1);
+    while (s->names[i] && strcmp(s->names[i], name) != 0)
+        i = (i + 1) & (s->cap - 1);
+    return i;
+}
+
+static int seen_has(const struct seen *s, const char *name)
+{
+    return s->cap && s->names[seen_slot(s, name)];
+}
+
+static int seen_add(struct seen *s, const char *name)
+{
+    if (2 * (s->count + 1) > s->cap) {
+        struct seen bigger = { 0, s->cap ? s->cap * 2 : 256, NULL };
+        if (!(bigger.names = calloc(bigger.cap, sizeof(char *))))
+            return -ENOMEM;
+        for (size_t i = 0; i < s->cap; i++)
+            if (s->names[i])
+                bigger.names[seen_slot(&bigger, s->names[i])] = s->names[i];
+        bigger.count = s->count;
+        free(s->names);
+        *s = bigger;
+    }
+    size_t i = seen_slot(s, name);
+    if (s->names[i])
+        return 0;
+    if (!(s->names[i] = strdup(name)))
+        return -ENOMEM;
+    s->count++;
+    return 0;
+}
+
+static void seen_free(struct seen *s)
+{
+    for (size_t i = 0; i < s->cap; i++)
+        free(s->names[i]);
+    free(s->names);
+}
+
+/*
+ * Lists one source's dir into fn, skipping names already seen. .feat
+ * entries take their attributes from the index (no request per file); the
+ * rest are stat'ed (a network filesystem answers those from the listing's
+ * attributes it keeps).
+ */
+static int list_source(hapi_remote *r, int src, const char *dir, struct seen *seen,
+                       int (*fn)(void *arg, const char *name, int kind, const struct stat *st),
+                       void *arg)
+{
+    int fd = source_open(r, src, dir, O_RDONLY | O_DIRECTORY);
+    if (fd < 0)
+        return fd == -ENOTDIR ? -ENOENT : fd;
+    DIR *d = fdopendir(fd);
+    if (!d) {
+        close(fd);
+        return -errno;
+    }
+    struct dir_index *x = NULL;
+    int have_index = -1, rc = 0;
+    struct dirent *de;
+    /* With one source there is nothing to merge. */
+    int check_seen = src > 0;
+    while (rc >= 0 && (errno = 0, de = readdir(d))) {
+        const char *name = de->d_name;
+        if (strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
+            continue;
+        if (!*dir && strcmp(name, ".hapifs") == 0)
+            continue;
+        if (check_seen && seen_has(seen, name))
+            continue;
+        struct stat st;
+        size_t stem = feat_stem(name);
+        int kind = -1;
+        if (stem) {
+            if (have_index < 0)
+                have_index = index_get(r, src, dir, &x) == 0;
+            char image[NAME_MAX + 1];
+            memcpy(image, name, stem);
+            image[stem] = '\0';
+            const struct index_entry *e = have_index ? index_find(x, image, NULL) : NULL;
+            if (e) {
+                feat_attr(x, e, &st);
+                kind = HAPI_REMOTE_FEAT;
+            }
+        }
+        if (kind < 0) {
+            char *child = join(dir, name);
+            if (!child) {
+                rc = -ENOMEM;
+                break;
+            }
+            int src_rc = source_stat(r, src, child, &st);
+            free(child);
+            if (src_rc < 0 || !(S_ISDIR(st.st_mode) || S_ISREG(st.st_mode)))
+                continue;
+            kind = S_ISDIR(st.st_mode) ? HAPI_REMOTE_DIR
+                   : stem ? HAPI_REMOTE_FEAT_FILE : HAPI_REMOTE_FILE;
+            st.st_mode &= ~(mode_t)0222;
+        }
+        if (r->nsources > 1 && (rc = seen_add(seen, name)) < 0)
+            break;
+        rc = fn(arg, name, kind, &st);
+    }
+    if (rc >= 0 && errno)
+        rc = -errno;
+    closedir(d);
+    index_put(x);
+    return rc;
+}
+
+int hapi_remote_list(hapi_remote *r, const char *dir,
+                     int (*fn)(void *arg, const char *name, int kind, const struct stat *st),
+                     void *arg)
+{
+    struct seen seen = { 0 };
+    int found = 0, rc = 0, failure = 0;
+    for (size_t i = 0; i < r->nsources && rc >= 0; i++) {
+        if (r->sources[i].refused)
+            continue;
+        int src_rc = list_source(r, (int)i, dir, &seen, fn, arg);
+        if (src_rc >= 0) {
+            found = 1;
+        } else if (src_rc == -ENOMEM) {
+            rc = src_rc;
+        } else if (src_rc != -ENOENT) {
+            source_failed(r, (int)i, dir, src_rc, "cannot list");
+            failure = src_rc;
+        }
+    }
+    seen_free(&seen);
+    if (rc < 0)
+        return rc;
+    return found ? 0 : failure ? -EIO : -ENOENT;
+}
+
+int hapi_remote_open_file(hapi_remote *r, const char *path)
+{
+    int why = -ENOENT;
+    for (size_t i = 0; i < r->nsources; i++) {
+        if (r->sources[i].refused)
+            continue;
+        int fd = source_open(r, (int)i, path, O_RDONLY);
+        if (fd >= 0) {
+            atomic_fetch_add(&r->sources[i].stats.file_reads, 1);
+            return fd;
+        }
+        if (fd != -ENOENT && fd != -ENOTDIR) {
+            source_failed(r, (int)i, path, fd, "cannot open");
+            why = -EIO;
+        }
+    }
+    return why;
+}
+
+int hapi_remote_read_storage_file(hapi_remote *r, const char *name, char **text, size_t *len)
+{
+    return read_text(hapi_remote_open_storage_file(r, name), HAPI_CTL_SIZE_MAX, text, len);
+}
+
+int hapi_remote_open_storage_file(hapi_remote *r, const char *name)
+{
+    char path[64];
+    snprintf(path, sizeof(path), ".hapifs/%s", name);
+    int rc = -ENOENT;
+    for (size_t i = 0; i < r->nsources; i++) {
+        if (r->sources[i].refused)
+            continue;
+        if ((rc = source_open(r, (int)i, path, O_RDONLY)) >= 0)
+            return rc;
+        source_failed(r, (int)i, path, rc, "cannot open");
+    }
+    return rc == -ENOENT ? rc : -EIO;
+}
+
+/* -------------------------------------------------------------- fetches */
+
+static void fetch_put_locked(struct fetch *f)
+{
+    if (--f->refs > 0)
+        return;
+    index_put(f->index);
+    pthread_cond_destroy(&f->cond);
+    free(f);
+}
+
+/* A new fetch of x's pack, queued (the readers' ahead of the warm-up's). Under fetch_lock. */
+static struct fetch *fetch_new_locked(hapi_remote *r, struct dir_index *x, int warm)
+{
+    struct fetch *f = calloc(1, sizeof(*f));
+    if (!f)
+        return NULL;
+    f->refs = 1; /* the list's */
+    atomic_fetch_add(&x->refs, 1);
+    f->index = x;
+    f->warm = warm;
+    pthread_cond_init(&f->cond, NULL);
+    f->next = r->fetches;
+    r->fetches = f;
+    if (!warm) {
+        /* before every warm-up fetch, after the readers' */
+        struct fetch **link = &r->queue_head, *prev = NULL;
+        while (*link && !(*link)->warm) {
+            prev = *link;
+            link = &(*link)->queue_next;
+        }
+        f->queue_next = *link;
+        *link = f;
+        if (!f->queue_next)
+            r->queue_tail = f;
+        (void)prev;
+    } else {
+        if (r->queue_tail)
+            r->queue_tail->queue_next = f;
+        else
+            r->queue_head = f;
+        r->queue_tail = f;
+    }
+    pthread_cond_signal(&r->queue_cond);
+    return f;
+}
+
+/* Takes f out of the list of unfinished fetches. Under fetch_lock. */
+static void fetch_unlist_locked(hapi_remote *r, struct fetch *f)
+{
+    for (struct fetch **link = &r->fetches; *link; link = &(*link)->next)
+        if (*link == f) {
+            *link = f->next;
+            return;
+        }
+}
+
+/* A row is all NaN when the storage side could not compute it (its pack says so). */
+static int row_failed(const struct dir_index *x, const char *row)
+{
+    size_t width = x->dtype == HAPI_DTYPE_FP16 ? 2 : 4;
+    static const unsigned char nan16[2] = { 0x00, 0x7e }, nan32[4] = { 0x00, 0x00, 0xc0, 0x7f };
+    const unsigned char *nan = x->dtype == HAPI_DTYPE_FP16 ? nan16 : nan32;
+    for (size_t i = 0; i < x->row_bytes; i++)
+        if ((unsigned char)row[i] != nan[i % width])
+            return 0;
+    return 1;
+}
+
+/* Reads exactly len bytes at off, or fails: a short read is a torn pack. */
+static int read_exact(int fd, char *buf, size_t len, off_t off)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t n = pread(fd, buf + got, len - got, off + (off_t)got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return -errno;
+        if (n == 0)
+            return HAPI_ECORRUPT;
+        got += (size_t)n;
+    }
+    return 0;
+}
+
+/* Hands rows [a, b) in buf to f's waiters, marks them delivered. */
+static void deliver(hapi_remote *r, struct fetch *f, size_t a, size_t b, const char *buf,
+                    const unsigned char *failed)
+{
+    const struct dir_index *x = f->index;
+    pthread_mutex_lock(&r->fetch_lock);
+    for (struct waiter *w = f->waiters; w; w = w->next) {
+        size_t row;
+        if (w->state != 0 || !index_find(x, w->name, &row) || row < a || row >= b)
+            continue;
+        if (failed[row - a])
+            w->state = HAPI_EDECODE;
+        else {
+            memcpy(w->dst, buf + (row - a) * x->row_bytes + w->from, w->to - w->from);
+            w->state = 1;
+        }
+    }
+    f->done = b;
+    pthread_cond_broadcast(&f->cond);
+    pthread_mutex_unlock(&r->fetch_lock);
+}
+
+/*
+ * Fetches f's pack: checks its size and header against the index, then reads
+ * it in chunks of about FETCH_CHUNK, handing each chunk's rows to the
+ * waiting readers and storing them in the cache. Returns 0 or why not.
+ */
+static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
+{
+    const struct dir_index *x = f->index;
+    struct remote_source *s = &r->sources[x->src];
+    char *path = join(x->dir, HAPI_PACK_NAME);
+    char *buf = NULL, *paths_buf = NULL;
+    char **paths = NULL;
+    unsigned char *failed = NULL;
+    hapi_cache_item *items = NULL;
+    int rc, fd = -1;
+    if (!path)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    fd = source_open(r, x->src, path, O_RDONLY);
+    if (fd < 0) {
+        rc = hapi_error_set(err, fd, "cannot open the pack: %s", hapi_strerror(fd));
+        goto out;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0) {
+        rc = hapi_error_set(err, -errno, "cannot stat the pack: %s", strerror(errno));
+        goto out;
+    }
+    /* A pack of another size, or another header, is not the pack the index describes. */
+    if ((uint64_t)st.st_size != x->pack_size) {
+        rc = hapi_error_set(err, -ESTALE, "the pack has %lld bytes, its index says %llu "
+                            "(the directory changed, or the pack is torn)",
+                            (long long)st.st_size, (unsigned long long)x->pack_size);
+        goto out;
+    }
+    size_t rows_per_chunk = FETCH_CHUNK / x->row_bytes ? FETCH_CHUNK / x->row_bytes : 1;
+    size_t chunk = rows_per_chunk * x->row_bytes;
+    size_t first = x->pack_header_len + chunk; /* the header and the first chunk: one read */
+    buf = malloc(first);
+    failed = malloc(rows_per_chunk);
+    items = malloc(rows_per_chunk * sizeof(*items));
+    paths = malloc(rows_per_chunk * sizeof(*paths));
+    size_t dir_len = strlen(x->dir);
+    paths_buf = malloc(rows_per_chunk * (dir_len + NAME_MAX + 2));
+    if (!buf || !failed || !items || !paths || !paths_buf) {
+        rc = hapi_error_set(err, -ENOMEM, "out of memory");
+        goto out;
+    }
+    int64_t pack_shape[HAPI_MAX_DIMS];
+    char expect[HAPI_NPY_HEADER_MAX];
+    pack_shape[0] = (int64_t)x->count;
+    memcpy(pack_shape + 1, x->shape, (size_t)x->ndim * sizeof(int64_t));
+    hapi_npy_header(expect, x->dtype, pack_shape, x->ndim + 1);
+
+    uint64_t pos = 0;
+    for (size_t a = 0; a < x->count || pos == 0;) {
+        size_t b = a + rows_per_chunk < x->count ? a + rows_per_chunk : x->count;
+        size_t want = (b - a) * x->row_bytes + (pos == 0 ? x->pack_header_len : 0);
+        if ((rc = read_exact(fd, buf, want, (off_t)pos)) < 0) {
+            rc = rc == HAPI_ECORRUPT
+                     ? hapi_error_set(err, rc, "the pack ended at %llu bytes of %llu (torn)",
+                                      (unsigned long long)pos, (unsigned long long)x->pack_size)
+                     : hapi_error_set(err, rc, "cannot read the pack: %s", hapi_strerror(rc));
+            goto out;
+        }
+        const char *rows = buf;
+        if (pos == 0) {
+            if (memcmp(buf, expect, x->pack_header_len) != 0) {
+                rc = hapi_error_set(err, -ESTALE, "the pack's header does not match its index "
+                                    "(the directory changed while it was read)");
+                goto out;
+            }
+            rows = buf + x->pack_header_len;
+        }
+        pos += want;
+        atomic_fetch_add(&s->stats.pack_bytes, want);
+        size_t n = 0;
+        for (size_t i = a; i < b; i++) {
+            const char *row = rows + (i - a) * x->row_bytes;
+            failed[i - a] = (unsigned char)(x->entries[i].failed || row_failed(x, row));
+            if (failed[i - a]) {
+                atomic_fetch_add(&s->stats.rows_failed, 1);
+                continue;
+            }
+            char *p = paths_buf + (i - a) * (dir_len + NAME_MAX + 2);
+            snprintf(p, dir_len + NAME_MAX + 2, "%s%s%s", x->dir, *x->dir ? "/" : "",
+                     x->entries[i].name);
+            items[n++] = (hapi_cache_item){ p, x->entries[i].id, row, x->row_bytes };
+        }
+        deliver(r, f, a, b, rows, failed);
+        if (n) {
+            hapi_error perr = { 0 };
+            if (hapi_cache_put(r->cfg.cache, &x->ns, items, n, &perr) < 0)
+                hapi_log(HAPI_LOG_WARNING, "%zu fetched features not cached: %s", n,
+                         perr.message);
+        }
+        atomic_fetch_add(&s->stats.rows, b - a);
+        atomic_fetch_add(&r->stats.fetched_rows, n);
+        if (f->warm) {
+            pthread_mutex_lock(&r->warm_lock);
+            r->warm.fetched += n;
+            r->warm.failed += (b - a) - n;
+            pthread_mutex_unlock(&r->warm_lock);
+        }
+        a = b;
+        if (x->count == 0)
+            break;
+    }
+    atomic_fetch_add(&s->stats.packs, 1);
+    rc = 0;
+out:
+    if (fd >= 0)
+        close(fd);
+    free(path);
+    free(buf);
+    free(failed);
+    free(items);
+    free(paths);
+    free(paths_buf);
+    return rc;
+}
+
+static void *fetch_thread(void *arg)
+{
+    hapi_remote *r = arg;
+    pthread_mutex_lock(&r->fetch_lock);
+    for (;;) {
+        while (!r->queue_head && !r->stopping)
+            pthread_cond_wait(&r->queue_cond, &r->fetch_lock);
+        if (r->stopping)
+            break;
+        struct fetch *f = r->queue_head;
+        r->queue_head = f->queue_next;
+        if (!r->queue_head)
+            r->queue_tail = NULL;
+        f->started = 1;
+        f->refs++;
+        pthread_mutex_unlock(&r->fetch_lock);
+
+        hapi_error err = { 0 };
+        int rc = fetch_run(r, f, &err);
+        const struct dir_index *x = f->index;
+        if (rc < 0) {
+            atomic_fetch_add(&r->sources[x->src].stats.fetch_failures, 1);
+            char *pack = join(x->dir, HAPI_PACK_NAME);
+            char what[400];
+            snprintf(what, sizeof(what), "pack %s", pack ? pack : x->dir);
+            if (rc == -ESTALE || rc == HAPI_ECORRUPT) {
+                /* refused, never cached; its directory is read again at the next use */
+                index_expire(r, x->src, x->dir);
+                char msg[800];
+                snprintf(msg, sizeof(msg), "source %s: %s refused: %s", r->sources[x->src].path,
+                         pack ? pack : x->dir, err.message);
+                hapi_error_ring_add(r->cfg.errors, pack ? pack : x->dir, rc, msg);
+            } else {
+                source_failed(r, x->src, pack ? pack : x->dir, rc, what);
+            }
+            free(pack);
+        }
+        pthread_mutex_lock(&r->fetch_lock);
+        f->finished = 1;
+        f->code = rc;
+        for (struct waiter *w = f->waiters; w; w = w->next)
+            if (w->state == 0)
+                w->state = rc < 0 ? rc : -EAGAIN; /* -EAGAIN: not in the pack after all */
+        pthread_cond_broadcast(&f->cond);
+        fetch_unlist_locked(r, f);
+        f->refs--; /* the list's */
+        fetch_put_locked(f);
+    }
+    pthread_mutex_unlock(&r->fetch_lock);
+    return NULL;
+}
+
+/*
+ * Waits for the row of (name, id) of x to be fetched into dst (bytes [from,
+ * to) of its features): joins an unfinished fetch of the same index that has
+ * not passed the row, or starts one. Returns 1 (filled), 0 (its row has
+ * passed: look in the cache), or < 0 (the fetch failed, or the row did).
+ */
+static int fetch_wait(hapi_remote *r, struct dir_index *x, size_t row, const char *name,
+                      const hapi_source_id *id, char *dst, size_t from, size_t to)
+{
+    pthread_mutex_lock(&r->fetch_lock);
+    if (r->stopping) {
+        pthread_mutex_unlock(&r->fetch_lock);
+        return -ECANCELED;
+    }
+    struct fetch *f = r->fetches;
+    while (f && !(f->index == x && !f->finished && f->done <= row))
+        f = f->next;
+    if (!f && !(f = fetch_new_locked(r, x, 0))) {
+        pthread_mutex_unlock(&r->fetch_lock);
+        return -ENOMEM;
+    }
+    f->refs++;
+    struct waiter w = { name, *id, dst, from, to, 0, f->waiters };
+    f->waiters = &w;
+    atomic_fetch_add(&r->stats.waits, 1);
+    while (w.state == 0 && !r->stopping)
+        pthread_cond_wait(&f->cond, &r->fetch_lock);
+    for (struct waiter **link = &f->waiters; *link; link = &(*link)->next)
+        if (*link == &w) {
+            *link = w.next;
+            break;
+        }
+    int state = w.state == 0 ? -ECANCELED : w.state;
+    fetch_put_locked(f);
+    pthread_mutex_unlock(&r->fetch_lock);
+    return state == 1 ? 1 : state;
+}
+
+/* ----------------------------------------------------------- .feat reads */
+
+struct hapi_remote_feat {
+    struct dir_index *index;      /* as it was at open */
+    char *path;                   /* the image's path in the union: the cache key */
+    const char *name;             /* in path */
+    hapi_source_id id;
+    size_t row;
+    uint64_t size;
+};
+
+int hapi_remote_feat_open(hapi_remote *r, const char *path, hapi_remote_feat **out)
+{
+    *out = NULL;
+    size_t len = strlen(path), stem;
+    const char *name;
+    char *dir = split_path(path, &name);
+    if (!dir)
+        return -ENOMEM;
+    if (!(stem = feat_stem(name))) {
+        free(dir);
+        return -ENOENT;
+    }
+    hapi_remote_feat *f = calloc(1, sizeof(*f));
+    if (!f || !(f->path = strndup(path, len - 5))) {
+        free(f);
+        free(dir);
+        return -ENOMEM;
+    }
+    f->name = strrchr(f->path, '/') ? strrchr(f->path, '/') + 1 : f->path;
+    const struct index_entry *e = NULL;
+    int rc = find_image(r, dir, f->name, &f->index, &e, &f->row);
+    free(dir);
+    if (rc < 0) {
+        hapi_remote_feat_close(f);
+        return rc;
+    }
+    f->id = e->id;
+    f->size = f->index->header_len + f->index->row_bytes;
+    *out = f;
+    return 0;
+}
+
+uint64_t hapi_remote_feat_size(const hapi_remote_feat *f)
+{
+    return f->size;
+}
+
+void hapi_remote_feat_close(hapi_remote_feat *f)
+{
+    if (!f)
+        return;
+    index_put(f->index);
+    free(f->path);
+    free(f);
+}
+
+/* Copies bytes [from, to) of the cached features of f into dst. Returns 1 on a hit, else 0. */
+static int cache_copy(hapi_remote *r, const struct dir_index *x, const char *path,
+                      const hapi_source_id *id, char *dst, size_t from, size_t to)
+{
+    hapi_cache_value val;
+    int rc = hapi_cache_get(r->cfg.cache, &x->ns, path, id, &val);
+    if (rc == 1 && val.size == x->row_bytes) {
+        memcpy(dst, (const char *)val.data + from, to - from);
+        hapi_cache_release(r->cfg.cache, &val);
+        return 1;
+    }
+    if (rc == 1)
+        hapi_cache_release(r->cfg.cache, &val);
+    else if (rc == 0 && val.miss == HAPI_CACHE_MISS_STALE)
+        atomic_fetch_add(&r->stats.stale, 1);
+    return 0;
+}
+
+ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, size_t size,
+                              off_t off)
+{
+    const struct dir_index *x = f->index;
+    atomic_fetch_add(&r->stats.reads, 1);
+    size_t dpos, dend;
+    ssize_t head = hapi_feat_split_read(x->header, x->header_len, f->size, buf, size, off,
+                                        &dpos, &dend);
+    if (head < 0)
+        return 0;
+    size_t n = (size_t)head;
+    char *dst = buf + n;
+    if (cache_copy(r, x, f->path, &f->id, dst, dpos, dend)) {
+        atomic_fetch_add(&r->stats.hits, 1);
+    } else {
+        atomic_fetch_add(&r->stats.misses, 1);
+        int rc = 0;
+        /*
+         * Join the fetch of the directory's current index when it still says
+         * what the open file saw (readers that opened before a refresh share
+         * the fetch of those after it); else fetch by the index of the open.
+         */
+        struct dir_index *cur = NULL, *use = f->index;
+        size_t row = f->row;
+        if (index_get(r, x->src, x->dir, &cur) == 0 && cur != f->index) {
+            size_t crow;
+            const struct index_entry *e = index_find(cur, f->name, &crow);
+            if (e && memcmp(&e->id, &f->id, sizeof(f->id)) == 0 &&
+                memcmp(&cur->ns, &x->ns, sizeof(x->ns)) == 0) {
+                use = cur;
+                row = crow;
+            }
+        }
+        /* A row that passed before we joined is looked up again; a fetch is tried twice. */
+        for (int attempt = 0; attempt < 3; attempt++) {
+            rc = fetch_wait(r, use, row, f->name, &f->id, dst, dpos, dend);
+            if (rc == 1 || (rc == 0 && cache_copy(r, x, f->path, &f->id, dst, dpos, dend))) {
+                rc = 1;
+                break;
+            }
+            if (rc < 0 && rc != -EAGAIN)
+                break;
+        }
+        index_put(cur);
+        if (rc != 1) {
+            atomic_fetch_add(&r->stats.failed, 1);
+            if (rc == HAPI_EDECODE) {
+                char msg[300];
+                snprintf(msg, sizeof(msg), "the storage side could not compute its features");
+                hapi_error_ring_add(r->cfg.errors, f->path, rc, msg);
+            }
+            return rc == -ENOMEM ? rc : -EIO; /* the reason is in the error ring */
+        }
+    }
+    n += dend - dpos;
+    atomic_fetch_add(&r->stats.bytes, n);
+    return (ssize_t)n;
+}
+
+/* ----------------------------------------------------------------- warm */
+
+struct warm_walk {
+    hapi_remote *r;
+    char *dir;
+};
+
+/*
+ * Queues the fetch of every pack of dir that has a row not cached, recursing
+ * into subdirectories; keeps at most fetch_threads fetches queued.
+ */
+static int warm_dir(hapi_remote *r, const char *dir);
+
+static int warm_entry(void *arg, const char *name, int kind, const struct stat *st)
+{
+    struct warm_walk *w = arg;
+    (void)st;
+    if (kind != HAPI_REMOTE_DIR || atomic_load(&w->r->warm_stop))
+        return 0;
+    char *child = join(w->dir, name);
+    if (!child)
+        return -ENOMEM;
+    /* the directory's own files first, then its children: collect, then recurse */
+    int rc = warm_dir(w->r, child);
+    free(child);
+    return rc;
+}
+
+/* Waits 50 ms on queue_cond (fetches finishing do not signal it). Under fetch_lock. */
+static void wait_tick(hapi_remote *r)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 50 * 1000000;
+    if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
+    }
+    pthread_cond_timedwait(&r->queue_cond, &r->fetch_lock, &ts);
+}
+
+static void warm_pack(hapi_remote *r, struct dir_index *x)
+{
+    size_t missing = 0;
+    for (size_t i = 0; i < x->count; i++) {
+        char *path = join(x->dir, x->entries[i].name);
+        hapi_cache_value val;
+        int hit = path && hapi_cache_get(r->cfg.cache, &x->ns, path, &x->entries[i].id, &val) == 1;
+        if (hit)
+            hapi_cache_release(r->cfg.cache, &val);
+        missing += !hit;
+        free(path);
+    }
+    pthread_mutex_lock(&r->warm_lock);
+    r->warm.total += x->count;
+    r->warm.cached += x->count - missing;
+    r->warm.dirs++;
+    pthread_mutex_unlock(&r->warm_lock);
+    if (!missing)
+        return;
+    pthread_mutex_lock(&r->fetch_lock);
+    /* At most fetch_threads warm fetches waiting: the walk goes no faster than the link. */
+    for (;;) {
+        size_t queued = 0;
+        for (struct fetch *f = r->fetches; f; f = f->next)
+            queued += f->warm;
+        if (queued < r->nthreads || r->stopping || atomic_load(&r->warm_stop))
+            break;
+        wait_tick(r);
+    }
+    if (!r->stopping && !atomic_load(&r->warm_stop))
+        fetch_new_locked(r, x, 1);
+    pthread_mutex_unlock(&r->fetch_lock);
+}
+
+static int warm_dir(hapi_remote *r, const char *dir)
+{
+    for (size_t i = 0; i < r->nsources && !atomic_load(&r->warm_stop); i++) {
+        struct dir_index *x = NULL;
+        if (index_get(r, (int)i, dir, &x) == 0)
+            warm_pack(r, x);
+        index_put(x);
+    }
+    struct warm_walk w = { r, (char *)dir };
+    int rc = hapi_remote_list(r, dir, warm_entry, &w);
+    return rc == -ENOENT ? 0 : rc;
+}
+
+static void *warm_thread(void *arg)
+{
+    hapi_remote *r = arg;
+    pthread_mutex_lock(&r->warm_lock);
+    char *path = strdup(r->warm.path ? r->warm.path : "");
+    pthread_mutex_unlock(&r->warm_lock);
+    if (path)
+        warm_dir(r, path);
+    free(path);
+    /* then wait for the warm-up's fetches */
+    pthread_mutex_lock(&r->fetch_lock);
+    for (;;) {
+        int pending = 0;
+        for (struct fetch *f = r->fetches; f; f = f->next)
+            pending |= f->warm;
+        if (!pending || r->stopping || atomic_load(&r->warm_stop))
+            break;
+        wait_tick(r);
+    }
+    pthread_mutex_unlock(&r->fetch_lock);
+    pthread_mutex_lock(&r->warm_lock);
+    r->warm.state = HAPI_WARM_DONE;
+    r->warm.t1_ns = hapi_now_ns();
+    pthread_mutex_unlock(&r->warm_lock);
+    return NULL;
+}
+
+int hapi_remote_warm_start(hapi_remote *r, const char *path)
+{
+    pthread_mutex_lock(&r->warm_lock);
+    if (r->warm.state == HAPI_WARM_RUNNING) {
+        pthread_mutex_unlock(&r->warm_lock);
+        return -EBUSY;
+    }
+    if (r->warm_running) {
+        pthread_mutex_unlock(&r->warm_lock);
+        pthread_join(r->warm_thread, NULL); /* a finished one: it takes warm_lock */
+        pthread_mutex_lock(&r->warm_lock);
+        r->warm_running = 0;
+    }
+    char *copy = strdup(path);
+    if (!copy) {
+        pthread_mutex_unlock(&r->warm_lock);
+        return -ENOMEM;
+    }
+    free(r->warm.path);
+    r->warm.path = copy;
+    r->warm.total = r->warm.cached = r->warm.fetched = r->warm.failed = r->warm.dirs = 0;
+    r->warm.t0_ns = hapi_now_ns();
+    r->warm.t1_ns = 0;
+    r->warm.state = HAPI_WARM_RUNNING;
+    atomic_store(&r->warm_stop, 0);
+    int rc = -pthread_create(&r->warm_thread, NULL, warm_thread, r);
+    if (rc == 0)
+        r->warm_running = 1;
+    else
+        r->warm.state = HAPI_WARM_IDLE;
+    pthread_mutex_unlock(&r->warm_lock);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- evict */
+
+struct evict_walk {
+    hapi_remote *r;
+    char *dir;
+    int count;
+    hapi_error *err;
+};
+
+static int evict_dir(hapi_remote *r, const char *dir, int *count, hapi_error *err);
+
+static int evict_entry(void *arg, const char *name, int kind, const struct stat *st)
+{
+    struct evict_walk *w = arg;
+    (void)st;
+    if (kind != HAPI_REMOTE_DIR)
+        return 0;
+    char *child = join(w->dir, name);
+    if (!child)
+        return -ENOMEM;
+    int rc = evict_dir(w->r, child, &w->count, w->err);
+    free(child);
+    return rc;
+}
+
+static int evict_dir(hapi_remote *r, const char *dir, int *count, hapi_error *err)
+{
+    for (size_t i = 0; i < r->nsources; i++) {
+        struct dir_index *x = NULL;
+        if (index_get(r, (int)i, dir, &x) < 0)
+            continue;
+        for (size_t k = 0; k < x->count; k++) {
+            char *path = join(dir, x->entries[k].name);
+            int rc = path ? hapi_cache_evict_path(r->cfg.cache, &x->ns, path, err) : -ENOMEM;
+            free(path);
+            if (rc < 0) {
+                index_put(x);
+                return rc;
+            }
+            *count += rc;
+        }
+        index_put(x);
+    }
+    struct evict_walk w = { r, (char *)dir, 0, err };
+    int rc = hapi_remote_list(r, dir, evict_entry, &w);
+    *count += w.count;
+    return rc == -ENOENT ? 0 : rc;
+}
+
+int hapi_remote_evict(hapi_remote *r, const char *path, hapi_error *err)
+{
+    int count = 0, rc;
+    if (!*path) {
+        /* every namespace the sources serve */
+        for (size_t i = 0; i < r->nsources; i++) {
+            if (r->sources[i].refused)
+                continue;
+            int dup = 0;
+            for (size_t k = 0; k < i; k++)
+                dup |= !r->sources[k].refused &&
+                       strcmp(r->sources[k].ns_hex, r->sources[i].ns_hex) == 0;
+            hapi_cache_namespace ns;
+            if (dup || hex_to_ns(r->sources[i].ns_hex, &ns) < 0)
+                continue;
+            if ((rc = hapi_cache_evict_all(r->cfg.cache, &ns, err)) < 0)
+                return rc;
+            count += rc;
+        }
+        return count;
+    }
+    int kind = HAPI_REMOTE_FILE;
+    struct stat st;
+    if (hapi_remote_stat(r, path, &kind, &st) < 0)
+        kind = HAPI_REMOTE_FILE; /* maybe an image's own name */
+    if (kind != HAPI_REMOTE_DIR) {
+        /* a file: PATH is the image or its .feat */
+        const char *name;
+        char *dir = split_path(path, &name);
+        size_t stem = feat_stem(name);
+        char image[NAME_MAX + 1];
+        snprintf(image, sizeof(image), "%.*s", (int)(stem ? stem : strlen(name)), name);
+        struct dir_index *x = NULL;
+        const struct index_entry *e = NULL;
+        rc = dir ? find_image(r, dir, image, &x, &e, NULL) : -ENOMEM;
+        char *key = rc == 0 ? join(dir, image) : NULL;
+        if (rc == 0)
+            rc = key ? hapi_cache_evict_path(r->cfg.cache, &x->ns, key, err) : -ENOMEM;
+        free(key);
+        free(dir);
+        index_put(x);
+        if (rc == -ENOENT)
+            return hapi_error_set(err, rc, "'%s': no such file or directory", path);
+        return rc;
+    }
+    rc = evict_dir(r, path, &count, err);
+    return rc < 0 ? rc : count;
+}
+
+/* ----------------------------------------------------------- open/close */
+
+/* Reads a source's .hapifs/config: a storage mount must have one, with a namespace. */
+static int check_source(hapi_remote *r, int src, hapi_error *err)
+{
+    struct remote_source *s = &r->sources[src];
+    char *text = NULL;
+    size_t len = 0;
+    int rc = source_read_text(r, src, ".hapifs/config", HAPI_CTL_SIZE_MAX, &text, &len);
+    if (rc < 0)
+        return hapi_error_set(err, rc, "source %s: not a hapifs storage mount (.hapifs/config: "
+                              "%s)", s->path, hapi_strerror(rc));
+    json_error_t je;
+    json_t *j = json_loadb(text, len, 0, &je);
+    const char *ns = j ? json_string_value(json_object_get(json_object_get(j, "split"),
+                                                           "namespace"))
+                       : NULL;
+    hapi_cache_namespace tmp;
+    if (!j || !ns || hex_to_ns(ns, &tmp) < 0) {
+        json_decref(j);
+        free(text);
+        return hapi_error_set(err, HAPI_ECORRUPT, "source %s: .hapifs/config is not a hapifs "
+                              "storage mount's (%s)", s->path,
+                              j ? "no split.namespace" : "not JSON");
+    }
+    memcpy(s->ns_hex, ns, 33);
+    s->config = text;
+    json_decref(j);
+    return 0;
+}
+
+int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_error *err)
+{
+    *out = NULL;
+    hapi_remote *r = calloc(1, sizeof(*r));
+    if (!r)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    r->cfg = *cfg;
+    r->started_ns = hapi_now_ns();
+    pthread_mutex_init(&r->index_lock, NULL);
+    pthread_cond_init(&r->index_cond, NULL);
+    pthread_mutex_init(&r->fetch_lock, NULL);
+    pthread_cond_init(&r->queue_cond, NULL);
+    pthread_mutex_init(&r->warm_lock, NULL);
+    r->sources = calloc(cfg->nroots, sizeof(*r->sources));
+    if (!r->sources) {
+        free(r);
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    }
+    r->nsources = cfg->nroots;
+    size_t usable = 0;
+    int first = -1, rc = 0;
+    hapi_error first_err = { 0 };
+    for (size_t i = 0; i < r->nsources; i++) {
+        struct remote_source *s = &r->sources[i];
+        pthread_mutex_init(&s->lock, NULL);
+        if (!(s->path = strdup(cfg->roots[i]))) {
+            rc = hapi_error_set(err, -ENOMEM, "out of memory");
+            goto fail;
+        }
+    }
+    for (size_t i = 0; i < r->nsources; i++) {
+        struct remote_source *s = &r->sources[i];
+        hapi_error e = { 0 };
+        int src_rc = check_source(r, (int)i, &e);
+        if (src_rc == 0 && first >= 0 && strcmp(s->ns_hex, r->sources[first].ns_hex) != 0) {
+            src_rc = hapi_error_set(&e, HAPI_EINVAL, "source %s: features of namespace %.12s, "
+                                    "not %.12s like %s (another model, split or dtype)",
+                                    s->path, s->ns_hex, r->sources[first].ns_hex,
+                                    r->sources[first].path);
+        }
+        if (src_rc < 0) {
+            /* one clear line, and the other sources keep serving */
+            s->refused = 1;
+            snprintf(s->last_error, sizeof(s->last_error), "refused: %.400s", e.message);
+            hapi_log(HAPI_LOG_ERROR, "%s; this source is refused", e.message);
+            hapi_error_ring_add(cfg->errors, s->path, src_rc, e.message);
+            if (!first_err.code)
+                first_err = e;
+            continue;
+        }
+        if (first < 0)
+            first = (int)i;
+        usable++;
+    }
+    if (!usable) {
+        rc = hapi_error_set(err, first_err.code ? first_err.code : -ENOENT, "%s",
+                            first_err.message);
+        goto fail;
+    }
+    size_t n = cfg->fetch_threads > 0 ? (size_t)cfg->fetch_threads : 4;
+    r->threads = calloc(n, sizeof(*r->threads));
+    if (!r->threads) {
+        rc = hapi_error_set(err, -ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if ((rc = -pthread_create(&r->threads[i], NULL, fetch_thread, r)) < 0) {
+            hapi_error_set(err, rc, "cannot start a fetch thread: %s", strerror(-rc));
+            goto fail;
+        }
+        r->nthreads++;
+    }
+    *out = r;
+    return 0;
+fail:
+    hapi_remote_close(r);
+    return rc;
+}
+
+void hapi_remote_close(hapi_remote *r)
+{
+    if (!r)
+        return;
+    atomic_store(&r->warm_stop, 1);
+    pthread_mutex_lock(&r->fetch_lock);
+    r->stopping = 1;
+    pthread_cond_broadcast(&r->queue_cond);
+    for (struct fetch *f = r->fetches; f; f = f->next)
+        pthread_cond_broadcast(&f->cond);
+    pthread_mutex_unlock(&r->fetch_lock);
+    if (r->warm_running)
+        pthread_join(r->warm_thread, NULL);
+    for (size_t i = 0; i < r->nthreads; i++)
+        pthread_join(r->threads[i], NULL);
+    /* fetches never started: nobody waits on them any more */
+    while (r->fetches) {
+        struct fetch *f = r->fetches;
+        r->fetches = f->next;
+        f->refs = 1;
+        fetch_put_locked(f);
+    }
+    for (size_t b = 0; b < INDEX_BUCKETS; b++)
+        for (struct index_slot *sl = r->slots[b], *next; sl; sl = next) {
+            next = sl->next;
+            index_put(sl->index);
+            free(sl->dir);
+            free(sl);
+        }
+    for (size_t i = 0; i < r->nsources; i++) {
+        root_put(r->sources[i].root);
+        free(r->sources[i].path);
+        free(r->sources[i].config);
+        pthread_mutex_destroy(&r->sources[i].lock);
+    }
+    free(r->sources);
+    free(r->threads);
+    free(r->warm.path);
+    pthread_mutex_destroy(&r->index_lock);
+    pthread_cond_destroy(&r->index_cond);
+    pthread_mutex_destroy(&r->fetch_lock);
+    pthread_cond_destroy(&r->queue_cond);
+    pthread_mutex_destroy(&r->warm_lock);
+    free(r);
+}
+
+/* ---------------------------------------------------------------- stats */
+
+const char *hapi_remote_storage_config(hapi_remote *r)
+{
+    for (size_t i = 0; i < r->nsources; i++)
+        if (!r->sources[i].refused)
+            return r->sources[i].config;
+    return NULL;
+}
+
+void hapi_remote_stats_get(hapi_remote *r, hapi_remote_stats *st)
+{
+    memset(st, 0, sizeof(*st));
+    st->reads = atomic_load(&r->stats.reads);
+    st->bytes = atomic_load(&r->stats.bytes);
+    st->hits = atomic_load(&r->stats.hits);
+    st->misses = atomic_load(&r->stats.misses);
+    st->fetched_rows = atomic_load(&r->stats.fetched_rows);
+    st->waits = atomic_load(&r->stats.waits);
+    st->failed = atomic_load(&r->stats.failed);
+    st->stale = atomic_load(&r->stats.stale);
+    pthread_mutex_lock(&r->fetch_lock);
+    for (struct fetch *f = r->fetches; f; f = f->next) {
+        st->fetches_running += f->started;
+        st->fetches_queued += !f->started;
+    }
+    pthread_mutex_unlock(&r->fetch_lock);
+    pthread_mutex_lock(&r->warm_lock);
+    st->warm_state = r->warm.state;
+    snprintf(st->warm_path, sizeof(st->warm_path), "%s", r->warm.path ? r->warm.path : "");
+    st->warm_total = r->warm.total;
+    st->warm_cached = r->warm.cached;
+    st->warm_fetched = r->warm.fetched;
+    st->warm_failed = r->warm.failed;
+    st->warm_dirs = r->warm.dirs;
+    st->warm_elapsed_s = r->warm.t0_ns ? (double)((r->warm.t1_ns ? r->warm.t1_ns : hapi_now_ns())
+                                                  - r->warm.t0_ns) / 1e9
+                                       : 0;
+    pthread_mutex_unlock(&r->warm_lock);
+}
+
+size_t hapi_remote_source_count(const hapi_remote *r)
+{
+    return r->nsources;
+}
+
+void hapi_remote_source_stats_get(hapi_remote *r, size_t i, hapi_remote_source_stats *st)
+{
+    struct remote_source *s = &r->sources[i];
+    memset(st, 0, sizeof(*st));
+    st->path = s->path;
+    st->refused = s->refused;
+    memcpy(st->namespace_hex, s->ns_hex, sizeof(st->namespace_hex));
+    st->index_reads = atomic_load(&s->stats.index_reads);
+    st->index_bytes = atomic_load(&s->stats.index_bytes);
+    st->packs = atomic_load(&s->stats.packs);
+    st->pack_bytes = atomic_load(&s->stats.pack_bytes);
+    st->rows = atomic_load(&s->stats.rows);
+    st->rows_failed = atomic_load(&s->stats.rows_failed);
+    st->fetch_failures = atomic_load(&s->stats.fetch_failures);
+    st->file_reads = atomic_load(&s->stats.file_reads);
+    pthread_mutex_lock(&s->lock);
+    st->reachable = s->root != NULL;
+    memcpy(st->last_error, s->last_error, sizeof(st->last_error));
+    pthread_mutex_unlock(&s->lock);
+}

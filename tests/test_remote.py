@@ -1,0 +1,257 @@
+"""The compute-side mount (-o remote) over storage mounts: features fetched as packs into a local cache."""
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import Mount, is_mounted, wait_gone, need_hapifs
+from test_throughput import make_tree
+
+PACK = ".hapifs-pack.npy"
+INDEX = ".hapifs-pack.json"
+
+
+@pytest.fixture
+def storage(tmp_path, mounter, models):
+    """storage(name, classes, per_class, **opts) -> (source dir, Mount, relative image paths)."""
+    def make(name="a", classes=2, per_class=6, seed=1, **opts):
+        src = tmp_path / f"src-{name}"
+        paths = make_tree(src, classes=classes, per_class=per_class, size=(40, 56), seed=seed)
+        opts.setdefault("model", models())
+        opts.setdefault("prefetch", "off")
+        opts.setdefault("cache", str(tmp_path / f"cache-{name}"))
+        m = mounter(src, tmp_path / f"storage-{name}", **opts)
+        m.ctl("config")  # waits for the first split
+        return src, m, paths
+    return make
+
+
+def remote(mounter, tmp_path, sources, cache="rcache", mountpoint=None, **opts):
+    opts.setdefault("cache", str(tmp_path / cache))
+    return mounter(":".join(str(s) for s in sources),
+                   mountpoint or tmp_path / f"remote-{len(list(tmp_path.glob('remote-*')))}",
+                   remote=None, **opts)
+
+
+def feats(root, paths):
+    return {p: (Path(root) / (p + ".feat")).read_bytes() for p in paths}
+
+
+def test_remote_serves_the_storage_features_in_packs(tmp_path, storage, mounter):
+    src, st, paths = storage()
+    r = remote(mounter, tmp_path, [st.path])
+    # the same tree, as listed
+    assert sorted(os.listdir(r.path)) == sorted(os.listdir(st.path))
+    assert sorted(os.listdir(r.path / "class0")) == sorted(os.listdir(st.path / "class0"))
+    # sizes exact before anything is fetched
+    for p in paths:
+        assert os.stat(r.path / (p + ".feat")).st_size == os.stat(st.path / (p + ".feat")).st_size
+    assert r.ctl("stats")["remote"]["pack_bytes"] == 0
+
+    got = feats(r.path, paths)
+    stats = r.ctl("stats")
+    # the storage side served packs, not a read per file
+    sst = st.ctl("stats")
+    assert sst["feat"]["reads"] == 0
+    assert sst["pack"]["opens"] == 2
+    assert stats["remote"]["packs"] == 2
+    assert stats["feat"]["fetched"] == len(paths)
+    assert stats["feat"]["misses"] == 2 or stats["feat"]["misses"] >= 2
+    assert got == feats(st.path, paths)
+    # link bytes: the packs and their indexes, close to the features' own bytes
+    row = len(next(iter(got.values())))
+    assert stats["remote"]["pack_bytes"] <= 1.3 * row * len(paths) + 4096
+    # the storage side's config and model, served through
+    cfg = r.ctl("config")
+    scfg = st.ctl("config")
+    assert cfg["split"]["index"] == scfg["split"]["index"]
+    assert cfg["split"]["namespace"] == scfg["split"]["namespace"]
+    assert cfg["remote"]["sources"][0]["path"] == str(st.path)
+    assert cfg["mountpoint"] == str(r.path)
+    assert (r.path / ".hapifs" / "model").read_bytes() == (st.path / ".hapifs" / "model").read_bytes()
+    # the pack files are not shown on the compute side
+    assert PACK not in os.listdir(r.path / "class0")
+
+
+def test_a_second_job_moves_no_feature_bytes(tmp_path, storage, mounter):
+    src, st, paths = storage()
+    r1 = remote(mounter, tmp_path, [st.path])
+    first = feats(r1.path, paths)
+    r1.unmount()
+    r2 = remote(mounter, tmp_path, [st.path])
+    assert feats(r2.path, paths) == first
+    stats = r2.ctl("stats")
+    assert stats["remote"]["pack_bytes"] == 0
+    assert stats["feat"]["hits"] == len(paths) and stats["feat"]["misses"] == 0
+
+
+def test_concurrent_misses_in_a_directory_join_one_fetch(tmp_path, storage, mounter):
+    from concurrent.futures import ThreadPoolExecutor
+    src, st, paths = storage(classes=1, per_class=24)
+    r = remote(mounter, tmp_path, [st.path])
+    with ThreadPoolExecutor(12) as ex:
+        got = dict(zip(paths, ex.map(lambda p: (r.path / (p + ".feat")).read_bytes(), paths)))
+    assert got == feats(st.path, paths)
+    assert r.ctl("stats")["remote"]["packs"] == 1
+    assert st.ctl("stats")["pack"]["opens"] == 1
+
+
+def test_union_of_two_storage_nodes(tmp_path, storage, mounter):
+    src_a, a, pa = storage("a", classes=2, per_class=4, seed=1)
+    src_b, b, _ = storage("b", classes=3, per_class=4, seed=2)
+    # b holds class2 only: a hash-sharded layout
+    shutil.rmtree(src_b / "class0")
+    shutil.rmtree(src_b / "class1")
+    pb = [f"class2/{n[:-5]}" for n in sorted(os.listdir(b.path / "class2"))]
+    r = remote(mounter, tmp_path, [a.path, b.path])
+    assert sorted(os.listdir(r.path)) == ["class0", "class1", "class2"]
+    assert feats(r.path, pa) == feats(a.path, pa)
+    assert feats(r.path, pb) == feats(b.path, pb)
+    srcs = r.ctl("stats")["remote"]["sources"]
+    assert [s["packs"] for s in srcs] == [2, 1]
+    assert all(s["state"] == "ok" for s in srcs)
+
+
+def test_freshness_a_changed_image_and_a_split_change(tmp_path, storage, mounter):
+    from PIL import Image
+    src, st, paths = storage(classes=1, per_class=4)
+    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    p = paths[0]
+    before = (r.path / (p + ".feat")).read_bytes()
+    # the image is replaced on the storage node: the compute side must not serve the old features
+    arr = np.full((40, 56, 3), 200, np.uint8)
+    Image.fromarray(arr).save(src / p, quality=90)
+    time.sleep(1.2)  # the kernels' attribute caches (1 s) on both mounts
+    new = (st.path / (p + ".feat")).read_bytes()
+    assert new != before
+    assert (r.path / (p + ".feat")).read_bytes() == new
+    # the storage side changes its split: new opens see the new shape
+    (st.path / ".hapifs" / "ctl").write_text("split 2\n")
+    time.sleep(1.2)
+    want = np.load(st.path / (paths[1] + ".feat"))
+    got = np.load(r.path / (paths[1] + ".feat"))
+    assert got.shape == want.shape and np.array_equal(got, want)
+    assert r.ctl("config")["split"]["index"] == 2
+
+
+def test_a_source_that_is_not_a_storage_mount_is_refused(tmp_path, storage, mounter):
+    src, st, paths = storage(classes=1, per_class=3)
+    plain = tmp_path / "plain"
+    (plain / "class9").mkdir(parents=True)
+    # alone: the mount fails with one clear line
+    with pytest.raises(RuntimeError, match="not a hapifs storage mount"):
+        remote(mounter, tmp_path, [plain])
+    # beside a good one: refused, the other serves
+    r = remote(mounter, tmp_path, [plain, st.path])
+    states = [s["state"] for s in r.ctl("stats")["remote"]["sources"]]
+    assert states == ["refused", "ok"]
+    assert feats(r.path, paths) == feats(st.path, paths)
+    assert "not a hapifs storage mount" in (r.path / ".hapifs" / "errors").read_text()
+
+
+def fake_storage(tmp_path, st, d, name="fake"):
+    """A plain directory that looks like a storage mount: its config, and d's index and pack."""
+    fake = tmp_path / name
+    (fake / ".hapifs").mkdir(parents=True)
+    (fake / ".hapifs" / "config").write_bytes((st.path / ".hapifs" / "config").read_bytes())
+    (fake / d).mkdir(parents=True)
+    (fake / d / INDEX).write_bytes((st.path / d / INDEX).read_bytes())
+    (fake / d / PACK).write_bytes((st.path / d / PACK).read_bytes())
+    return fake
+
+
+def test_a_torn_pack_is_refused_and_never_cached(tmp_path, storage, mounter):
+    src, st, paths = storage(classes=1, per_class=4)
+    fake = fake_storage(tmp_path, st, "class0")
+    pack = fake / "class0" / PACK
+    pack.write_bytes(pack.read_bytes()[:-100])
+    r = remote(mounter, tmp_path, [fake])
+    with pytest.raises(OSError) as e:
+        (r.path / (paths[0] + ".feat")).read_bytes()
+    assert e.value.errno == errno.EIO
+    stats = r.ctl("stats")
+    assert stats["cache"]["entries"] == 0
+    assert stats["remote"]["sources"][0]["fetch_failures"] >= 1
+    assert "torn" in (r.path / ".hapifs" / "errors").read_text()
+
+
+def test_a_corrupt_or_hostile_index_is_refused(tmp_path, storage, mounter):
+    src, st, paths = storage(classes=1, per_class=4)
+    fake = fake_storage(tmp_path, st, "class0")
+    index = json.loads((fake / "class0" / INDEX).read_text())
+    index["entries"][0]["name"] = "../../etc/passwd.jpg"
+    (fake / "class0" / INDEX).write_text(json.dumps(index))
+    r = remote(mounter, tmp_path, [fake])
+    # the directory cannot be served: EIO, and the reason in errors; nothing is read outside
+    with pytest.raises(OSError) as e:
+        (r.path / (paths[1] + ".feat")).read_bytes()
+    assert e.value.errno == errno.EIO
+    errors = (r.path / ".hapifs" / "errors").read_text()
+    assert "index refused" in errors and "bad name" in errors
+    assert r.ctl("stats")["remote"]["packs"] == 0
+
+
+def test_an_undecodable_image_fails_alone(tmp_path, storage, mounter):
+    src, st, paths = storage(classes=1, per_class=4, prefetch="off")
+    (src / "class0" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    r = remote(mounter, tmp_path, [st.path])
+    with pytest.raises(OSError) as e:
+        (r.path / "class0" / "bad.jpg.feat").read_bytes()
+    assert e.value.errno == errno.EIO
+    assert feats(r.path, paths) == feats(st.path, paths)
+    assert r.ctl("stats")["remote"]["sources"][0]["rows_failed"] >= 1
+
+
+def test_a_dead_source_gives_eio_and_recovers(tmp_path, storage, mounter, models):
+    src, st, paths = storage(classes=2, per_class=3)
+    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    assert feats(r.path, paths[:3]) == feats(st.path, paths[:3])  # class0 fetched
+    os.kill(st.pid, signal.SIGKILL)
+    wait_gone(st.pid)
+    with pytest.raises(OSError) as e:
+        (r.path / (paths[3] + ".feat")).read_bytes()
+    assert e.value.errno == errno.EIO
+    assert any(s["last_error"] for s in r.ctl("stats")["remote"]["sources"])
+    # the storage node comes back: reads recover
+    subprocess.run(["fusermount3", "-u", "-z", str(st.path)], check=False)
+    back = Mount(src, st.path, dict(st.options))
+    try:
+        back.ctl("config")
+        assert (r.path / (paths[3] + ".feat")).read_bytes() == (back.path / (paths[3] + ".feat")).read_bytes()
+    finally:
+        back.unmount()
+
+
+def test_warm_and_evict_through_hapifs_ctl(tmp_path, storage, mounter):
+    src, st, paths = storage(classes=3, per_class=4)
+    r = remote(mounter, tmp_path, [st.path])
+    ctl = Path(os.environ.get("HAPI_BUILD_ROOT", Path(__file__).resolve().parent.parent / "build")) / "tools" / "hapifs-ctl"
+    out = subprocess.run([str(ctl), "warm", str(r.path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    stats = r.ctl("stats")
+    assert stats["warm"]["state"] == "done" and stats["warm"]["total"] == len(paths)
+    assert stats["feat"]["fetched"] == len(paths) and stats["remote"]["packs"] == 3
+    assert feats(r.path, paths) == feats(st.path, paths)
+    assert r.ctl("stats")["feat"]["misses"] == 0
+    # status prints on a remote mount too
+    out = subprocess.run([str(ctl), "status", str(r.path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([str(ctl), "evict", "class1", str(r.path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert r.ctl("stats")["cache"]["namespace"]["entries"] == len(paths) - 4
+    # storage-side commands are refused with the reason
+    out = subprocess.run([str(ctl), "set-split", "2", str(r.path)], capture_output=True, text=True)
+    assert out.returncode != 0 and "storage side" in out.stderr
+
+
+def test_remote_refuses_storage_options(tmp_path, storage, mounter, models):
+    src, st, paths = storage(classes=1, per_class=1)
+    with pytest.raises(RuntimeError, match="model= is an option of the storage side"):
+        remote(mounter, tmp_path, [st.path], model=models())
