@@ -107,7 +107,7 @@ static json_t *render_config(hapi_ctl *c)
     return json_pack(
         "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s, s:o}, s:o, "
         "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
-        "s:{s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
+        "s:{s:s, s:f, s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
         "source", o->source,
         "mountpoint", o->mountpoint,
@@ -124,7 +124,9 @@ static json_t *render_config(hapi_ctl *c)
               json_string_value(json_object_get(split, "namespace")) : "",
           "size_limit", (json_int_t)o->cache_size,
         "policy",
-          "link", rate, "client_speed", ts.client_speed, "epochs", ts.epochs,
+          "link", rate, "rtt_ms", ts.rtt_s * 1e3,
+          "transport", ts.transport == HAPI_TRANSPORT_PACK ? "pack" : "file",
+          "client_speed", ts.client_speed, "epochs", ts.epochs,
         "runtime",
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
           "device", o->device, "batch", ts.batch, "batch_auto", ts.batch_auto,
@@ -505,7 +507,7 @@ static const char ctl_help[] =
     "#                 open files keep theirs, the next open sees the new shape\n"
     "#   batch N|auto  the storage-side batch\n"
     "#   link RATE     tell the policy the link's rate (e.g. 1Gbit); see .hapifs/policy\n"
-    "#   client_speed X, epochs N   the policy's other inputs\n"
+    "#   client_speed X, epochs N, rtt TIME, transport file|pack   the policy's other inputs\n"
     "# a write that is refused fails (EINVAL, EBUSY, ...); reading the same open file\n"
     "# then returns \"error: REASON\" (after a command that worked, \"ok\")\n";
 
@@ -683,10 +685,20 @@ static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
     char *end;
     int which = strcmp(words[0], "link") == 0           ? HAPI_TUNE_LINK
                 : strcmp(words[0], "client_speed") == 0 ? HAPI_TUNE_CLIENT_SPEED
+                : strcmp(words[0], "rtt") == 0          ? HAPI_TUNE_RTT
+                : strcmp(words[0], "transport") == 0    ? HAPI_TUNE_TRANSPORT
                                                         : HAPI_TUNE_EPOCHS;
     if (which == HAPI_TUNE_LINK) {
         if (hapi_policy_parse_rate(words[1], &value, err) < 0)
             return -EINVAL;
+    } else if (which == HAPI_TUNE_RTT) {
+        if (hapi_fs_parse_time(words[1], &value) < 0)
+            return hapi_error_set(err, -EINVAL, "rtt %s: expected a time, e.g. 1ms, 500us, 0",
+                                  words[1]);
+    } else if (which == HAPI_TUNE_TRANSPORT) {
+        if (strcmp(words[1], "file") != 0 && strcmp(words[1], "pack") != 0)
+            return hapi_error_set(err, -EINVAL, "transport %s: expected file or pack", words[1]);
+        value = strcmp(words[1], "pack") == 0 ? HAPI_TRANSPORT_PACK : HAPI_TRANSPORT_FILE;
     } else {
         value = strtod(words[1], &end);
         int is_epochs = which == HAPI_TUNE_EPOCHS;
@@ -713,6 +725,8 @@ static const struct command {
     { "link", 1, 1, "link RATE", cmd_input },
     { "client_speed", 1, 1, "client_speed VALUE", cmd_input },
     { "epochs", 1, 1, "epochs VALUE", cmd_input },
+    { "rtt", 1, 1, "rtt TIME", cmd_input },
+    { "transport", 1, 1, "transport file|pack", cmd_input },
 };
 
 /* Checks one line fully, then carries it out. */
@@ -741,7 +755,7 @@ static int run_line(hapi_ctl *c, char *line, hapi_error *err)
     }
     return hapi_error_set(err, -EINVAL,
                           "unknown command '%s' (known: warm, evict, split, batch, link, "
-                          "client_speed, epochs)", words[0]);
+                          "client_speed, epochs, rtt, transport)", words[0]);
 }
 
 int hapi_ctl_command(hapi_ctl *c, const char *text, size_t len, hapi_error *err)

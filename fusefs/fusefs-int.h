@@ -45,6 +45,8 @@ typedef struct hapi_fs_options {
     int warm;              /* warm the whole tree at mount */
     int prefetch;          /* enum hapi_prefetch_mode */
     double link_bps;       /* the link to the compute tier, bits/s */
+    double rtt_s;          /* its round-trip time, seconds (0: not counted) */
+    int transport;         /* enum hapi_policy_transport: how the compute tier reads */
     double client_speed;   /* the compute tier's speed relative to this node */
     int epochs;            /* epochs a job is expected to read */
     int profile_redo;      /* measure the model even if a profile is stored */
@@ -79,6 +81,9 @@ void hapi_fs_options_free(hapi_fs_options *o);
 /* Parses "123", "64K", "1.5G", "2GiB", "512MB" (powers of 1024) into bytes. Returns 0 or HAPI_EINVAL. */
 int hapi_fs_parse_size(const char *text, uint64_t *out);
 
+/* Parses "1ms", "500us", "0.002s", "1" (a bare number is ms) into seconds. Returns 0 or HAPI_EINVAL. */
+int hapi_fs_parse_time(const char *text, double *seconds);
+
 /* Prints the usage text. */
 void hapi_fs_usage(const char *prog);
 
@@ -111,6 +116,9 @@ char *hapi_error_ring_json(hapi_error_ring *r);
  *   ctl.c         the .hapifs/ control files and the table of commands
  *   tune.c        profile, policy, live split and batch changes
  *   background.c  warm-up walker, directory prefetch, cache keeper
+ *   remote.c      a compute-side mount's feature source (-o remote): the
+ *                 union of storage mounts, packs fetched into the cache;
+ *                 beside serve.c, it uses only source.c and view.c
  *   pack.c        per-directory packs: a snapshot of a directory's images
  *                 served as one .npy through serve.c, and its index
  *   serve.c       the bytes of a .feat read: cache lookup or computation
@@ -131,11 +139,14 @@ char *hapi_error_ring_json(hapi_error_ring *r);
  *   tune.lock             the profile and the policy's inputs
  *   views.lock            the current view (leaf but for view refcounts)
  *   the batcher's and the cache's own locks (extractor/, cache/)
- *   leaves, never held while taking another: background prefetch.lock and
- *   keeper.lock, a pack's lock, the packs' failure lock, fs's node table
+ *   leaves, never held while taking another: background prefetch.lock,
+ *   keeper.lock and warm.status_lock, remote.c's index_lock, fetch_lock, warm_lock and a remote
+ *   source's lock, a pack's lock, the packs' failure lock, fs's node table
  *   lock, a ctl handle's lock, the error ring's lock, the log's lock.
- * Joining a thread while holding a lock is allowed only for warm.lock (the
- * walker takes none of the locks above it).
+ * Joining the warm-up walker is allowed while holding warm.lock and, in a
+ * split change, tune.switch_lock: the walker takes neither, nor any lock
+ * above them. The split-change callback runs with tune.switch_lock held (and
+ * no other tune lock); fs.c's takes only its node table lock.
  */
 
 /* ------------------------------------------------------------ source.c */
@@ -664,7 +675,7 @@ typedef struct hapi_tune_config {
     hapi_views *views;
     hapi_serve *serve;
     hapi_background *background;
-    /* Called after every split change, outside tune's locks (fs: kernel invalidation). */
+    /* Called after every split change, with only tune.switch_lock held (fs: kernel invalidation). */
     void (*on_split_change)(void *arg);
     void *arg;
 } hapi_tune_config;
@@ -694,7 +705,11 @@ int hapi_tune_set_split(hapi_tune *t, int split, int by_operator, hapi_error *er
 /* Sets the batch (0 = auto, else 1..HAPI_BATCH_MAX). Returns 0, -EAGAIN or HAPI_EINVAL. */
 int hapi_tune_set_batch(hapi_tune *t, int batch, hapi_error *err);
 
-enum hapi_tune_input { HAPI_TUNE_LINK, HAPI_TUNE_CLIENT_SPEED, HAPI_TUNE_EPOCHS };
+enum hapi_tune_input {
+    HAPI_TUNE_LINK, HAPI_TUNE_CLIENT_SPEED, HAPI_TUNE_EPOCHS,
+    HAPI_TUNE_RTT,          /* seconds */
+    HAPI_TUNE_TRANSPORT     /* enum hapi_policy_transport */
+};
 /* Sets one of the policy's inputs (bits/s, a ratio, a count); the caller validated it. */
 void hapi_tune_set_input(hapi_tune *t, int which, double value);
 
@@ -713,8 +728,8 @@ int hapi_tune_choose(hapi_tune *t, int split, hapi_policy_input *in_out,
 typedef struct hapi_tune_status {
     int split_by_operator;
     int batch, batch_auto;
-    double link_bps, client_speed;
-    int epochs;
+    double link_bps, client_speed, rtt_s;
+    int epochs, transport;
     uint64_t split_changes;
     int state;                 /* 0 measuring, 1 ready, < 0 failed (code) */
     char error[256];           /* why, when failed */

@@ -21,7 +21,7 @@ struct raw_options {
     char *threads, *torch_threads, *show_raw, *max_pixels, *device, *log;
     char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
     char *link, *client_speed, *epochs, *profile, *prefetch;
-    char *refresh, *fetch_threads;
+    char *refresh, *fetch_threads, *rtt, *transport;
     int remote;
     char *nonopt[3];
     int nonopts;
@@ -62,6 +62,8 @@ static const struct fuse_opt option_table[] = {
     RAW("epochs=%s", epochs),
     RAW("profile=%s", profile),
     RAW("refresh=%s", refresh),
+    RAW("rtt=%s", rtt),
+    RAW("transport=%s", transport),
     RAW("fetch_threads=%s", fetch_threads),
     { "remote", offsetof(struct raw_options, remote), 1 },
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
@@ -184,6 +186,10 @@ void hapi_fs_usage(const char *prog)
            "                         flight (default 1G)\n"
            "    link=RATE            link to the compute tier, e.g. 1Gbit, 100Mbit, 125MB/s\n"
            "                         (default 1Gbit)\n"
+           "    rtt=TIME             the link's round-trip time, e.g. 1ms, 200us (default 0: the\n"
+           "                         policy counts bytes alone)\n"
+           "    transport=file|pack  how the compute tier reads: one .feat at a time through a\n"
+           "                         network filesystem (default), or packs through hapifs -o remote\n"
            "    client_speed=X       compute tier's speed relative to this node (default 1)\n"
            "    epochs=N             epochs a job is expected to read (default 5)\n"
            "    profile=redo         measure the model again instead of using the stored profile\n"
@@ -242,6 +248,26 @@ int hapi_fs_parse_size(const char *text, uint64_t *out)
     return 0;
 }
 
+int hapi_fs_parse_time(const char *text, double *seconds)
+{
+    char *end;
+    errno = 0;
+    if (!text || !*text || !(isdigit((unsigned char)*text) || *text == '.'))
+        return HAPI_EINVAL;
+    double v = strtod(text, &end);
+    if (errno || end == text || !(v >= 0) || v > 1e6)
+        return HAPI_EINVAL;
+    double unit = 1e-3; /* a bare number is milliseconds, as ping prints it */
+    if (strcmp(end, "s") == 0)
+        unit = 1;
+    else if (strcmp(end, "us") == 0)
+        unit = 1e-6;
+    else if (*end && strcmp(end, "ms") != 0)
+        return HAPI_EINVAL;
+    *seconds = v * unit;
+    return 0;
+}
+
 /* A word option: the choices (and their aliases) and the value each stands for. */
 struct word_choice {
     const char *word;
@@ -278,6 +304,9 @@ static const struct word_choice preprocess_words[] = {
 static const struct word_choice precision_words[] = {
     { "fp32", HAPI_PRECISION_FP32 }, { "float32", HAPI_PRECISION_FP32 },
     { "bf16", HAPI_PRECISION_BF16 }, { "bfloat16", HAPI_PRECISION_BF16 },
+};
+static const struct word_choice transport_words[] = {
+    { "file", HAPI_TRANSPORT_FILE }, { "pack", HAPI_TRANSPORT_PACK },
 };
 static const struct word_choice prefetch_words[] = {
     { "dir", HAPI_PREFETCH_DIR }, { "off", HAPI_PREFETCH_OFF },
@@ -373,6 +402,7 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
         { "prefetch", raw->prefetch }, { "link", raw->link },
         { "client_speed", raw->client_speed }, { "epochs", raw->epochs },
         { "profile", raw->profile }, { "device", raw->device }, { "max_pixels", raw->max_pixels },
+        { "rtt", raw->rtt }, { "transport", raw->transport },
         { "show_raw", raw->show_raw },
     };
     for (size_t i = 0; i < sizeof(storage_only) / sizeof(*storage_only); i++)
@@ -539,6 +569,13 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
     o->link_bps = HAPI_POLICY_LINK_DEFAULT;
     if (raw->link && (rc = hapi_policy_parse_rate(raw->link, &o->link_bps, err)) < 0)
         return rc;
+    if (raw->rtt && (rc = hapi_fs_parse_time(raw->rtt, &o->rtt_s)) < 0)
+        return hapi_error_set(err, HAPI_EINVAL, "rtt=%s: expected a time, e.g. 1ms, 500us, 0",
+                              raw->rtt);
+    o->transport = HAPI_TRANSPORT_FILE;
+    if ((rc = parse_word("transport", raw->transport, WORDS(transport_words), "file or pack",
+                         &o->transport, err)) < 0)
+        return rc;
     o->client_speed = 1.0;
     if (raw->client_speed) {
         char *end;
@@ -693,6 +730,8 @@ out:
     free(raw.profile);
     free(raw.cache_reset);
     free(raw.refresh);
+    free(raw.rtt);
+    free(raw.transport);
     free(raw.fetch_threads);
     free(raw.bad_option);
     free(raw.kernel_opts);

@@ -242,6 +242,8 @@ int hapi_tune_start(const hapi_tune_config *cfg, hapi_tune **out, hapi_error *er
     pthread_mutex_init(&t->switch_lock, NULL);
     t->in = (hapi_policy_input){
         .link_bps = o->link_bps,
+        .rtt_s = o->rtt_s,
+        .transport = o->transport,
         .client_speed = o->client_speed,
         .mem_budget = o->mem_budget,
         .freeze = hapi_extractor_freeze(cfg->ex),
@@ -431,6 +433,10 @@ void hapi_tune_set_input(hapi_tune *t, int which, double value)
         t->in.client_speed = value;
     else if (which == HAPI_TUNE_EPOCHS)
         t->in.epochs = (int)value;
+    else if (which == HAPI_TUNE_RTT)
+        t->in.rtt_s = value;
+    else if (which == HAPI_TUNE_TRANSPORT)
+        t->in.transport = (int)value;
     pthread_mutex_unlock(&t->lock);
 }
 
@@ -443,6 +449,8 @@ void hapi_tune_status_get(hapi_tune *t, hapi_tune_status *st)
         .batch_auto = t->batch_auto,
         .link_bps = t->in.link_bps,
         .client_speed = t->in.client_speed,
+        .rtt_s = t->in.rtt_s,
+        .transport = t->in.transport,
         .epochs = t->in.epochs,
         .split_changes = atomic_load(&t->split_changes),
         .state = t->state,

@@ -121,6 +121,25 @@ static int pick_batch(const hapi_policy_input *in, int split)
     return 1;
 }
 
+/*
+ * The link's cost of one sample of bytes (file_bytes, the .npy header
+ * included) per transport, in ms. Per file: the bytes and protocol overhead,
+ * or the file's round trips spread over the concurrent readers, whichever is
+ * longer (measured through sshfs at 1 ms RTT: the round trips bound small
+ * files). In a pack: the row and its index entry; a chunk's round trip is
+ * spread over hundreds of rows.
+ */
+static void link_terms(const hapi_policy_input *in, double file_bytes, double header_bytes,
+                       double *file_ms, double *pack_ms)
+{
+    int readers = in->readers > 0 ? in->readers : HAPI_POLICY_READERS_DEFAULT;
+    double bytes_ms = (file_bytes + HAPI_POLICY_FILE_OVERHEAD) * 8.0 / in->link_bps * 1e3;
+    double trips_ms = HAPI_POLICY_FILE_ROUND_TRIPS * in->rtt_s * 1e3 / readers;
+    *file_ms = fmax(bytes_ms, trips_ms);
+    *pack_ms = (file_bytes - header_bytes + HAPI_POLICY_PACK_INDEX_BYTES) * 8.0 / in->link_bps *
+               1e3;
+}
+
 static void estimate(const hapi_policy_input *in, int split, hapi_policy_candidate *c,
                      double samples)
 {
@@ -143,7 +162,8 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     double decode = in->decode_ms / (in->decode_threads > 0 ? in->decode_threads : 1);
     c->storage_ms = p->cores >= p->threads + in->decode_threads ? fmax(infer, decode)
                                                                 : infer + in->decode_ms;
-    c->link_ms = ((double)c->file_bytes + HAPI_POLICY_FILE_OVERHEAD) * 8.0 / in->link_bps * 1e3;
+    link_terms(in, (double)c->file_bytes, (double)in->header_bytes, &c->link_file_ms,
+               &c->link_pack_ms);
     c->compute_ms = hapi_profile_ms(p, split, in->freeze, train_batch) / in->client_speed;
 
     /* What is cached costs a hit; what does not fit the cache is computed every epoch. */
@@ -160,10 +180,20 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
         fit = cached;
     double cold_storage = (1 - cached) * c->storage_ms + cached * in->hit_ms;
     double warm_storage = (1 - fit) * c->storage_ms + fit * in->hit_ms;
-    double cold = max3(cold_storage, c->link_ms, c->compute_ms);
-    double warm = max3(warm_storage, c->link_ms, c->compute_ms);
+    /* Per file, every epoch crosses the link; with packs only the first does, and later
+       epochs are hits in the compute node's own cache (a hit there costs what one here does). */
+    double file_cold = max3(cold_storage, c->link_file_ms, c->compute_ms);
+    double file_warm = max3(warm_storage, c->link_file_ms, c->compute_ms);
+    double pack_cold = max3(cold_storage, c->link_pack_ms, c->compute_ms);
+    double pack_warm = fmax(in->hit_ms, c->compute_ms);
+    c->total_file_s = (file_cold + (in->epochs - 1) * file_warm) * samples / 1e3;
+    c->total_pack_s = (pack_cold + (in->epochs - 1) * pack_warm) * samples / 1e3;
+    int pack = in->transport == HAPI_TRANSPORT_PACK;
+    c->link_ms = pack ? c->link_pack_ms : c->link_file_ms;
+    double cold = pack ? pack_cold : file_cold, warm = pack ? pack_warm : file_warm;
     c->cold_bound = bound_of(cold_storage, c->link_ms, c->compute_ms);
-    c->warm_bound = bound_of(warm_storage, c->link_ms, c->compute_ms);
+    c->warm_bound = pack ? (in->hit_ms > c->compute_ms ? "storage" : "compute")
+                         : bound_of(warm_storage, c->link_ms, c->compute_ms);
     c->cold_s = cold * samples / 1e3;
     c->warm_s = warm * samples / 1e3;
     c->total_s = c->cold_s + (in->epochs - 1) * c->warm_s;
@@ -177,13 +207,15 @@ static void estimate_raw(const hapi_policy_input *in, hapi_policy_candidate *c, 
     c->file_bytes = (uint64_t)in->source_bytes;
     c->fits = 1;
     c->storage_ms = in->hit_ms; /* serving a file */
-    c->link_ms = (in->source_bytes + HAPI_POLICY_FILE_OVERHEAD) * 8.0 / in->link_bps * 1e3;
+    /* raw images are read one file at a time whatever serves the features */
+    link_terms(in, in->source_bytes, 0, &c->link_file_ms, &c->link_pack_ms);
+    c->link_ms = c->link_file_ms;
     c->compute_ms = (in->decode_ms + hapi_profile_ms(p, 0, in->freeze, p->batches[p->nbatches - 1])) /
                     in->client_speed;
     double t = max3(c->storage_ms, c->link_ms, c->compute_ms);
     c->cold_bound = c->warm_bound = bound_of(c->storage_ms, c->link_ms, c->compute_ms);
     c->cold_s = c->warm_s = t * samples / 1e3;
-    c->total_s = c->cold_s * in->epochs;
+    c->total_s = c->total_file_s = c->total_pack_s = c->cold_s * in->epochs;
 }
 
 static int better(const hapi_policy_candidate *a, const hapi_policy_candidate *b)
@@ -218,9 +250,11 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
         return hapi_error_set(err, HAPI_EINVAL, "policy: freeze %d out of range 1..%d",
                               in->freeze, p->nstages);
     if (!(in->link_bps > 0) || !(in->client_speed > 0) || in->epochs < 1 || in->batch < 0 ||
-        in->batch > HAPI_BATCH_MAX)
+        in->batch > HAPI_BATCH_MAX || !(in->rtt_s >= 0) || in->readers < 0 ||
+        (in->transport != HAPI_TRANSPORT_FILE && in->transport != HAPI_TRANSPORT_PACK))
         return hapi_error_set(err, HAPI_EINVAL,
-                              "policy: link rate, client speed, epochs and batch must be positive");
+                              "policy: link rate, client speed, epochs and batch must be positive, "
+                              "rtt and readers not negative, transport file or pack");
     if (in->split < 0 || in->split > in->freeze)
         return hapi_error_set(err, HAPI_EINVAL,
                               "policy: split %d is past the freeze index %d (stages [0, %d) are "
@@ -290,12 +324,15 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
 
 static json_t *candidate_json(const hapi_policy_candidate *c, double cached, int chosen)
 {
-    return json_pack("{s:i, s:s, s:i, s:I, s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:s, s:s, s:f, s:b, s:b}",
+    return json_pack("{s:i, s:s, s:i, s:I, s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, "
+                     "s:f, s:s, s:s, s:f, s:b, s:b}",
                      "split", c->split, "stage", c->name, "batch", c->batch, "memory",
                      (json_int_t)c->mem_bytes, "file_bytes", (json_int_t)c->file_bytes,
-                     "storage_ms", c->storage_ms, "link_ms", c->link_ms, "compute_ms",
+                     "storage_ms", c->storage_ms, "link_ms", c->link_ms, "link_file_ms",
+                     c->link_file_ms, "link_pack_ms", c->link_pack_ms, "compute_ms",
                      c->compute_ms, "cold_epoch_s", c->cold_s, "warm_epoch_s", c->warm_s,
-                     "total_s", c->total_s, "cold_bound", c->cold_bound, "warm_bound",
+                     "total_s", c->total_s, "total_file_s", c->total_file_s, "total_pack_s",
+                     c->total_pack_s, "cold_bound", c->cold_bound, "warm_bound",
                      c->warm_bound, "cached", cached, "fits", c->fits, "chosen", chosen);
 }
 
@@ -308,10 +345,14 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
         json_array_append_new(cands, candidate_json(&c->cand[i], in->cached[c->cand[i].split],
                                                     i == c->index));
     json_t *root = json_pack(
-        "{s:{s:s, s:f, s:f, s:I, s:i, s:i, s:s, s:f, s:f, s:f, s:I, s:I, s:s, s:s}, "
+        "{s:{s:s, s:f, s:f, s:i, s:s, s:f, s:I, s:i, s:i, s:s, s:f, s:f, s:f, s:I, s:I, s:s, "
+        "s:s}, "
         "s:{s:i, s:s, s:i, s:s}, s:s, s:f, s:o, s:o}",
         "inputs",
-          "link", rate, "link_bps", in->link_bps, "client_speed", in->client_speed,
+          "link", rate, "link_bps", in->link_bps, "rtt_ms", in->rtt_s * 1e3, "readers",
+          in->readers > 0 ? in->readers : HAPI_POLICY_READERS_DEFAULT, "transport",
+          in->transport == HAPI_TRANSPORT_PACK ? "pack" : "file", "client_speed",
+          in->client_speed,
           "mem_budget", (json_int_t)in->mem_budget, "freeze", in->freeze, "epochs", in->epochs,
           "dtype", in->dtype == HAPI_DTYPE_FP16 ? "float16" : "float32",
           "decode_ms", in->decode_ms, "source_bytes", in->source_bytes, "hit_ms", in->hit_ms,

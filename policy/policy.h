@@ -106,11 +106,27 @@ double hapi_profile_memory(const hapi_profile *p, int split, int batch);
                                                 gained nothing per sample on CPUs measured */
 #define HAPI_POLICY_FILE_OVERHEAD 512        /* bytes on the link per file beyond its content:
                                                 protocol messages to open, read and close it */
+#define HAPI_POLICY_FILE_ROUND_TRIPS 4       /* per file read through a network filesystem:
+                                                lookup, open, read, release (sshfs, NFS) */
+#define HAPI_POLICY_READERS_DEFAULT 8        /* concurrent per-file readers on the compute tier */
+#define HAPI_POLICY_PACK_INDEX_BYTES 130     /* a pack index's bytes per image (name, identity) */
+
+/* How the compute tier reads the features (hapi_policy_input.transport). */
+enum hapi_policy_transport {
+    HAPI_TRANSPORT_FILE = 0, /* one .feat at a time through a network filesystem: bytes plus
+                                round trips per file, every epoch (the compute node keeps
+                                nothing beyond its page cache) */
+    HAPI_TRANSPORT_PACK = 1  /* a compute-side hapifs -o remote: a directory's features as one
+                                pack, once; later epochs are hits in the compute node's cache */
+};
 
 /* Everything the choice depends on. The function reads nothing else. */
 typedef struct hapi_policy_input {
     const hapi_profile *profile;
     double link_bps;          /* link rate, bits per second (> 0) */
+    double rtt_s;             /* the link's round-trip time, seconds (0: bytes alone) */
+    int readers;              /* concurrent per-file readers (0: HAPI_POLICY_READERS_DEFAULT) */
+    int transport;            /* enum hapi_policy_transport: what the epochs are estimated with */
     double client_speed;      /* compute tier's speed relative to this node (> 0) */
     uint64_t mem_budget;      /* storage-side bytes: weights, inference, images in flight */
     int freeze;               /* stages [0, freeze) are frozen: candidates 1..freeze */
@@ -139,7 +155,11 @@ typedef struct hapi_policy_candidate {
     double mem_bytes;         /* estimated storage-side memory at that batch */
     uint64_t file_bytes;      /* one .feat (header + features) */
     double storage_ms;        /* decode + inference of [0, split) on this node */
-    double link_ms;           /* moving one file and its protocol overhead */
+    double link_ms;           /* moving one sample by the input's transport */
+    double link_file_ms;      /* ... one .feat per request: max(bytes, round trips / readers) */
+    double link_pack_ms;      /* ... in a pack: its row and its index entry */
+    double total_file_s;      /* total_s if the compute tier read per file */
+    double total_pack_s;      /* total_s if it read packs (-o remote) */
     double compute_ms;        /* frozen stages [split, freeze) on the compute tier */
     double cold_s;            /* an epoch with this cache state */
     double warm_s;            /* an epoch once the features are cached */

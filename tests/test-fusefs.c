@@ -219,6 +219,26 @@ START_TEST(test_parse_size)
 }
 END_TEST
 
+START_TEST(test_parse_time)
+{
+    double s;
+    ck_assert_int_eq(hapi_fs_parse_time("1ms", &s), 0);
+    ck_assert_double_eq_tol(s, 1e-3, 1e-15);
+    ck_assert_int_eq(hapi_fs_parse_time("500us", &s), 0);
+    ck_assert_double_eq_tol(s, 5e-4, 1e-15);
+    ck_assert_int_eq(hapi_fs_parse_time("2", &s), 0); /* ms, as ping prints it */
+    ck_assert_double_eq_tol(s, 2e-3, 1e-15);
+    ck_assert_int_eq(hapi_fs_parse_time("0.25s", &s), 0);
+    ck_assert_double_eq_tol(s, 0.25, 1e-15);
+    ck_assert_int_eq(hapi_fs_parse_time("0", &s), 0);
+    ck_assert(s == 0);
+    ck_assert_int_eq(hapi_fs_parse_time("", &s), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_fs_parse_time("-1ms", &s), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_fs_parse_time("1h", &s), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_fs_parse_time("ms", &s), HAPI_EINVAL);
+}
+END_TEST
+
 START_TEST(test_error_ring)
 {
     hapi_error_ring *r = hapi_error_ring_new();
@@ -257,6 +277,7 @@ int main(void)
         { "options_paths", test_options_paths },
         { "options_helper", test_options_helper },
         { "parse_size", test_parse_size },
+        { "parse_time", test_parse_time },
         { "error_ring", test_error_ring },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {

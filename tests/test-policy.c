@@ -266,6 +266,51 @@ START_TEST(estimates_add_up)
 }
 END_TEST
 
+/* Per file, small features are bound by round trips; packs by bytes, once. */
+START_TEST(transport_round_trips_and_packs)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(1e9, 1.0);
+    choose(&in, &c);
+    const hapi_policy_candidate *last = &c.cand[c.ncand - 1];
+    double bytes_ms = ((double)last->file_bytes + HAPI_POLICY_FILE_OVERHEAD) * 8.0 / 1e9 * 1e3;
+    ck_assert_double_eq_tol(last->link_file_ms, bytes_ms, 1e-9); /* rtt 0: bytes alone */
+
+    in.rtt_s = 1e-3;
+    choose(&in, &c);
+    last = &c.cand[c.ncand - 1];
+    /* 4 round trips of 1 ms over 8 readers: 0.5 ms per file, far above its bytes */
+    ck_assert_double_eq_tol(last->link_file_ms, 0.5, 1e-9);
+    ck_assert_double_eq_tol(last->link_ms, last->link_file_ms, 1e-12);
+    double feat = (double)last->file_bytes - 128;
+    ck_assert_double_eq_tol(last->link_pack_ms,
+                            (feat + HAPI_POLICY_PACK_INDEX_BYTES) * 8.0 / 1e9 * 1e3, 1e-9);
+    ck_assert(last->link_pack_ms < last->link_file_ms / 10);
+    ck_assert(last->total_pack_s < last->total_file_s);
+    in.readers = 2;
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[c.ncand - 1].link_file_ms, 2.0, 1e-9);
+
+    /* read through packs, later epochs are hits on the compute node: never link-bound */
+    in.transport = HAPI_TRANSPORT_PACK;
+    choose(&in, &c);
+    for (int i = 0; i < c.ncand; i++) {
+        const hapi_policy_candidate *k = &c.cand[i];
+        ck_assert_double_eq_tol(k->total_s, k->total_pack_s, 1e-9);
+        ck_assert_double_eq_tol(k->warm_s, fmax(in.hit_ms, k->compute_ms) * 10000 / 1e3, 1e-6);
+        ck_assert_str_ne(k->warm_bound, "link");
+    }
+    char *json = hapi_policy_to_json(&in, &c);
+    ck_assert_ptr_nonnull(strstr(json, "\"transport\": \"pack\""));
+    ck_assert_ptr_nonnull(strstr(json, "\"total_file_s\""));
+    free(json);
+    in.transport = 7;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(hapi_policy_choose(&in, &c, &err), HAPI_EINVAL);
+}
+END_TEST
+
 START_TEST(rates)
 {
     double bps;
@@ -359,6 +404,7 @@ int main(void)
     tcase_add_test(tc, fastest_batch_per_sample);
     tcase_add_test(tc, operator_split_explained);
     tcase_add_test(tc, estimates_add_up);
+    tcase_add_test(tc, transport_round_trips_and_packs);
     suite_add_tcase(s, tc);
     TCase *tp = tcase_create("profile");
     tcase_add_test(tp, rates);

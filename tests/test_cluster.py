@@ -370,3 +370,58 @@ def test_down_is_idempotent_and_careful(cluster, tmp_path):
     for command in ["up", "down", "run", "bytes", "status"]:
         r = c.cli(command, "--help")
         assert r.returncode == 0 and r.stdout.startswith("usage:"), command
+
+
+def test_remote_mount_over_two_sshfs_nodes(cluster, tmp_path, models):
+    """The compute-side mount over each node's sshfs mount: every .feat equal to its node's,
+    each node's packs fetched across its own link, a second job moves no feature bytes."""
+    src = tmp_path / "data"
+    images = make_dataset(src, classes=2, per_class=8, seed=3)
+    c = cluster()
+    c.up(src, models(), "--storage", 2, "--shard", "hash", "--link", "100mbit", "--rtt", "1ms")
+    sources = f"{c.state / 'compute' / 's1'}:{c.state / 'compute' / 's2'}"
+    mnt, cache = tmp_path / "remote", tmp_path / "rcache"
+    mnt.mkdir()
+    cache.mkdir()
+
+    def mount():
+        r = subprocess.run([str(_hapifs_binary()), sources, str(mnt), "-o",
+                            f"remote,cache={cache},log={tmp_path / 'remote.log'}"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+
+    def link_rx():
+        return {k: v["rx_bytes"] for k, v in
+                json.loads(c.cli("bytes", "--state", c.state, "--json").stdout)["nodes"].items()}
+
+    mount()
+    try:
+        before = link_rx()
+        assert walk(mnt) == sorted(p + ".feat" for p in images)
+        got = {p: (mnt / (p + ".feat")).read_bytes() for p in images}
+        # the storage nodes served packs, not a read per .feat
+        for k in (1, 2):
+            sst = json.loads((c.state / f"s{k}" / "mnt" / ".hapifs" / "stats").read_text())
+            assert sst["feat"]["reads"] == 0 and sst["pack"]["opens"] == 2
+        for p in images:
+            direct = [c.state / f"s{k}" / "mnt" / (p + ".feat") for k in (1, 2)]
+            assert got[p] == next(d for d in direct if d.exists()).read_bytes(), p
+        stats = json.loads((mnt / ".hapifs" / "stats").read_text())
+        srcs = stats["remote"]["sources"]
+        assert [s["state"] for s in srcs] == ["ok", "ok"]
+        after = link_rx()
+        for k, s in zip(("s1", "s2"), srcs):
+            assert s["packs"] == 2  # both class folders have images on both nodes
+            assert after[k] - before[k] >= s["pack_bytes"] > 0
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=True)
+        time.sleep(0.5)
+        mount()
+        for p in images:
+            (mnt / (p + ".feat")).read_bytes()
+        stats = json.loads((mnt / ".hapifs" / "stats").read_text())
+        assert stats["remote"]["pack_bytes"] == 0 and stats["feat"]["hits"] == len(images)
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        pid = daemon_pid(mnt)
+        if pid:
+            wait_gone(pid)

@@ -210,3 +210,26 @@ def test_bad_policy_options_fail_the_mount(tree, models, tmp_path, opt, why):
     assert r.returncode != 0
     assert why in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not os.path.ismount(mp)
+
+
+def test_round_trips_and_packs_in_the_policy(tree, mounter, models):
+    """rtt= and transport= reach the policy; it shows both transports and chooses by one."""
+    src, _ = tree
+    m = mounter(src, model=models(), rtt="1ms", transport="pack", link="1Gbit")
+    assert m.ctl("config")["policy"]["transport"] == "pack"  # waits for the first split
+    policy = m.ctl("policy")
+    assert policy["inputs"]["rtt_ms"] == pytest.approx(1.0)
+    assert policy["inputs"]["transport"] == "pack"
+    for c in policy["candidates"]:
+        assert c["total_s"] == pytest.approx(c["total_pack_s"])
+        assert c["link_pack_ms"] < c["link_file_ms"]  # 4 round trips of 1 ms over 8 readers
+        assert c["link_file_ms"] >= 0.5
+    assert m.ctl("config")["policy"]["transport"] == "pack"
+    (m.path / ".hapifs" / "ctl").write_text("transport file\nrtt 0\n")
+    policy = m.ctl("policy")
+    assert policy["inputs"]["transport"] == "file" and policy["inputs"]["rtt_ms"] == 0
+    for c in policy["candidates"]:
+        assert c["total_s"] == pytest.approx(c["total_file_s"])
+    with pytest.raises(OSError):
+        with open(m.path / ".hapifs" / "ctl", "w") as f:
+            f.write("transport carrier-pigeon\n")

@@ -1,0 +1,33 @@
+"""tools/bench-scale --quick end to end: per-file reads through sshfs against -o remote.
+
+A smoke test of the benchmark: the runs exist with positive figures, the remote mount fetched
+packs in epoch 1 and nothing in later epochs, and a second job moved no feature bytes.
+"""
+import json
+import subprocess
+
+from test_cluster import need_cluster
+from conftest import PYTHON, SOURCE_ROOT
+
+BENCH = SOURCE_ROOT / "tools" / "bench-scale"
+
+
+def test_quick(tmp_path):
+    need_cluster()
+    out = tmp_path / "out.json"
+    r = subprocess.run([PYTHON, str(BENCH), "--quick", "--work", str(tmp_path / "work"),
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())["results"][0]
+    runs = res["runs"]
+    for name in ("per-file sshfs", "remote", "second job", "local files", "storage mount",
+                 "usual (raw)"):
+        assert name in runs, name
+        assert all(e["samples_per_s"] > 0 for e in runs[name]["epochs"]), name
+    remote = runs["remote"]["epochs"]
+    features = 600 * (res["feat_size"] - 128)
+    assert remote[0]["link_bytes"] >= 0.9 * features  # epoch 1 fetched the packs
+    assert remote[1]["link_bytes"] < 0.05 * features  # epoch 2: local hits
+    assert res["second_job_pack_bytes"] == 0
+    assert res["remote_stats"]["packs"] == 6
+    assert "remote epochs 2+ vs per-file sshfs" in r.stdout
