@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import Mount, is_mounted, wait_gone, need_hapifs
+from conftest import Mount, daemon_pid, is_mounted, need_hapifs, wait_gone
 from test_throughput import make_tree
 
 PACK = ".hapifs-pack.npy"
@@ -255,3 +255,39 @@ def test_remote_refuses_storage_options(tmp_path, storage, mounter, models):
     src, st, paths = storage(classes=1, per_class=1)
     with pytest.raises(RuntimeError, match="model= is an option of the storage side"):
         remote(mounter, tmp_path, [st.path], model=models())
+
+
+def test_mount_helper_and_fstab_for_a_remote_mount(tmp_path, storage):
+    """mount -t hapifs A:B MNT -o remote and an fstab line: the helper takes the joined sources."""
+    need_hapifs()
+    if not Path("/sbin/mount.hapifs").exists():
+        pytest.skip("hapifs is not installed (/sbin/mount.hapifs); tools/run-tests installs it")
+    _, a, pa = storage("a", classes=1, per_class=3, seed=1)
+    src_b, b, _ = storage("b", classes=2, per_class=3, seed=2)
+    shutil.rmtree(src_b / "class0")
+    mnt = tmp_path / "helper"
+    mnt.mkdir()
+    opts = f"remote,cache={tmp_path / 'hcache'},_netdev,nofail"
+    r = subprocess.run(["mount", "-t", "hapifs", f"{a.path}:{b.path}", str(mnt), "-o", opts],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    try:
+        assert sorted(os.listdir(mnt)) == ["class0", "class1"]
+        assert feats(mnt, pa) == feats(a.path, pa)
+    finally:
+        pid = daemon_pid(mnt)
+        subprocess.run(["umount", str(mnt)], check=True)
+        assert wait_gone(pid)
+    fstab = tmp_path / "fstab"
+    fstab.write_text(f"{a.path}:{b.path} {mnt} hapifs {opts},noauto 0 0\n")
+    r = subprocess.run(["mount", "-T", str(fstab), str(mnt)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    try:
+        cfg = json.loads((mnt / ".hapifs" / "config").read_text())
+        assert cfg["source"] == f"{a.path}:{b.path}"
+        assert [s["path"] for s in cfg["remote"]["sources"]] == [str(a.path), str(b.path)]
+    finally:
+        pid = daemon_pid(mnt)
+        subprocess.run(["umount", str(mnt)], check=True)
+        assert wait_gone(pid)
