@@ -364,7 +364,13 @@ static int index_parse(const char *text, size_t len, int src, const char *dir,
 {
     json_error_t je;
     *out = NULL;
-    json_t *j = json_loadb(text, len, 0, &je);
+    /*
+     * The first JSON value only: through a network filesystem that kept an
+     * older, longer size, a read past the new content's end returns the old
+     * tail from the page cache (the kernel completes a short direct read with
+     * cached pages up to the size it believes).
+     */
+    json_t *j = json_loadb(text, len, JSON_DISABLE_EOF_CHECK, &je);
     if (!j)
         return hapi_error_set(err, HAPI_ECORRUPT, "not JSON (%s, line %d)", je.text, je.line);
     int rc = HAPI_ECORRUPT, bad = 0;
@@ -504,7 +510,16 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
     *out = NULL;
     if (!path)
         return -ENOMEM;
-    int rc = source_read_text(r, src, path, INDEX_MAX, &text, &len);
+    /*
+     * O_DIRECT: the index changes while its size and times do not (a row's
+     * status), so a network filesystem that keeps pages (sshfs kernel_cache,
+     * NFS) would serve old pages, or old and new ones mixed (seen through
+     * sshfs: 13,408 refused indexes in one run). FUSE and NFS read around
+     * their page cache for O_DIRECT; where it is refused, read normally.
+     */
+    int rc = read_text(source_open(r, src, path, O_RDONLY | O_DIRECT), INDEX_MAX, &text, &len);
+    if (rc == -EINVAL) /* a local filesystem wants aligned buffers for O_DIRECT */
+        rc = read_text(source_open(r, src, path, O_RDONLY), INDEX_MAX, &text, &len);
     if (rc == 0) {
         atomic_fetch_add(&s->stats.index_reads, 1);
         atomic_fetch_add(&s->stats.index_bytes, len);
@@ -574,8 +589,10 @@ static int index_get(hapi_remote *r, int src, const char *dir, struct dir_index 
         uint64_t life = sl->code < 0 && sl->code != -ENOENT ? FAILED_INDEX_RETRY_NS
                                                              : (uint64_t)r->cfg.refresh_ms * 1000000;
         int fresh = !sl->expired && (waited || now - sl->at_ns < life);
+        /* While one reader reads it again, the others go on with the one it replaces. */
+        int stale_ok = sl->loading && sl->index && !sl->expired;
         if (fresh || sl->loading) {
-            if (sl->loading) {
+            if (sl->loading && !stale_ok) {
                 pthread_cond_wait(&r->index_cond, &r->index_lock);
                 waited = 1;
                 continue;
@@ -1037,7 +1054,11 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
     int rc, fd = -1;
     if (!path)
         return hapi_error_set(err, -ENOMEM, "out of memory");
-    fd = source_open(r, x->src, path, O_RDONLY);
+    /* Around the page cache too: a pack rewritten in place keeps its size (see index_load). */
+    int direct = O_DIRECT;
+    fd = source_open(r, x->src, path, O_RDONLY | direct);
+    if (fd == -EINVAL)
+        fd = source_open(r, x->src, path, O_RDONLY | (direct = 0));
     if (fd < 0) {
         rc = hapi_error_set(err, fd, "cannot open the pack: %s", hapi_strerror(fd));
         goto out;
@@ -1077,7 +1098,14 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
     for (size_t a = 0; a < x->count || pos == 0;) {
         size_t b = a + rows_per_chunk < x->count ? a + rows_per_chunk : x->count;
         size_t want = (b - a) * x->row_bytes + (pos == 0 ? x->pack_header_len : 0);
-        if ((rc = read_exact(fd, buf, want, (off_t)pos)) < 0) {
+        rc = read_exact(fd, buf, want, (off_t)pos);
+        if (rc == -EINVAL && direct) {
+            /* a local filesystem wants aligned buffers for O_DIRECT: read normally */
+            close(fd);
+            fd = source_open(r, x->src, path, O_RDONLY | (direct = 0));
+            rc = fd < 0 ? fd : read_exact(fd, buf, want, (off_t)pos);
+        }
+        if (rc < 0) {
             rc = rc == HAPI_ECORRUPT
                      ? hapi_error_set(err, rc, "the pack ended at %llu bytes of %llu (torn)",
                                       (unsigned long long)pos, (unsigned long long)x->pack_size)
