@@ -337,17 +337,11 @@ static json_t *render_remote_cache(hapi_ctl *c)
     hapi_cache_namespace_stats ns = { 0 };
     hapi_remote_source_stats ss;
     hapi_cache_stats_get(c->cfg.cache, &cs);
-    hapi_cache_namespace n;
     for (size_t i = 0; i < hapi_remote_source_count(c->cfg.remote); i++) {
         hapi_remote_source_stats_get(c->cfg.remote, i, &ss);
         if (ss.refused)
             continue;
-        for (size_t k = 0; k < sizeof(n.bytes); k++) {
-            unsigned v = 0;
-            sscanf(ss.namespace_hex + 2 * k, "%2x", &v);
-            n.bytes[k] = (uint8_t)v;
-        }
-        hapi_cache_namespace_stats_get(c->cfg.cache, &n, &ns);
+        hapi_cache_namespace_stats_get(c->cfg.cache, &ss.ns, &ns);
         break;
     }
     return json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:{s:I, s:I}}",

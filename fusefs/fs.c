@@ -233,28 +233,6 @@ static uint64_t pack_node_id(const struct stat *st, int kind)
     return HASHED_BASE | h << 1;
 }
 
-static char *join_path(const char *dir, const char *name)
-{
-    char *p = NULL;
-    if (asprintf(&p, "%s%s%s", dir, *dir ? "/" : "", name) < 0)
-        return NULL;
-    return p;
-}
-
-/* If name is "<image>.feat", returns the length of "<image>", else 0. */
-static size_t feat_stem_len(const char *name)
-{
-    size_t len = strlen(name);
-    if (len <= 5 || strcmp(name + len - 5, ".feat") != 0)
-        return 0;
-    char stem[NAME_MAX + 1];
-    if (len - 5 > NAME_MAX)
-        return 0;
-    memcpy(stem, name, len - 5);
-    stem[len - 5] = '\0';
-    return hapi_image_name_is_image(stem) ? len - 5 : 0;
-}
-
 /* Attributes the mount shows for a source file or directory: the source's, read-only. */
 static void source_attr(const hapi_fs *fs, const struct stat *src, uint64_t id, struct stat *st)
 {
@@ -453,7 +431,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
     if (strlen(name) > NAME_MAX)
         return -ENAMETOOLONG;
     if (fs->remote) {
-        char *child = join_path(parent_path, name);
+        char *child = hapi_path_join(parent_path, name);
         if (!child)
             return -ENOMEM;
         if ((rc = remote_attr(fs, child, kind, &e->attr)) < 0) {
@@ -477,10 +455,10 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
         return (*path = strdup(parent_path)) ? 0 : -ENOMEM;
     }
 
-    size_t stem = feat_stem_len(name);
+    size_t stem = hapi_feat_stem_len(name);
     if (stem) {
         char *image_name = strndup(name, stem);
-        char *image = image_name ? join_path(parent_path, image_name) : NULL;
+        char *image = image_name ? hapi_path_join(parent_path, image_name) : NULL;
         free(image_name);
         if (!image)
             return -ENOMEM;
@@ -498,7 +476,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
         /* Not a feature of an image: maybe a real file of that name. */
     }
 
-    char *child = join_path(parent_path, name);
+    char *child = hapi_path_join(parent_path, name);
     if (!child)
         return -ENOMEM;
     rc = hapi_source_stat(fs->source, child, &src);
@@ -724,7 +702,7 @@ struct remote_list {
 static int remote_list_one(void *arg, const char *name, int kind, const struct stat *st)
 {
     struct remote_list *w = arg;
-    char *path = join_path(w->dir, name);
+    char *path = hapi_path_join(w->dir, name);
     if (!path)
         return -ENOMEM;
     struct stat attr = *st;

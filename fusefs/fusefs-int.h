@@ -215,6 +215,9 @@ enum hapi_walk_flags {
 int hapi_source_walk(const hapi_source *s, const char *dir, int flags, atomic_int *stop,
                      int (*fn)(const hapi_source_entry *e, void *arg), void *arg);
 
+/* dir/name ("" dir: name alone), malloc'd; NULL when out of memory. */
+char *hapi_path_join(const char *dir, const char *name);
+
 /* A path's length for estimates of the store's size ("train/n01440764/n01440764_10026.JPEG"). */
 #define HAPI_TYPICAL_PATH 40
 
@@ -290,6 +293,15 @@ void hapi_views_stop(hapi_views *vs);
  */
 ssize_t hapi_feat_split_read(const char *header, size_t header_len, uint64_t feat_size,
                              char *buf, size_t size, off_t off, size_t *dpos, size_t *dend);
+
+/* If name is "<image>.feat" for an image name, the length of "<image>", else 0. */
+size_t hapi_feat_stem_len(const char *name);
+
+/*
+ * The bytes of NaN in dtype (little-endian, as the .npy header says), *width
+ * of them: a pack's row whose image could not be computed repeats them.
+ */
+const unsigned char *hapi_feat_nan(int dtype, size_t *width);
 
 /* Adds a reference. */
 void hapi_view_ref(hapi_view *v);
@@ -592,6 +604,7 @@ void hapi_remote_stats_get(hapi_remote *r, hapi_remote_stats *st);
 typedef struct hapi_remote_source_stats {
     const char *path;                /* owned by r */
     int refused, reachable;
+    hapi_cache_namespace ns;         /* its features' namespace (from its config at mount) */
     char namespace_hex[33];
     uint64_t index_reads, index_bytes, packs, pack_bytes, rows, rows_failed, fetch_failures,
         file_reads;

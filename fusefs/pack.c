@@ -328,9 +328,8 @@ static int failure_find(hapi_packs *p, const hapi_view *v, const char *path,
 /* Writes NaN over bytes [from, to) of a row of v's dtype (little-endian, as the header says). */
 static void fill_nan(const hapi_view *v, char *dst, size_t from, size_t to)
 {
-    static const unsigned char nan16[2] = { 0x00, 0x7e }, nan32[4] = { 0x00, 0x00, 0xc0, 0x7f };
-    const unsigned char *nan = v->dtype == HAPI_DTYPE_FP16 ? nan16 : nan32;
-    size_t width = v->dtype == HAPI_DTYPE_FP16 ? 2 : 4;
+    size_t width;
+    const unsigned char *nan = hapi_feat_nan(v->dtype, &width);
     for (size_t i = from; i < to; i++)
         dst[i - from] = (char)nan[i % width];
 }

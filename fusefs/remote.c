@@ -51,7 +51,8 @@ struct remote_source {
     pthread_mutex_t lock;
     struct root *root;            /* NULL while unreachable */
     int refused;                  /* not a hapifs storage mount: never used */
-    char ns_hex[33];              /* the namespace its config named at mount */
+    hapi_cache_namespace ns;      /* the namespace its config named at mount */
+    char ns_hex[33];              /* ... in hex */
     char *config;                 /* its .hapifs/config at mount (JSON text) */
     struct {
         atomic_uint_fast64_t index_reads, index_bytes, packs, pack_bytes, rows, rows_failed,
@@ -492,19 +493,11 @@ static const struct index_entry *index_find(const struct dir_index *x, const cha
     return NULL;
 }
 
-static char *join(const char *dir, const char *name)
-{
-    char *p = NULL;
-    if (asprintf(&p, "%s%s%s", dir, *dir ? "/" : "", name) < 0)
-        return NULL;
-    return p;
-}
-
 /* Reads and parses dir's index on src. Returns 0, -ENOENT (no images there), or < 0 (logged). */
 static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index **out)
 {
     struct remote_source *s = &r->sources[src];
-    char *path = join(dir, HAPI_PACK_INDEX_NAME);
+    char *path = hapi_path_join(dir, HAPI_PACK_INDEX_NAME);
     char *text = NULL;
     size_t len = 0;
     *out = NULL;
@@ -635,18 +628,6 @@ static int index_get(hapi_remote *r, int src, const char *dir, struct dir_index 
 
 /* ------------------------------------------------------------- the tree */
 
-/* If name is "<image>.feat", its length without ".feat", else 0. */
-static size_t feat_stem(const char *name)
-{
-    size_t len = strlen(name);
-    if (len <= 5 || strcmp(name + len - 5, ".feat") != 0 || len - 5 > NAME_MAX)
-        return 0;
-    char stem[NAME_MAX + 1];
-    memcpy(stem, name, len - 5);
-    stem[len - 5] = '\0';
-    return hapi_image_name_is_image(stem) ? len - 5 : 0;
-}
-
 /* Splits path into a malloc'd dir and a pointer to its last component. */
 static char *split_path(const char *path, const char **name)
 {
@@ -707,7 +688,7 @@ int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *s
     if (!dir)
         return -ENOMEM;
     int rc = -ENOENT, why = -ENOENT;
-    size_t stem = *path ? feat_stem(name) : 0;
+    size_t stem = *path ? hapi_feat_stem_len(name) : 0;
     if (stem) {
         char image[NAME_MAX + 1];
         memcpy(image, name, stem);
@@ -826,7 +807,7 @@ static int list_source(hapi_remote *r, int src, const char *dir, struct seen *se
         if (check_seen && seen_has(seen, name))
             continue;
         struct stat st;
-        size_t stem = feat_stem(name);
+        size_t stem = hapi_feat_stem_len(name);
         int kind = -1;
         if (stem) {
             if (have_index < 0)
@@ -841,7 +822,7 @@ static int list_source(hapi_remote *r, int src, const char *dir, struct seen *se
             }
         }
         if (kind < 0) {
-            char *child = join(dir, name);
+            char *child = hapi_path_join(dir, name);
             if (!child) {
                 rc = -ENOMEM;
                 break;
@@ -989,9 +970,8 @@ static void fetch_unlist_locked(hapi_remote *r, struct fetch *f)
 /* A row is all NaN when the storage side could not compute it (its pack says so). */
 static int row_failed(const struct dir_index *x, const char *row)
 {
-    size_t width = x->dtype == HAPI_DTYPE_FP16 ? 2 : 4;
-    static const unsigned char nan16[2] = { 0x00, 0x7e }, nan32[4] = { 0x00, 0x00, 0xc0, 0x7f };
-    const unsigned char *nan = x->dtype == HAPI_DTYPE_FP16 ? nan16 : nan32;
+    size_t width;
+    const unsigned char *nan = hapi_feat_nan(x->dtype, &width);
     for (size_t i = 0; i < x->row_bytes; i++)
         if ((unsigned char)row[i] != nan[i % width])
             return 0;
@@ -1046,7 +1026,7 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
 {
     const struct dir_index *x = f->index;
     struct remote_source *s = &r->sources[x->src];
-    char *path = join(x->dir, HAPI_PACK_NAME);
+    char *path = hapi_path_join(x->dir, HAPI_PACK_NAME);
     char *buf = NULL, *paths_buf = NULL;
     char **paths = NULL;
     unsigned char *failed = NULL;
@@ -1191,7 +1171,7 @@ static void *fetch_thread(void *arg)
         const struct dir_index *x = f->index;
         if (rc < 0) {
             atomic_fetch_add(&r->sources[x->src].stats.fetch_failures, 1);
-            char *pack = join(x->dir, HAPI_PACK_NAME);
+            char *pack = hapi_path_join(x->dir, HAPI_PACK_NAME);
             char what[400];
             snprintf(what, sizeof(what), "pack %s", pack ? pack : x->dir);
             if (rc == -ESTALE || rc == HAPI_ECORRUPT) {
@@ -1278,7 +1258,7 @@ int hapi_remote_feat_open(hapi_remote *r, const char *path, hapi_remote_feat **o
     char *dir = split_path(path, &name);
     if (!dir)
         return -ENOMEM;
-    if (!(stem = feat_stem(name))) {
+    if (!(stem = hapi_feat_stem_len(name))) {
         free(dir);
         return -ENOENT;
     }
@@ -1412,7 +1392,7 @@ static int warm_entry(void *arg, const char *name, int kind, const struct stat *
     (void)st;
     if (kind != HAPI_REMOTE_DIR || atomic_load(&w->r->warm_stop))
         return 0;
-    char *child = join(w->dir, name);
+    char *child = hapi_path_join(w->dir, name);
     if (!child)
         return -ENOMEM;
     /* the directory's own files first, then its children: collect, then recurse */
@@ -1438,7 +1418,7 @@ static void warm_pack(hapi_remote *r, struct dir_index *x)
 {
     size_t missing = 0;
     for (size_t i = 0; i < x->count; i++) {
-        char *path = join(x->dir, x->entries[i].name);
+        char *path = hapi_path_join(x->dir, x->entries[i].name);
         hapi_cache_value val;
         int hit = path && hapi_cache_get(r->cfg.cache, &x->ns, path, &x->entries[i].id, &val) == 1;
         if (hit)
@@ -1559,7 +1539,7 @@ static int evict_entry(void *arg, const char *name, int kind, const struct stat 
     (void)st;
     if (kind != HAPI_REMOTE_DIR)
         return 0;
-    char *child = join(w->dir, name);
+    char *child = hapi_path_join(w->dir, name);
     if (!child)
         return -ENOMEM;
     int rc = evict_dir(w->r, child, &w->count, w->err);
@@ -1574,7 +1554,7 @@ static int evict_dir(hapi_remote *r, const char *dir, int *count, hapi_error *er
         if (index_get(r, (int)i, dir, &x) < 0)
             continue;
         for (size_t k = 0; k < x->count; k++) {
-            char *path = join(dir, x->entries[k].name);
+            char *path = hapi_path_join(dir, x->entries[k].name);
             int rc = path ? hapi_cache_evict_path(r->cfg.cache, &x->ns, path, err) : -ENOMEM;
             free(path);
             if (rc < 0) {
@@ -1603,10 +1583,9 @@ int hapi_remote_evict(hapi_remote *r, const char *path, hapi_error *err)
             for (size_t k = 0; k < i; k++)
                 dup |= !r->sources[k].refused &&
                        strcmp(r->sources[k].ns_hex, r->sources[i].ns_hex) == 0;
-            hapi_cache_namespace ns;
-            if (dup || hex_to_ns(r->sources[i].ns_hex, &ns) < 0)
+            if (dup)
                 continue;
-            if ((rc = hapi_cache_evict_all(r->cfg.cache, &ns, err)) < 0)
+            if ((rc = hapi_cache_evict_all(r->cfg.cache, &r->sources[i].ns, err)) < 0)
                 return rc;
             count += rc;
         }
@@ -1620,13 +1599,13 @@ int hapi_remote_evict(hapi_remote *r, const char *path, hapi_error *err)
         /* a file: PATH is the image or its .feat */
         const char *name;
         char *dir = split_path(path, &name);
-        size_t stem = feat_stem(name);
+        size_t stem = hapi_feat_stem_len(name);
         char image[NAME_MAX + 1];
         snprintf(image, sizeof(image), "%.*s", (int)(stem ? stem : strlen(name)), name);
         struct dir_index *x = NULL;
         const struct index_entry *e = NULL;
         rc = dir ? find_image(r, dir, image, &x, &e, NULL) : -ENOMEM;
-        char *key = rc == 0 ? join(dir, image) : NULL;
+        char *key = rc == 0 ? hapi_path_join(dir, image) : NULL;
         if (rc == 0)
             rc = key ? hapi_cache_evict_path(r->cfg.cache, &x->ns, key, err) : -ENOMEM;
         free(key);
@@ -1657,8 +1636,7 @@ static int check_source(hapi_remote *r, int src, hapi_error *err)
     const char *ns = j ? json_string_value(json_object_get(json_object_get(j, "split"),
                                                            "namespace"))
                        : NULL;
-    hapi_cache_namespace tmp;
-    if (!j || !ns || hex_to_ns(ns, &tmp) < 0) {
+    if (!j || !ns || hex_to_ns(ns, &s->ns) < 0) {
         json_decref(j);
         free(text);
         return hapi_error_set(err, HAPI_ECORRUPT, "source %s: .hapifs/config is not a hapifs "
@@ -1848,6 +1826,7 @@ void hapi_remote_source_stats_get(hapi_remote *r, size_t i, hapi_remote_source_s
     memset(st, 0, sizeof(*st));
     st->path = s->path;
     st->refused = s->refused;
+    st->ns = s->ns;
     memcpy(st->namespace_hex, s->ns_hex, sizeof(st->namespace_hex));
     st->index_reads = atomic_load(&s->stats.index_reads);
     st->index_bytes = atomic_load(&s->stats.index_bytes);

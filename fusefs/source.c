@@ -54,6 +54,14 @@ dev_t hapi_source_dev(const hapi_source *s)
     return s->dev;
 }
 
+char *hapi_path_join(const char *dir, const char *name)
+{
+    char *p = NULL;
+    if (asprintf(&p, "%s%s%s", dir, *dir ? "/" : "", name) < 0)
+        return NULL;
+    return p;
+}
+
 int hapi_source_open_beneath(const hapi_source *s, const char *path, int flags)
 {
     struct open_how how = {

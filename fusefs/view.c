@@ -2,6 +2,7 @@
 #include "fusefs-int.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,4 +167,22 @@ ssize_t hapi_feat_split_read(const char *header, size_t header_len, uint64_t fea
     *dpos = (pos > hdr ? pos : hdr) - hdr;
     *dend = end > hdr ? end - hdr : *dpos;
     return (ssize_t)n;
+}
+
+size_t hapi_feat_stem_len(const char *name)
+{
+    size_t len = strlen(name);
+    if (len <= 5 || strcmp(name + len - 5, ".feat") != 0 || len - 5 > NAME_MAX)
+        return 0;
+    char stem[NAME_MAX + 1];
+    memcpy(stem, name, len - 5);
+    stem[len - 5] = '\0';
+    return hapi_image_name_is_image(stem) ? len - 5 : 0;
+}
+
+const unsigned char *hapi_feat_nan(int dtype, size_t *width)
+{
+    static const unsigned char nan16[2] = { 0x00, 0x7e }, nan32[4] = { 0x00, 0x00, 0xc0, 0x7f };
+    *width = dtype == HAPI_DTYPE_FP16 ? 2 : 4;
+    return dtype == HAPI_DTYPE_FP16 ? nan16 : nan32;
 }
