@@ -366,11 +366,12 @@ static json_t *render_remote_sources(hapi_ctl *c)
         hapi_remote_source_stats ss;
         hapi_remote_source_stats_get(c->cfg.remote, i, &ss);
         json_array_append_new(
-            a, json_pack("{s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:s}",
+            a, json_pack("{s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:s}",
                          "path", ss.path,
                          "state", ss.refused ? "refused" : ss.reachable ? "ok" : "unreachable",
                          "namespace", ss.namespace_hex,
                          "index_reads", (json_int_t)ss.index_reads,
+                         "index_checks", (json_int_t)ss.index_checks,
                          "index_bytes", (json_int_t)ss.index_bytes,
                          "packs", (json_int_t)ss.packs,
                          "pack_bytes", (json_int_t)ss.pack_bytes,

@@ -606,8 +606,8 @@ typedef struct hapi_remote_source_stats {
     int refused, reachable;
     hapi_cache_namespace ns;         /* its features' namespace (from its config at mount) */
     char namespace_hex[33];
-    uint64_t index_reads, index_bytes, packs, pack_bytes, rows, rows_failed, fetch_failures,
-        file_reads;
+    uint64_t index_reads, index_checks, index_bytes, packs, pack_bytes, rows, rows_failed,
+        fetch_failures, file_reads;
     char last_error[512];
 } hapi_remote_source_stats;
 size_t hapi_remote_source_count(const hapi_remote *r);

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
 /*
@@ -410,10 +411,21 @@ ssize_t hapi_pack_read(hapi_pack *k, char *buf, size_t size, off_t off)
 
 /* ------------------------------------------------------------------ index */
 
-static json_t *index_entry(hapi_packs *p, const hapi_view *v, const struct snapshot *sn, size_t i)
+/*
+ * The index's version: a hash of everything in it that says what the
+ * compute side may serve (namespace, shape, names, identities, failures),
+ * not of the rows' cached/pending status, which changes while features are
+ * computed. It is the index's second key, so a compute-side mount checks a
+ * kept index by reading the first few hundred bytes, not the whole index.
+ */
+static json_t *index_entry(hapi_packs *p, const hapi_view *v, const struct snapshot *sn, size_t i,
+                           XXH3_state_t *version)
 {
     const hapi_source_id *id = &sn->ids[i];
     int failed = failure_find(p, v, sn->paths[i], id);
+    XXH3_64bits_update(version, sn->names[i], strlen(sn->names[i]) + 1);
+    XXH3_64bits_update(version, id, sizeof(*id));
+    XXH3_64bits_update(version, &failed, sizeof(failed));
     const char *status = failed ? "failed"
                          : hapi_serve_cached(p->serve, (hapi_view *)v, sn->paths[i], id)
                              ? "cached"
@@ -437,16 +449,28 @@ int hapi_pack_index(hapi_packs *p, const char *dir, char **text, size_t *len)
     if (rc < 0)
         return rc;
     json_t *shape = json_array(), *entries = json_array();
-    for (int i = 0; shape && i < v->output.ndim; i++)
+    XXH3_state_t version;
+    XXH3_64bits_reset(&version);
+    XXH3_64bits_update(&version, v->ns_hex, strlen(v->ns_hex) + 1);
+    XXH3_64bits_update(&version, &v->dtype, sizeof(v->dtype));
+    XXH3_64bits_update(&version, &sn.count, sizeof(sn.count));
+    for (int i = 0; shape && i < v->output.ndim; i++) {
         json_array_append_new(shape, json_integer(v->output.shape[i]));
+        XXH3_64bits_update(&version, &v->output.shape[i], sizeof(v->output.shape[i]));
+    }
     for (size_t i = 0; entries && i < sn.count; i++)
-        if (json_array_append_new(entries, index_entry(p, v, &sn, i)) < 0)
+        if (json_array_append_new(entries, index_entry(p, v, &sn, i, &version)) < 0)
             rc = -ENOMEM;
+    char version_hex[17];
+    snprintf(version_hex, sizeof(version_hex), "%016llx",
+             (unsigned long long)XXH3_64bits_digest(&version));
     json_t *j = NULL;
     if (rc >= 0 && shape && entries) {
         uint64_t hdr = (uint64_t)rc;
-        j = json_pack("{s:s, s:s, s:s, s:s, s:i, s:s, s:s, s:O, s:I, s:I, s:I, s:I, s:s, s:O}",
-                      "format", HAPI_PACK_FORMAT, "dir", dir, "pack", HAPI_PACK_NAME,
+        /* jansson keeps insertion order: "format" and "version" come first */
+        j = json_pack("{s:s, s:s, s:s, s:s, s:s, s:i, s:s, s:s, s:O, s:I, s:I, s:I, s:I, s:s, s:O}",
+                      "format", HAPI_PACK_FORMAT, "version", version_hex, "dir", dir,
+                      "pack", HAPI_PACK_NAME,
                       "namespace", v->ns_hex, "split", v->split, "stage", v->output.name,
                       "dtype", v->dtype == HAPI_DTYPE_FP16 ? "<f2" : "<f4", "row_shape", shape,
                       "count", (json_int_t)sn.count, "header_bytes", (json_int_t)hdr,

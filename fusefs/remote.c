@@ -37,6 +37,7 @@
 #define FETCH_CHUNK (1u << 20)   /* bytes per read of a pack: large sequential reads */
 #define FAILED_INDEX_RETRY_NS (1000ull * 1000 * 1000) /* an unreachable source is tried again after 1 s */
 #define INDEX_MAX (256u << 20)   /* an index longer than this is refused */
+#define INDEX_HEAD 4096          /* bytes read to check a kept index's version */
 
 /* ------------------------------------------------------------ sources */
 
@@ -55,8 +56,8 @@ struct remote_source {
     char ns_hex[33];              /* ... in hex */
     char *config;                 /* its .hapifs/config at mount (JSON text) */
     struct {
-        atomic_uint_fast64_t index_reads, index_bytes, packs, pack_bytes, rows, rows_failed,
-            fetch_failures, file_reads;
+        atomic_uint_fast64_t index_reads, index_checks, index_bytes, packs, pack_bytes, rows,
+            rows_failed, fetch_failures, file_reads;
     } stats;
     char last_error[512];         /* under lock */
 };
@@ -76,6 +77,7 @@ struct dir_index {
     char *dir;
     hapi_cache_namespace ns;
     char ns_hex[33];
+    char version[17];             /* the storage side's version of it, "" if it names none */
     int dtype;
     int ndim;
     int64_t shape[HAPI_MAX_DIMS];
@@ -398,6 +400,9 @@ static int index_parse(const char *text, size_t len, int src, const char *dir,
         goto out;
     }
     memcpy(x->ns_hex, ns, 33);
+    const char *version = json_string_value(json_object_get(j, "version"));
+    if (version && strlen(version) == 16 && strspn(version, "0123456789abcdef") == 16)
+        memcpy(x->version, version, 17);
     x->dtype = strcmp(dtype, "<f2") == 0 ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32;
     x->ndim = (int)json_array_size(shape);
     uint64_t elems = 1;
@@ -531,6 +536,60 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
     return rc == -ENOTDIR ? -ENOENT : rc;
 }
 
+/* The version named at the head of a hapifs-pack index ("" when it names none). */
+static void head_version(const char *head, char version[17])
+{
+    static const char prefix[] = "{\"format\":\"" HAPI_PACK_FORMAT "\",\"version\":\"";
+    version[0] = '\0';
+    if (strncmp(head, prefix, sizeof(prefix) - 1) != 0)
+        return;
+    head += sizeof(prefix) - 1;
+    if (strspn(head, "0123456789abcdef") != 16 || head[16] != '"')
+        return;
+    memcpy(version, head, 16);
+    version[16] = '\0';
+}
+
+/*
+ * Whether dir's index on src still has the version of kept, read from its
+ * first INDEX_HEAD bytes: one small read instead of the whole index (about
+ * 130 bytes per image), so a kept index costs a few round trips per
+ * refresh, not its size. Directly, like index_load, around page caches.
+ * Returns 1 when it is unchanged, 0 when it changed or could not be read.
+ */
+static int index_unchanged(hapi_remote *r, int src, const char *dir, const struct dir_index *kept)
+{
+    char *path = hapi_path_join(dir, HAPI_PACK_INDEX_NAME);
+    char *head = NULL;
+    int same = 0;
+    if (!path || posix_memalign((void **)&head, 4096, INDEX_HEAD + 1) != 0) {
+        free(path);
+        return 0;
+    }
+    ssize_t n = -EINVAL;
+    for (int direct = 1; direct >= 0 && n == -EINVAL; direct--) {
+        int fd = source_open(r, src, path, O_RDONLY | (direct ? O_DIRECT : 0));
+        if (fd < 0) {
+            n = fd;
+            continue;
+        }
+        n = pread(fd, head, INDEX_HEAD, 0);
+        n = n < 0 ? -errno : n;
+        close(fd);
+    }
+    if (n >= 0) {
+        char version[17];
+        head[n] = '\0';
+        head_version(head, version);
+        same = version[0] && strcmp(version, kept->version) == 0;
+        atomic_fetch_add(&r->sources[src].stats.index_checks, 1);
+        atomic_fetch_add(&r->sources[src].stats.index_bytes, (uint64_t)n);
+    } /* else the full read that follows says why */
+    free(head);
+    free(path);
+    return same;
+}
+
 static uint64_t slot_hash(int src, const char *dir)
 {
     return XXH3_64bits_withSeed(dir, strlen(dir), (uint64_t)src + 1);
@@ -599,9 +658,20 @@ static int index_get(hapi_remote *r, int src, const char *dir, struct dir_index 
             return rc;
         }
         sl->loading = 1;
+        /* an index that only aged is checked by its version; an expired one is read again */
+        struct dir_index *kept = !sl->expired && sl->index && sl->index->version[0] ? sl->index
+                                                                                  : NULL;
+        if (kept)
+            atomic_fetch_add(&kept->refs, 1);
         pthread_mutex_unlock(&r->index_lock);
         struct dir_index *x = NULL;
-        int rc = index_load(r, src, dir, &x);
+        int rc = 0;
+        if (kept && index_unchanged(r, src, dir, kept)) {
+            x = kept; /* our reference becomes the slot's */
+        } else {
+            index_put(kept);
+            rc = index_load(r, src, dir, &x);
+        }
         pthread_mutex_lock(&r->index_lock);
         struct dir_index *old = sl->index;
         int changed = old && x && memcmp(&old->ns, &x->ns, sizeof(x->ns)) != 0;
@@ -1829,6 +1899,7 @@ void hapi_remote_source_stats_get(hapi_remote *r, size_t i, hapi_remote_source_s
     st->ns = s->ns;
     memcpy(st->namespace_hex, s->ns_hex, sizeof(st->namespace_hex));
     st->index_reads = atomic_load(&s->stats.index_reads);
+    st->index_checks = atomic_load(&s->stats.index_checks);
     st->index_bytes = atomic_load(&s->stats.index_bytes);
     st->packs = atomic_load(&s->stats.packs);
     st->pack_bytes = atomic_load(&s->stats.pack_bytes);

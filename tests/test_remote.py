@@ -141,6 +141,36 @@ def test_freshness_a_changed_image_and_a_split_change(tmp_path, storage, mounter
     assert r.ctl("config")["split"]["index"] == 2
 
 
+def test_a_kept_index_is_checked_by_its_version(tmp_path, storage, mounter):
+    from PIL import Image
+    src, st, paths = storage(classes=1, per_class=4)
+    index = st.path / "class0" / INDEX
+    head = '{"format":"hapifs-pack/1","version":"'
+    pending = index.read_text()
+    assert pending.startswith(head) and '"pending"' in pending
+    r = remote(mounter, tmp_path, [st.path], refresh=1)
+    assert feats(r.path, paths) == feats(st.path, paths)
+    # the statuses changed, the version did not
+    cached = index.read_text()
+    assert '"pending"' not in cached
+    assert json.loads(cached)["version"] == json.loads(pending)["version"]
+    s0 = r.ctl("stats")["remote"]["sources"][0]
+    time.sleep(1.3)
+    assert (r.path / (paths[0] + ".feat")).read_bytes() == (st.path / (paths[0] + ".feat")).read_bytes()
+    s1 = r.ctl("stats")["remote"]["sources"][0]
+    # checked by a 4 KiB read, not read again
+    assert s1["index_checks"] > s0["index_checks"]
+    assert s1["index_reads"] == s0["index_reads"]
+    assert s1["index_bytes"] - s0["index_bytes"] <= 4096 * (s1["index_checks"] - s0["index_checks"])
+    # a changed image changes the version: read again, new features served
+    Image.fromarray(np.full((40, 56, 3), 30, np.uint8)).save(src / paths[1], quality=90)
+    time.sleep(1.3)
+    new = (st.path / (paths[1] + ".feat")).read_bytes()
+    assert json.loads(index.read_text())["version"] != json.loads(cached)["version"]
+    assert (r.path / (paths[1] + ".feat")).read_bytes() == new
+    assert r.ctl("stats")["remote"]["sources"][0]["index_reads"] > s1["index_reads"]
+
+
 def test_a_source_that_is_not_a_storage_mount_is_refused(tmp_path, storage, mounter):
     src, st, paths = storage(classes=1, per_class=3)
     plain = tmp_path / "plain"
