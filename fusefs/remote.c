@@ -142,6 +142,7 @@ struct hapi_remote {
     pthread_mutex_t fetch_lock;
     pthread_cond_t queue_cond;
     struct fetch *fetches;        /* every fetch not yet finished */
+    atomic_uint_fast64_t passes;  /* chunks stored and passed, by every fetch */
     struct fetch *queue_head, *queue_tail; /* not yet started; readers' before the warm-up's */
     int stopping;
     size_t nthreads;
@@ -1065,9 +1066,14 @@ static int read_exact(int fd, char *buf, size_t len, off_t off)
     return 0;
 }
 
-/* Hands rows [a, b) in buf to f's waiters, marks them delivered. */
+/*
+ * Hands rows [a, b) in buf to f's waiters. Called twice per chunk: before the
+ * rows are stored in the cache (the waiters need not wait for the store) and
+ * after it (passed: for readers that joined in between; a reader that comes
+ * later finds the rows in the cache).
+ */
 static void deliver(hapi_remote *r, struct fetch *f, size_t a, size_t b, const char *buf,
-                    const unsigned char *failed)
+                    const unsigned char *failed, int passed)
 {
     const struct dir_index *x = f->index;
     pthread_mutex_lock(&r->fetch_lock);
@@ -1082,7 +1088,10 @@ static void deliver(hapi_remote *r, struct fetch *f, size_t a, size_t b, const c
             w->state = 1;
         }
     }
-    f->done = b;
+    if (passed) {
+        f->done = b;
+        atomic_fetch_add(&r->passes, 1);
+    }
     pthread_cond_broadcast(&f->cond);
     pthread_mutex_unlock(&r->fetch_lock);
 }
@@ -1186,13 +1195,14 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
                      x->entries[i].name);
             items[n++] = (hapi_cache_item){ p, x->entries[i].id, row, x->row_bytes };
         }
-        deliver(r, f, a, b, rows, failed);
+        deliver(r, f, a, b, rows, failed, 0);
         if (n) {
             hapi_error perr = { 0 };
             if (hapi_cache_put(r->cfg.cache, &x->ns, items, n, &perr) < 0)
                 hapi_log(HAPI_LOG_WARNING, "%zu fetched features not cached: %s", n,
                          perr.message);
         }
+        deliver(r, f, a, b, rows, failed, 1);
         atomic_fetch_add(&s->stats.rows, b - a);
         atomic_fetch_add(&r->stats.fetched_rows, n);
         if (f->warm) {
@@ -1274,11 +1284,14 @@ static void *fetch_thread(void *arg)
 /*
  * Waits for the row of (name, id) of x to be fetched into dst (bytes [from,
  * to) of its features): joins an unfinished fetch of the same index that has
- * not passed the row, or starts one. Returns 1 (filled), 0 (its row has
- * passed: look in the cache), or < 0 (the fetch failed, or the row did).
+ * not passed the row, or starts one. Returns 1 (filled), 0 (look in the cache
+ * again: a chunk was stored since *passes, which the caller read before its
+ * miss), or < 0 (the fetch failed, or the row did). Pass passes NULL to start
+ * a fetch regardless.
  */
 static int fetch_wait(hapi_remote *r, struct dir_index *x, size_t row, const char *name,
-                      const hapi_source_id *id, char *dst, size_t from, size_t to)
+                      const hapi_source_id *id, char *dst, size_t from, size_t to,
+                      uint64_t *passes)
 {
     pthread_mutex_lock(&r->fetch_lock);
     if (r->stopping) {
@@ -1288,6 +1301,11 @@ static int fetch_wait(hapi_remote *r, struct dir_index *x, size_t row, const cha
     struct fetch *f = r->fetches;
     while (f && !(f->index == x && !f->finished && f->done <= row))
         f = f->next;
+    if (!f && passes && *passes != atomic_load(&r->passes)) {
+        /* the miss may have raced the store of this row: never fetch a pack twice for it */
+        pthread_mutex_unlock(&r->fetch_lock);
+        return 0;
+    }
     if (!f && !(f = fetch_new_locked(r, x, 0))) {
         pthread_mutex_unlock(&r->fetch_lock);
         return -ENOMEM;
@@ -1396,6 +1414,7 @@ ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, si
         return 0;
     size_t n = (size_t)head;
     char *dst = buf + n;
+    uint64_t passes = atomic_load(&r->passes); /* before the lookup: see fetch_wait */
     if (cache_copy(r, x, f->path, &f->id, dst, dpos, dend)) {
         atomic_fetch_add(&r->stats.hits, 1);
     } else {
@@ -1417,9 +1436,14 @@ ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, si
                 row = crow;
             }
         }
-        /* A row that passed before we joined is looked up again; a fetch is tried twice. */
-        for (int attempt = 0; attempt < 3; attempt++) {
-            rc = fetch_wait(r, use, row, f->name, &f->id, dst, dpos, dend);
+        /*
+         * A row stored while we missed is looked up again (once; then a fetch
+         * starts even if other directories' chunks keep passing); a fetch
+         * is tried twice.
+         */
+        for (int attempt = 0; attempt < 4; attempt++) {
+            rc = fetch_wait(r, use, row, f->name, &f->id, dst, dpos, dend,
+                            attempt == 0 ? &passes : NULL);
             if (rc == 1 || (rc == 0 && cache_copy(r, x, f->path, &f->id, dst, dpos, dend))) {
                 rc = 1;
                 break;

@@ -1,4 +1,5 @@
-"""tools/bench-scale --quick end to end: per-file reads through sshfs against -o remote.
+"""tools/bench-scale --quick end to end: per-file reads through sshfs against -o remote,
+with one storage node and with two.
 
 A smoke test of the benchmark: the runs exist with positive figures, the remote mount fetched
 packs in epoch 1 and nothing in later epochs, and a second job moved no feature bytes.
@@ -18,7 +19,8 @@ def test_quick(tmp_path):
     r = subprocess.run([PYTHON, str(BENCH), "--quick", "--work", str(tmp_path / "work"),
                         "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    res = json.loads(out.read_text())["results"][0]
+    one, two = json.loads(out.read_text())["results"]
+    res = one
     runs = res["runs"]
     for name in ("per-file sshfs", "remote", "second job", "local files", "storage mount",
                  "usual (raw)"):
@@ -30,4 +32,10 @@ def test_quick(tmp_path):
     assert remote[1]["link_bytes"] < 0.05 * features  # epoch 2: local hits
     assert res["second_job_pack_bytes"] == 0
     assert res["remote_stats"]["packs"] == 6
+    assert res["features_equal"] == {"checked": 600, "equal": 600}
+    # two storage nodes, each with half the folders: every feature equal to its node's
+    assert two["nodes"] == 2
+    assert two["features_equal"] == {"checked": 600, "equal": 600}
+    assert two["remote_stats"]["packs"] == 12  # files are sharded by hash: each folder on both
+    assert all(s["pack_bytes"] > 0 for s in two["remote_stats"]["sources"])
     assert "remote epochs 2+ vs per-file sshfs" in r.stdout

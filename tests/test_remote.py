@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import Mount, daemon_pid, is_mounted, need_hapifs, wait_gone
+from test_cache_life import ctl_write
 from test_throughput import make_tree
 
 PACK = ".hapifs-pack.npy"
@@ -101,6 +102,26 @@ def test_concurrent_misses_in_a_directory_join_one_fetch(tmp_path, storage, moun
     assert got == feats(st.path, paths)
     assert r.ctl("stats")["remote"]["packs"] == 1
     assert st.ctl("stats")["pack"]["opens"] == 1
+
+
+def test_a_miss_that_races_the_store_of_its_row_fetches_nothing_more(tmp_path, storage, mounter):
+    """Readers that miss while a chunk is being stored look again rather than fetch it again."""
+    from concurrent.futures import ThreadPoolExecutor
+    src, st, paths = storage(classes=1, per_class=48)
+    want = feats(st.path, paths)  # warm on the storage side: packs stream at once
+    r = remote(mounter, tmp_path, [st.path])
+    rounds = 8
+    with ThreadPoolExecutor(16) as ex:
+        for i in range(rounds):
+            ctl_write(r, "evict all")
+            for p in paths:  # and the kernel's copies (keep_cache), so every read misses
+                fd = os.open(r.path / (p + ".feat"), os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            order = paths[i % 7:] + paths[:i % 7]
+            got = dict(zip(order, ex.map(lambda p: (r.path / (p + ".feat")).read_bytes(), order)))
+            assert got == want
+    assert r.ctl("stats")["remote"]["packs"] == rounds
 
 
 def test_union_of_two_storage_nodes(tmp_path, storage, mounter):
