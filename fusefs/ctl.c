@@ -535,11 +535,41 @@ static hapi_ctl_text *text_of(char *text)
     return t;
 }
 
-hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name)
+struct shown_to {
+    hapi_ctl *c;
+    const hapi_cred *who;
+};
+
+/* Whether the reader could learn path from the source tree (see hapi_ctl_render). */
+static int shown(const char *path, void *arg)
+{
+    const struct shown_to *t = arg;
+    return t->c->cfg.source && hapi_source_may_see(t->c->cfg.source, t->who, path);
+}
+
+/* Hides from who the names in stats that it could not list in the source tree. */
+static void redact_stats(hapi_ctl *c, json_t *j, const hapi_cred *who)
+{
+    struct shown_to t = { c, who };
+    json_t *warm = json_object_get(j, "warm");
+    const char *path = json_string_value(json_object_get(warm, "path"));
+    if (path && !shown(path, &t))
+        json_object_set_new(warm, "path", json_string("(hidden)"));
+    json_t *sources = json_object_get(json_object_get(j, "remote"), "sources");
+    for (size_t i = 0; i < json_array_size(sources); i++) {
+        json_t *e = json_array_get(sources, i);
+        if (*json_string_value(json_object_get(e, "last_error")))
+            json_object_set_new(e, "last_error", json_string("(hidden)"));
+    }
+}
+
+hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name, const hapi_cred *who)
 {
     json_t *j = NULL;
-    if (strcmp(name, "errors") == 0)
-        return text_of(hapi_error_ring_json(c->cfg.errors));
+    if (strcmp(name, "errors") == 0) {
+        struct shown_to t = { c, who };
+        return text_of(hapi_error_ring_json(c->cfg.errors, who ? shown : NULL, &t));
+    }
     if (strcmp(name, HAPI_CTL_WRITABLE) == 0)
         return c->cfg.remote ? hapi_ctl_text_new(remote_ctl_help, sizeof(remote_ctl_help) - 1)
                              : hapi_ctl_text_new(ctl_help, sizeof(ctl_help) - 1);
@@ -559,6 +589,8 @@ hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name)
         j = render_policy(c);
     if (!j)
         return NULL;
+    if (who && strcmp(name, "stats") == 0)
+        redact_stats(c, j, who);
     char *text = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
     json_decref(j);
     return text_of(text);

@@ -355,18 +355,25 @@ static void ctl_file_attr(hapi_fs *fs, int index, struct stat *st)
 {
     if (strcmp(hapi_ctl_files[index], HAPI_CTL_MODEL) == 0) {
         /* the model archive itself, for the compute tier's remaining stages */
+        /* readable as the model file is: its owner, group and read bits */
         struct stat m;
         memset(st, 0, sizeof(*st));
+        st->st_mode = 0444;
         if (fs->model_fd >= 0 && fstat(fs->model_fd, &m) == 0)
             *st = m;
         st->st_ino = CTL_FILE_ID(index);
-        st->st_mode = S_IFREG | 0444;
+        st->st_mode = S_IFREG | (st->st_mode & 0444);
         st->st_nlink = 1;
         return;
     }
+    /* owned by the mount's owner; ctl writable by it and by ctl_group */
     memset(st, 0, sizeof(*st));
     st->st_ino = CTL_FILE_ID(index);
-    st->st_mode = S_IFREG | (strcmp(hapi_ctl_files[index], HAPI_CTL_WRITABLE) == 0 ? 0644 : 0444);
+    st->st_uid = getuid();
+    st->st_gid = fs->opt->ctl_gid != (gid_t)-1 ? fs->opt->ctl_gid : getgid();
+    st->st_mode = S_IFREG | (strcmp(hapi_ctl_files[index], HAPI_CTL_WRITABLE) != 0 ? 0444
+                             : fs->opt->ctl_gid != (gid_t)-1                       ? 0664
+                                                                                    : 0644);
     st->st_nlink = 1;
     st->st_size = HAPI_CTL_SIZE_MAX;
     st->st_mtim.tv_sec = time(NULL);
@@ -889,6 +896,25 @@ static void open_file_free(struct open_file *h)
     free(h);
 }
 
+/*
+ * Who sent req, in *c; returns c, or NULL for root and the mount's owner, who
+ * may do anything the mount does. The kernel has already checked the modes
+ * that the attributes show (allow_other turns on default_permissions); this
+ * is for what they cannot say. A caller whose groups cannot be read is taken
+ * with its primary group only.
+ */
+static const hapi_cred *req_who(fuse_req_t req, hapi_cred *c)
+{
+    const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    if (ctx->uid == 0 || ctx->uid == getuid())
+        return NULL;
+    c->uid = ctx->uid;
+    c->gid = ctx->gid;
+    int n = fuse_req_getgroups(req, HAPI_CRED_GROUPS, c->groups);
+    c->ngroups = n < 0 ? 0 : n > HAPI_CRED_GROUPS ? HAPI_CRED_GROUPS : n;
+    return c;
+}
+
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     hapi_fs *fs = fuse_req_userdata(req);
@@ -896,6 +922,8 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     char *path = NULL;
     int kind, rc;
     int writing = (fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC);
+    hapi_cred cred;
+    const hapi_cred *who = req_who(req, &cred);
 
     h = calloc(1, sizeof(*h));
     if (!h) {
@@ -919,6 +947,12 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
             rc = -EROFS;
             goto fail;
         }
+        /* Commands change what every user of the mount sees: its owner's, and ctl_group's. */
+        if (writing && who &&
+            !(fs->opt->ctl_gid != (gid_t)-1 && hapi_cred_in_group(who, fs->opt->ctl_gid))) {
+            rc = -EACCES;
+            goto fail;
+        }
         if (strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) == 0) {
             char self[64];
             snprintf(self, sizeof(self), "/proc/self/fd/%d", fs->model_fd);
@@ -932,7 +966,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
             goto done;
         }
         h->kind = HAPI_NODE_CTL_FILE;
-        h->text = hapi_ctl_render(fs->ctl, hapi_ctl_files[i]);
+        h->text = hapi_ctl_render(fs->ctl, hapi_ctl_files[i], who);
         if (!h->text) {
             rc = -ENOMEM;
             goto fail;
@@ -978,7 +1012,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         fi->keep_cache = 1;
     } else if (kind == HAPI_NODE_PACK) {
         /* A snapshot of the directory now; no keep_cache: an image may change in place. */
-        if ((rc = hapi_pack_open(fs->packs, path, &h->pack)) < 0)
+        if ((rc = hapi_pack_open(fs->packs, path, who, &h->pack)) < 0)
             goto fail;
     } else if (kind == HAPI_NODE_PACK_INDEX) {
         char *text = NULL;

@@ -61,6 +61,8 @@ typedef struct hapi_fs_options {
     size_t nroots;
     int refresh_ms;        /* remote: how long a directory's index is trusted */
     int fetch_threads;     /* remote: packs fetched at once */
+    int allow_other;       /* other users may use the mount (default_permissions is on) */
+    gid_t ctl_gid;         /* ctl_group=: its members may write .hapifs/ctl; -1: none */
     struct fuse_args fuse_args; /* what goes to fuse_session_new() */
 } hapi_fs_options;
 
@@ -103,8 +105,13 @@ hapi_error_ring *hapi_error_ring_new(void);
 void hapi_error_ring_free(hapi_error_ring *r);
 /* Records that path failed with code and message, and logs it. */
 void hapi_error_ring_add(hapi_error_ring *r, const char *path, int code, const char *message);
-/* A JSON text {"count": N, "errors": [...]} (malloc'd, caller frees), or NULL. */
-char *hapi_error_ring_json(hapi_error_ring *r);
+/*
+ * A JSON text {"count": N, "errors": [...]} (malloc'd, caller frees), or
+ * NULL. With shown, only the errors whose path it returns nonzero for are
+ * listed, and "hidden" counts the others.
+ */
+char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, void *arg),
+                           void *arg);
 
 /*
  * ------------------------------------------------------------------ layers
@@ -178,6 +185,37 @@ int hapi_source_stat(const hapi_source *s, const char *path, struct stat *st);
 
 /* The identity (size, times, inode) that st describes. */
 void hapi_source_identity_of(const struct stat *st, hapi_source_id *id);
+
+/*
+ * Who asks: a request's user and groups, for what the kernel's mode checks
+ * (default_permissions) cannot decide on their own: a pack's images, the
+ * names in .hapifs/errors, .hapifs/ctl.
+ */
+#define HAPI_CRED_GROUPS 64
+typedef struct hapi_cred {
+    uid_t uid;
+    gid_t gid;
+    int ngroups;                    /* of groups; more than HAPI_CRED_GROUPS are not seen */
+    gid_t groups[HAPI_CRED_GROUPS]; /* supplementary */
+} hapi_cred;
+
+/* 1 when c is in group g (primary or supplementary), else 0. */
+int hapi_cred_in_group(const hapi_cred *c, gid_t g);
+
+/*
+ * 1 when c may do mask (R_OK, X_OK, or both) on a file of attributes st by
+ * its mode bits, as the kernel decides without ACLs (root may read and
+ * search anything, and run what has an x bit), else 0. NULL c may.
+ */
+int hapi_cred_may(const hapi_cred *c, const struct stat *st, int mask);
+
+/*
+ * 1 when c could learn path's name from the source tree: search on every
+ * directory from the root to path's parent and read on that parent (so
+ * listing it shows the name), else 0 (also when path cannot be reached).
+ * NULL c may. path "" (the root) is always seen.
+ */
+int hapi_source_may_see(const hapi_source *s, const hapi_cred *c, const char *path);
 
 /* The identity of the regular file path. Returns 0, -EINVAL (not a regular file) or -errno. */
 int hapi_source_identity(const hapi_source *s, const char *path, hapi_source_id *id);
@@ -469,10 +507,12 @@ typedef struct hapi_pack_info {
 int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info);
 
 /*
- * Opens dir's pack at the current view: a snapshot of its images. Returns 0
- * or what hapi_pack_info_get() returns; *out NULL on failure.
+ * Opens dir's pack at the current view: a snapshot of its images. who (NULL:
+ * anyone) must be able to read every one of them, or it is -EACCES: a pack
+ * holds the features of each. Returns 0 or what hapi_pack_info_get()
+ * returns; *out NULL on failure.
  */
-int hapi_pack_open(hapi_packs *p, const char *dir, hapi_pack **out);
+int hapi_pack_open(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_pack **out);
 /* The pack's size in bytes. */
 uint64_t hapi_pack_size(const hapi_pack *k);
 /*
@@ -800,8 +840,15 @@ void hapi_ctl_text_put(hapi_ctl_text *t);
 /* A text holding a copy of data. NULL on out-of-memory. */
 hapi_ctl_text *hapi_ctl_text_new(const char *data, size_t len);
 
-/* The content of control file name ("config", "stats", ...) now (one reference), or NULL. */
-hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name);
+/*
+ * The content of control file name ("config", "stats", ...) now (one
+ * reference), or NULL, as who may see it: NULL is the mount's owner or root,
+ * who see everything. Others see in errors only the errors of paths whose
+ * names they could list in the source tree ("hidden" counts the rest; on a
+ * remote mount, none), and in stats "(hidden)" for such a warm-up path and
+ * for a remote source's last error.
+ */
+hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name, const hapi_cred *who);
 
 /*
  * Carries out the commands in text (one per line: "warm [PATH]", ...).

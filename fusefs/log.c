@@ -142,7 +142,8 @@ void hapi_error_ring_add(hapi_error_ring *r, const char *path, int code, const c
     pthread_mutex_unlock(&r->lock);
 }
 
-char *hapi_error_ring_json(hapi_error_ring *r)
+char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, void *arg),
+                           void *arg)
 {
     json_t *list = json_array();
     json_t *root = json_object();
@@ -166,6 +167,18 @@ char *hapi_error_ring_json(hapi_error_ring *r)
     }
     json_object_set_new(root, "count", json_integer((json_int_t)r->count));
     pthread_mutex_unlock(&r->lock);
+    if (shown) {
+        /* outside the lock: deciding may stat the source */
+        json_int_t hidden = 0;
+        for (size_t k = json_array_size(list); k-- > 0;) {
+            const char *path = json_string_value(json_object_get(json_array_get(list, k), "path"));
+            if (!path || !shown(path, arg)) {
+                json_array_remove(list, k);
+                hidden++;
+            }
+        }
+        json_object_set_new(root, "hidden", json_integer(hidden));
+    }
     json_object_set(root, "errors", list);
     text = json_dumps(root, JSON_INDENT(2));
 out:

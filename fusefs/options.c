@@ -4,6 +4,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <limits.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -21,8 +22,9 @@ struct raw_options {
     char *threads, *torch_threads, *show_raw, *max_pixels, *device, *log;
     char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
     char *link, *client_speed, *epochs, *profile, *prefetch;
-    char *refresh, *fetch_threads, *rtt, *transport;
+    char *refresh, *fetch_threads, *rtt, *transport, *ctl_group;
     int remote;
+    int allow_other, default_permissions; /* given among the kernel options */
     char *nonopt[3];
     int nonopts;
     int helper;
@@ -65,6 +67,7 @@ static const struct fuse_opt option_table[] = {
     RAW("rtt=%s", rtt),
     RAW("transport=%s", transport),
     RAW("fetch_threads=%s", fetch_threads),
+    RAW("ctl_group=%s", ctl_group),
     { "remote", offsetof(struct raw_options, remote), 1 },
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-d", KEY_DEBUG),
@@ -141,6 +144,10 @@ static int option_proc(void *data, const char *arg, int key, struct fuse_args *o
     case KEY_IGNORE:
         return 0;
     case KEY_FUSE:
+        if (strcmp(arg, "allow_other") == 0)
+            raw->allow_other = 1;
+        if (strcmp(arg, "default_permissions") == 0)
+            raw->default_permissions = 1;
         return fuse_opt_add_opt(&raw->kernel_opts, arg) < 0 ? -1 : 0;
     default:
         /* x-systemd.automount, x-gvfs-show, ...: for other programs. */
@@ -200,7 +207,12 @@ void hapi_fs_usage(const char *prog)
            "    max_pixels=N         refuse larger images (default 100000000)\n"
            "    show_raw=0|1         also show the images themselves (default 0)\n"
            "    log=PATH             log to PATH (default: syslog, stderr with -f)\n"
-           "    allow_other, default_permissions, nosuid, nodev, noexec: as for any FUSE mount\n"
+           "    allow_other          let other users read the mount, as the source's own modes,\n"
+           "                         owners and groups let them read the source (this turns on\n"
+           "                         default_permissions; the daemon checks packs and errors)\n"
+           "    ctl_group=GROUP      members may write .hapifs/ctl too (default: root and the\n"
+           "                         mount's owner only)\n"
+           "    default_permissions, nosuid, nodev, noexec: as for any FUSE mount\n"
            "    -f                   stay in the foreground\n"
            "    -d                   debug output (implies -f)\n"
            "    -h, -V               help, version\n"
@@ -646,6 +658,20 @@ static int validate_common(struct raw_options *raw, hapi_fs_options *o, hapi_err
     } else {
         o->cache_size = default_cache_size(o->cache_dir);
     }
+    o->allow_other = raw->allow_other;
+    o->ctl_gid = (gid_t)-1;
+    if (raw->ctl_group) {
+        /* a name, or a number that names no group by that name */
+        char buf[4096];
+        struct group gr, *found = NULL;
+        if (getgrnam_r(raw->ctl_group, &gr, buf, sizeof(buf), &found) == 0 && found)
+            o->ctl_gid = found->gr_gid;
+        else if (parse_int(raw->ctl_group, 0, INT_MAX, &v) == 0)
+            o->ctl_gid = (gid_t)v;
+        else
+            return hapi_error_set(err, HAPI_EINVAL, "ctl_group=%s: no such group",
+                                  raw->ctl_group);
+    }
     if (raw->log) {
         o->log_path = strdup(raw->log);
         if (!o->log_path)
@@ -694,6 +720,9 @@ int hapi_fs_options_parse(int argc, char **argv, int helper, hapi_fs_options *o,
     if (fuse_opt_add_opt(&mount_opts, "subtype=hapifs") < 0 ||
         fuse_opt_add_opt_escaped(&mount_opts, fsname) < 0 ||
         (raw.kernel_opts && fuse_opt_add_opt(&mount_opts, raw.kernel_opts) < 0) ||
+        /* other users read as the source's modes let them: the kernel checks those */
+        (raw.allow_other && !raw.default_permissions &&
+         fuse_opt_add_opt(&mount_opts, "default_permissions") < 0) ||
         fuse_opt_add_arg(fa, argv[0]) < 0 || fuse_opt_add_arg(fa, "-o") < 0 ||
         fuse_opt_add_arg(fa, mount_opts) < 0 || (o->debug && fuse_opt_add_arg(fa, "-d") < 0)) {
         rc = hapi_error_set(err, -ENOMEM, "out of memory");
@@ -733,6 +762,7 @@ out:
     free(raw.rtt);
     free(raw.transport);
     free(raw.fetch_threads);
+    free(raw.ctl_group);
     free(raw.bad_option);
     free(raw.kernel_opts);
     for (int i = 0; i < raw.nonopts; i++)

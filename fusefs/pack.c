@@ -42,6 +42,8 @@ struct snapshot {
     char **paths;
     hapi_source_id *ids;
     struct timespec mtime, ctime;
+    const hapi_cred *who;      /* NULL, or who must be able to read every image */
+    int denied;                /* who cannot read one of them */
 };
 
 struct hapi_pack {
@@ -123,6 +125,8 @@ static int snapshot_add(const hapi_source_entry *e, void *arg)
         return -ENOMEM;
     }
     hapi_source_identity_of(e->st, &sn->ids[sn->count]);
+    if (!hapi_cred_may(sn->who, e->st, R_OK))
+        sn->denied = 1;
     latest(&sn->mtime, &e->st->st_mtim);
     latest(&sn->ctime, &e->st->st_ctim);
     sn->count++;
@@ -177,11 +181,16 @@ static void snapshot_sort(struct snapshot *sn)
     sn->cap = n;
 }
 
-/* Takes the snapshot of dir's images. Returns 0, -ENOENT (none), -ENOTDIR or -errno. */
-static int snapshot_take(hapi_packs *p, const char *dir, struct snapshot *sn)
+/*
+ * Takes the snapshot of dir's images. Returns 0, -ENOENT (none), -ENOTDIR,
+ * -EACCES (who, when not NULL, cannot read one of them) or -errno.
+ */
+static int snapshot_take(hapi_packs *p, const char *dir, const hapi_cred *who,
+                         struct snapshot *sn)
 {
     struct stat st;
     memset(sn, 0, sizeof(*sn));
+    sn->who = who;
     int rc = hapi_source_stat(p->source, dir, &st);
     if (rc == 0 && !S_ISDIR(st.st_mode))
         rc = -ENOTDIR;
@@ -193,6 +202,8 @@ static int snapshot_take(hapi_packs *p, const char *dir, struct snapshot *sn)
     rc = hapi_source_walk(p->source, dir, HAPI_WALK_STAT, NULL, snapshot_add, sn);
     if (rc == 0 && sn->count == 0)
         rc = -ENOENT;
+    if (rc == 0 && sn->denied)
+        rc = -EACCES;
     if (rc == 0) {
         snapshot_sort(sn);
         for (size_t i = 1; i < sn->count && rc == 0; i++)
@@ -228,12 +239,12 @@ static uint64_t index_bound(const struct snapshot *sn)
  * of its pack: what every use of a pack starts with. Returns the header's
  * length, or < 0 with nothing held.
  */
-static int take(hapi_packs *p, const char *dir, hapi_view **v, struct snapshot *sn,
-                char *header)
+static int take(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_view **v,
+                struct snapshot *sn, char *header)
 {
     if (!(*v = hapi_views_get(p->views)))
         return -ENODEV;
-    int rc = snapshot_take(p, dir, sn);
+    int rc = snapshot_take(p, dir, who, sn);
     if (rc == 0 && (rc = pack_header(*v, sn->count, header)) < 0)
         snapshot_free(sn);
     if (rc < 0) {
@@ -248,7 +259,7 @@ int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info)
     struct snapshot sn;
     char header[HAPI_NPY_HEADER_MAX];
     hapi_view *v;
-    int rc = take(p, dir, &v, &sn, header);
+    int rc = take(p, dir, NULL, &v, &sn, header);
     if (rc < 0)
         return rc;
     info->count = sn.count;
@@ -263,7 +274,7 @@ int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info)
 
 /* ------------------------------------------------------------------ reads */
 
-int hapi_pack_open(hapi_packs *p, const char *dir, hapi_pack **out)
+int hapi_pack_open(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_pack **out)
 {
     *out = NULL;
     hapi_pack *k = calloc(1, sizeof(*k));
@@ -271,7 +282,7 @@ int hapi_pack_open(hapi_packs *p, const char *dir, hapi_pack **out)
         return -ENOMEM;
     k->packs = p;
     pthread_mutex_init(&k->lock, NULL);
-    int rc = take(p, dir, &k->view, &k->snap, k->header);
+    int rc = take(p, dir, who, &k->view, &k->snap, k->header);
     if (rc < 0) {
         hapi_pack_close(k);
         return rc;
@@ -445,7 +456,7 @@ int hapi_pack_index(hapi_packs *p, const char *dir, char **text, size_t *len)
     char header[HAPI_NPY_HEADER_MAX];
     hapi_view *v;
     *text = NULL;
-    int rc = take(p, dir, &v, &sn, header);
+    int rc = take(p, dir, NULL, &v, &sn, header);
     if (rc < 0)
         return rc;
     json_t *shape = json_array(), *entries = json_array();

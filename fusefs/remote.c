@@ -88,6 +88,9 @@ struct dir_index {
     uint64_t pack_size;
     size_t count;
     struct index_entry *entries;  /* in the pack's row order: the byte order of names */
+    uid_t uid;                    /* the index file's owner, group and read bits as the */
+    gid_t gid;                    /* source shows them: its directory's, which its .feat */
+    mode_t mode;                  /* files show (the index carries no per-file modes) */
 };
 
 /* The latest index of (source, dir), or why there is none. */
@@ -516,14 +519,24 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
      * sshfs: 13,408 refused indexes in one run). FUSE and NFS read around
      * their page cache for O_DIRECT; where it is refused, read normally.
      */
-    int rc = read_text(source_open(r, src, path, O_RDONLY | O_DIRECT), INDEX_MAX, &text, &len);
-    if (rc == -EINVAL) /* a local filesystem wants aligned buffers for O_DIRECT */
-        rc = read_text(source_open(r, src, path, O_RDONLY), INDEX_MAX, &text, &len);
+    struct stat ist = { .st_uid = getuid(), .st_gid = getgid(), .st_mode = 0444 };
+    int rc = -EINVAL;
+    for (int direct = 1; rc == -EINVAL && direct >= 0; direct--) {
+        /* a local filesystem wants aligned buffers for O_DIRECT: then read normally */
+        int fd = source_open(r, src, path, O_RDONLY | (direct ? O_DIRECT : 0));
+        if (fd >= 0 && fstat(fd, &ist) < 0)
+            ist.st_mode = 0444;
+        rc = read_text(fd, INDEX_MAX, &text, &len);
+    }
     if (rc == 0) {
         atomic_fetch_add(&s->stats.index_reads, 1);
         atomic_fetch_add(&s->stats.index_bytes, len);
         hapi_error err = { 0 };
-        if ((rc = index_parse(text, len, src, dir, out, &err)) < 0) {
+        if ((rc = index_parse(text, len, src, dir, out, &err)) == 0) {
+            (*out)->uid = ist.st_uid;
+            (*out)->gid = ist.st_gid;
+            (*out)->mode = ist.st_mode & 0444;
+        } else {
             char msg[600];
             snprintf(msg, sizeof(msg), "source %s: %s: index refused: %s", s->path, path,
                      err.message);
@@ -710,10 +723,10 @@ static char *split_path(const char *path, const char **name)
 static void feat_attr(const struct dir_index *x, const struct index_entry *e, struct stat *st)
 {
     memset(st, 0, sizeof(*st));
-    st->st_mode = S_IFREG | 0444;
+    st->st_mode = S_IFREG | x->mode;
     st->st_nlink = 1;
-    st->st_uid = getuid();
-    st->st_gid = getgid();
+    st->st_uid = x->uid;
+    st->st_gid = x->gid;
     st->st_size = (off_t)(x->header_len + x->row_bytes);
     st->st_blocks = (st->st_size + 511) / 512;
     st->st_blksize = 4096;

@@ -95,6 +95,53 @@ void hapi_source_identity_of(const struct stat *st, hapi_source_id *id)
     };
 }
 
+int hapi_cred_in_group(const hapi_cred *c, gid_t g)
+{
+    if (c->gid == g)
+        return 1;
+    for (int i = 0; i < c->ngroups && i < HAPI_CRED_GROUPS; i++)
+        if (c->groups[i] == g)
+            return 1;
+    return 0;
+}
+
+int hapi_cred_may(const hapi_cred *c, const struct stat *st, int mask)
+{
+    if (!c)
+        return 1;
+    mode_t want = (mode_t)(((mask & R_OK) ? 4 : 0) | ((mask & X_OK) ? 1 : 0));
+    if (c->uid == 0)
+        return !(mask & X_OK) || S_ISDIR(st->st_mode) || (st->st_mode & 0111);
+    mode_t bits = c->uid == st->st_uid                 ? (st->st_mode >> 6) & 7
+                  : hapi_cred_in_group(c, st->st_gid) ? (st->st_mode >> 3) & 7
+                                                        : st->st_mode & 7;
+    return (bits & want) == want;
+}
+
+int hapi_source_may_see(const hapi_source *s, const hapi_cred *c, const char *path)
+{
+    if (!c || !*path)
+        return 1;
+    char *copy = strdup(path);
+    if (!copy)
+        return 0;
+    /* every directory above path: search; its parent: read too */
+    int ok = 1;
+    char *end = strrchr(copy, '/');
+    struct stat st;
+    if (hapi_source_stat(s, "", &st) < 0 || !hapi_cred_may(c, &st, X_OK | (end ? 0 : R_OK)))
+        ok = 0;
+    for (char *slash = copy; ok && end && (slash = strchr(slash, '/')); slash++) {
+        *slash = '\0';
+        if (hapi_source_stat(s, copy, &st) < 0 || !S_ISDIR(st.st_mode) ||
+            !hapi_cred_may(c, &st, X_OK | (slash == end ? R_OK : 0)))
+            ok = 0;
+        *slash = '/';
+    }
+    free(copy);
+    return ok;
+}
+
 int hapi_source_identity(const hapi_source *s, const char *path, hapi_source_id *id)
 {
     struct stat st;

@@ -100,6 +100,95 @@ START_TEST(test_options_values)
 }
 END_TEST
 
+/* The kernel options as libfuse gets them ("-o a,b,c"). */
+static const char *kernel_opts(const hapi_fs_options *o)
+{
+    for (int i = 1; i < o->fuse_args.argc; i++)
+        if (strcmp(o->fuse_args.argv[i - 1], "-o") == 0)
+            return o->fuse_args.argv[i];
+    return "";
+}
+
+/* allow_other turns default_permissions on; ctl_group= takes a group name or number. */
+START_TEST(test_options_sharing)
+{
+    hapi_fs_options o;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(parse(with_base("model=%s,cache=%s"), &o, &err), 0);
+    ck_assert_ptr_null(strstr(kernel_opts(&o), "default_permissions"));
+    ck_assert_int_eq(o.allow_other, 0);
+    ck_assert_int_eq(o.ctl_gid, (gid_t)-1);
+    hapi_fs_options_free(&o);
+    ck_assert_int_eq(parse(with_base("model=%s,cache=%s,allow_other,ctl_group=root"), &o, &err), 0);
+    ck_assert_ptr_nonnull(strstr(kernel_opts(&o), "allow_other"));
+    ck_assert_ptr_nonnull(strstr(kernel_opts(&o), "default_permissions"));
+    ck_assert_int_eq(o.allow_other, 1);
+    ck_assert_int_eq(o.ctl_gid, 0);
+    hapi_fs_options_free(&o);
+    /* written by the operator too: once */
+    ck_assert_int_eq(parse(with_base("model=%s,cache=%s,allow_other,default_permissions,"
+                                     "ctl_group=4321"), &o, &err), 0);
+    const char *k = kernel_opts(&o);
+    ck_assert_ptr_null(strstr(strstr(k, "default_permissions") + 1, "default_permissions"));
+    ck_assert_int_eq(o.ctl_gid, 4321);
+    hapi_fs_options_free(&o);
+    ck_assert_int_eq(parse(with_base("model=%s,cache=%s,ctl_group=no-such-group-x"), &o, &err),
+                     HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "ctl_group=no-such-group-x: no such group"));
+    hapi_fs_options_free(&o);
+}
+END_TEST
+
+/* The mode-bit check the kernel makes: owner, then group, then others; root reads all. */
+START_TEST(test_cred_may)
+{
+    hapi_cred u = { .uid = 1000, .gid = 100, .ngroups = 1, .groups = { 200 } };
+    struct stat st = { .st_mode = S_IFREG | 0640, .st_uid = 1000, .st_gid = 5 };
+    ck_assert(hapi_cred_may(&u, &st, R_OK));
+    st.st_uid = 1;
+    ck_assert(!hapi_cred_may(&u, &st, R_OK));
+    st.st_gid = 200; /* a supplementary group */
+    ck_assert(hapi_cred_may(&u, &st, R_OK));
+    st.st_mode = S_IFREG | 0604; /* the group's bits rule a member, even when others may */
+    ck_assert(!hapi_cred_may(&u, &st, R_OK));
+    st.st_gid = 7;
+    ck_assert(hapi_cred_may(&u, &st, R_OK));
+    st.st_mode = S_IFDIR | 0744; /* read but not search */
+    ck_assert(hapi_cred_may(&u, &st, R_OK));
+    ck_assert(!hapi_cred_may(&u, &st, R_OK | X_OK));
+    hapi_cred root = { 0 };
+    st.st_mode = S_IFREG | 0000;
+    ck_assert(hapi_cred_may(&root, &st, R_OK));
+    ck_assert(!hapi_cred_may(&root, &st, X_OK));
+    ck_assert(hapi_cred_may(NULL, &st, R_OK | X_OK));
+}
+END_TEST
+
+/* A path's name is seen through search on every folder above it and read on its own. */
+START_TEST(test_source_may_see)
+{
+    char dir[600], sub[700];
+    snprintf(dir, sizeof(dir), "%s/see", src);
+    snprintf(sub, sizeof(sub), "%s/see/in", src);
+    ck_assert_int_eq(mkdir(dir, 0711), 0);
+    ck_assert_int_eq(mkdir(sub, 0755), 0);
+    ck_assert_int_eq(chmod(src, 0755), 0);
+    hapi_source *s;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(hapi_source_open(src, &s, &err), 0);
+    hapi_cred u = { .uid = 4242, .gid = 4242 };
+    ck_assert(hapi_source_may_see(s, &u, ""));
+    ck_assert(hapi_source_may_see(s, &u, "see"));         /* src is readable */
+    ck_assert(!hapi_source_may_see(s, &u, "see/in"));     /* see/ can be searched, not read */
+    ck_assert(hapi_source_may_see(s, &u, "see/in/x.jpg")); /* in/ is readable, see/ searchable */
+    ck_assert(!hapi_source_may_see(s, &u, "see/none/x.jpg"));
+    ck_assert(hapi_source_may_see(s, NULL, "see/in"));
+    ck_assert_int_eq(chmod(dir, 0700), 0);
+    ck_assert(!hapi_source_may_see(s, &u, "see/in/x.jpg"));
+    hapi_source_close(s);
+}
+END_TEST
+
 /* Each bad option fails with a message that names it. */
 /* batch= takes the range the ctl command and the batcher take. */
 START_TEST(test_options_batch_range)
@@ -250,12 +339,39 @@ START_TEST(test_error_ring)
     }
     /* the same failure again at once is a repeat, not a new error */
     hapi_error_ring_add(r, "img265.jpg", HAPI_EDECODE, "truncated");
-    char *json = hapi_error_ring_json(r);
+    char *json = hapi_error_ring_json(r, NULL, NULL);
     ck_assert_ptr_nonnull(json);
     ck_assert_ptr_nonnull(strstr(json, "\"repeats\": 1"));
     ck_assert_ptr_nonnull(strstr(json, "\"count\": 266"));
     ck_assert_ptr_null(strstr(json, "\"img9.jpg\""));     /* pushed out */
     ck_assert_ptr_nonnull(strstr(json, "\"img265.jpg\"")); /* newest kept */
+    free(json);
+    hapi_error_ring_free(r);
+}
+END_TEST
+
+static int shown_if_public(const char *path, void *arg)
+{
+    (void)arg;
+    return strncmp(path, "public/", 7) == 0;
+}
+
+/* With a filter, the errors of other paths are counted as hidden, not listed. */
+START_TEST(test_error_ring_filter)
+{
+    hapi_error_ring *r = hapi_error_ring_new();
+    hapi_error_ring_add(r, "public/a.jpg", HAPI_EDECODE, "truncated");
+    hapi_error_ring_add(r, "private/b.jpg", HAPI_EDECODE, "truncated");
+    hapi_error_ring_add(r, "private/c.jpg", HAPI_EDECODE, "truncated");
+    char *json = hapi_error_ring_json(r, shown_if_public, NULL);
+    ck_assert_ptr_nonnull(strstr(json, "\"public/a.jpg\""));
+    ck_assert_ptr_null(strstr(json, "private"));
+    ck_assert_ptr_nonnull(strstr(json, "\"hidden\": 2"));
+    ck_assert_ptr_nonnull(strstr(json, "\"count\": 3"));
+    free(json);
+    json = hapi_error_ring_json(r, NULL, NULL);
+    ck_assert_ptr_nonnull(strstr(json, "private/c.jpg"));
+    ck_assert_ptr_null(strstr(json, "hidden"));
     free(json);
     hapi_error_ring_free(r);
 }
@@ -278,7 +394,11 @@ int main(void)
         { "options_helper", test_options_helper },
         { "parse_size", test_parse_size },
         { "parse_time", test_parse_time },
+        { "options_sharing", test_options_sharing },
+        { "cred_may", test_cred_may },
+        { "source_may_see", test_source_may_see },
         { "error_ring", test_error_ring },
+        { "error_ring_filter", test_error_ring_filter },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
         TCase *tc = tcase_create(cases[i].name);

@@ -208,7 +208,7 @@ START_TEST(deleted_source)
     ck_assert_int_eq(hapi_serve_read(serve, v, "a/x2.jpg", &id, buf, sizeof(buf), 0), -ENOENT);
     hapi_serve_stats_get(serve, &before);
     ck_assert_int_eq(before.errors - after.errors, 1);
-    char *json = hapi_error_ring_json(errors);
+    char *json = hapi_error_ring_json(errors, NULL, NULL);
     ck_assert_ptr_nonnull(strstr(json, "a/x2.jpg"));
     free(json);
     ck_assert_int_eq(hapi_serve_queue(serve, v, "a/x2.jpg", HAPI_PRIORITY_WARM, NULL),
@@ -292,7 +292,7 @@ START_TEST(pack_rows_are_the_feats)
     ck_assert_int_eq(hapi_pack_info_get(packs, "a", &info), 0);
     ck_assert_uint_eq(info.count, IMAGES + 1);
     hapi_pack *k = NULL;
-    ck_assert_int_eq(hapi_pack_open(packs, "a", &k), 0);
+    ck_assert_int_eq(hapi_pack_open(packs, "a", NULL, &k), 0);
     uint64_t size = hapi_pack_size(k);
     ck_assert_uint_eq(size, info.size);
     /* Read in odd slices, as a reader across a network might: rows straddle reads. */
@@ -342,7 +342,7 @@ START_TEST(pack_rows_are_the_feats)
 
     /* No images directly in the root; a symlink out of the source is not followed. */
     ck_assert_int_eq(hapi_pack_info_get(packs, "", &info), -ENOENT);
-    ck_assert_int_lt(hapi_pack_open(packs, "b/out", &k), 0);
+    ck_assert_int_lt(hapi_pack_open(packs, "b/out", NULL, &k), 0);
     ck_assert_int_eq(hapi_pack_info_get(packs, "notes.txt", &info), -ENOTDIR);
     hapi_pack_stats ps;
     hapi_pack_stats_get(packs, &ps);
