@@ -613,14 +613,25 @@ static int remote_path_exists(hapi_ctl *c, const char *path)
     return ok;
 }
 
-/* A path given to a command: relative to the mount, beneath it, existing in the source. */
-static int command_path(hapi_ctl *c, const char *word, char **out, hapi_error *err)
+/* A path given to a command stays beneath the mount: no '..' component. */
+static int command_path_syntax(const char *word, hapi_error *err)
 {
     while (*word == '/')
         word++;
     for (const char *p = word; *p; p++)
         if (p[0] == '.' && p[1] == '.' && (p == word || p[-1] == '/') && (p[2] == '/' || !p[2]))
             return hapi_error_set(err, -EINVAL, "'%s': '..' is not allowed", word);
+    return 0;
+}
+
+/* A path given to a command: relative to the mount, beneath it, existing in the source. */
+static int command_path(hapi_ctl *c, const char *word, char **out, hapi_error *err)
+{
+    int rc = command_path_syntax(word, err);
+    if (rc < 0)
+        return rc;
+    while (*word == '/')
+        word++;
     char *path = strdup(word);
     if (!path)
         return hapi_error_set(err, -ENOMEM, "out of memory");
@@ -643,9 +654,15 @@ static int command_errno(int rc, int otherwise)
     return rc > HAPI_ERRNO_BASE ? rc : otherwise;
 }
 
+/*
+ * Every handler checks its words first and, with c NULL (hapi_ctl_check),
+ * stops there: a write is carried out only when all its lines check.
+ */
 static int cmd_warm(hapi_ctl *c, int n, char **words, hapi_error *err)
 {
     char *path = NULL;
+    if (!c)
+        return command_path_syntax(n == 2 ? words[1] : "", err);
     int rc = command_path(c, n == 2 ? words[1] : "", &path, err);
     if (rc < 0)
         return rc;
@@ -662,7 +679,10 @@ static int cmd_warm(hapi_ctl *c, int n, char **words, hapi_error *err)
 static int cmd_evict(hapi_ctl *c, int n, char **words, hapi_error *err)
 {
     char *path = NULL;
-    int rc = command_path(c, n == 2 && strcmp(words[1], "all") != 0 ? words[1] : "", &path, err);
+    const char *word = n == 2 && strcmp(words[1], "all") != 0 ? words[1] : "";
+    if (!c)
+        return command_path_syntax(word, err);
+    int rc = command_path(c, word, &path, err);
     if (rc < 0)
         return rc;
     rc = c->cfg.remote ? hapi_remote_evict(c->cfg.remote, path, err)
@@ -678,6 +698,8 @@ static int cmd_split(hapi_ctl *c, int n, char **words, hapi_error *err)
     (void)n;
     int split, rc;
     int automatic = strcmp(words[1], "auto") == 0;
+    if (!c) /* a stage name or number: the model says which exist */
+        return 0;
     if (automatic) {
         hapi_policy_choice *choice = malloc(sizeof(*choice));
         rc = choice ? hapi_tune_choose(c->cfg.tune, 0, NULL, choice, err)
@@ -700,6 +722,8 @@ static int cmd_batch(hapi_ctl *c, int n, char **words, hapi_error *err)
     long b = strcmp(words[1], "auto") == 0 ? 0 : strtol(words[1], &end, 10);
     if (strcmp(words[1], "auto") != 0 && (*end || b < 1 || b > HAPI_BATCH_MAX))
         return hapi_error_set(err, -EINVAL, "usage: batch N|auto (N in 1..%d)", HAPI_BATCH_MAX);
+    if (!c)
+        return 0;
     int rc = hapi_tune_set_batch(c->cfg.tune, (int)b, err);
     return rc < 0 ? command_errno(rc, -EINVAL) : 0;
 }
@@ -733,6 +757,8 @@ static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
             return hapi_error_set(err, -EINVAL, "%s %s: expected a positive %s", words[0],
                                   words[1], is_epochs ? "whole number" : "number");
     }
+    if (!c)
+        return 0;
     hapi_tune_set_input(c->cfg.tune, which, value);
     hapi_log(HAPI_LOG_INFO, "policy input %s = %s", words[0], words[1]);
     return 0;
@@ -756,8 +782,8 @@ static const struct command {
     { "transport", 1, 1, "transport file|pack", cmd_input },
 };
 
-/* Checks one line fully, then carries it out. */
-static int run_line(hapi_ctl *c, char *line, hapi_error *err)
+/* Checks one line fully, then carries it out (with c NULL: checks only, remote or not). */
+static int run_line(hapi_ctl *c, int remote, char *line, hapi_error *err)
 {
     char *words[4];
     int n = 0;
@@ -775,7 +801,7 @@ static int run_line(hapi_ctl *c, char *line, hapi_error *err)
             continue;
         if (n - 1 < cmd->min || n - 1 > cmd->max)
             return hapi_error_set(err, -EINVAL, "usage: %s", cmd->usage);
-        if (c->cfg.remote && cmd->run != cmd_warm && cmd->run != cmd_evict)
+        if (remote && cmd->run != cmd_warm && cmd->run != cmd_evict)
             return hapi_error_set(err, -EINVAL, "%s: a command of the storage side's mount; "
                                   "this is a remote mount (warm and evict only)", cmd->name);
         return cmd->run(c, n, words, err);
@@ -785,7 +811,8 @@ static int run_line(hapi_ctl *c, char *line, hapi_error *err)
                           "client_speed, epochs, rtt, transport)", words[0]);
 }
 
-int hapi_ctl_command(hapi_ctl *c, const char *text, size_t len, hapi_error *err)
+/* Each line of text through run_line. */
+static int run_text(hapi_ctl *c, int remote, const char *text, size_t len, hapi_error *err)
 {
     if (len > HAPI_CTL_LINE_MAX)
         return hapi_error_set(err, -EINVAL, "command longer than %d bytes", HAPI_CTL_LINE_MAX);
@@ -799,9 +826,21 @@ int hapi_ctl_command(hapi_ctl *c, const char *text, size_t len, hapi_error *err)
         size_t l = strlen(line);
         if (l && line[l - 1] == '\r')
             line[l - 1] = '\0';
-        int rc = run_line(c, line, err);
+        int rc = run_line(c, remote, line, err);
         if (rc < 0)
             return rc;
     }
     return 0;
+}
+
+int hapi_ctl_check(const char *text, size_t len, int remote, hapi_error *err)
+{
+    return run_text(NULL, remote, text, len, err);
+}
+
+int hapi_ctl_command(hapi_ctl *c, const char *text, size_t len, hapi_error *err)
+{
+    int remote = c->cfg.remote != NULL;
+    int rc = hapi_ctl_check(text, len, remote, err);
+    return rc < 0 ? rc : run_text(c, remote, text, len, err);
 }

@@ -569,6 +569,13 @@ typedef struct hapi_remote_config {
  * the others serve. Returns 0, or < 0 with err when no root is usable.
  */
 int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_error *err);
+
+/*
+ * Parses and checks text as the pack index of directory dir, as a remote
+ * mount does before it trusts one (format, namespace, shape, names beneath
+ * dir, sizes), and frees it. Returns 0, HAPI_ECORRUPT or -ENOMEM with err.
+ */
+int hapi_remote_index_check(const char *text, size_t len, const char *dir, hapi_error *err);
 /* Stops the fetches and the warm-up, joins, frees. Accepts NULL. */
 void hapi_remote_close(hapi_remote *r);
 
@@ -851,11 +858,20 @@ hapi_ctl_text *hapi_ctl_text_new(const char *data, size_t len);
 hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name, const hapi_cred *who);
 
 /*
- * Carries out the commands in text (one per line: "warm [PATH]", ...).
- * Returns 0, or -EINVAL / -EBUSY / -EAGAIN / -ENOENT / -EIO with a message in
- * err; nothing is changed by the command that fails (earlier lines stand).
+ * Carries out the commands in text (one per line: "warm [PATH]", ...), once
+ * every line has passed hapi_ctl_check(). Returns 0, or -EINVAL / -EBUSY /
+ * -EAGAIN / -ENOENT / -EIO with a message in err; nothing is changed by the
+ * command that fails (earlier lines stand: a path that does not exist or a
+ * split the model does not have is found only when its line runs).
  */
 int hapi_ctl_command(hapi_ctl *c, const char *text, size_t len, hapi_error *err);
+
+/*
+ * Checks text as commands of a mount (remote or not) without any layer: the
+ * command names, their words, the values (sizes, rates, times, numbers) and
+ * that paths stay beneath the mount. Returns 0 or -EINVAL with err. Pure.
+ */
+int hapi_ctl_check(const char *text, size_t len, int remote, hapi_error *err);
 
 /* ---------------------------------------------------------------- fs.c */
 

@@ -10,7 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define HAPI_DEFAULT_CACHE_DIR "/var/cache/hapifs"
@@ -351,6 +353,89 @@ static int resolve_dir(const char *what, const char *path, char **out, hapi_erro
     return 0;
 }
 
+/* Undoes /proc/mounts' octal escapes (\040 for a space...) in place. */
+static void unescape_mount_field(char *s)
+{
+    char *out = s;
+    for (; *s; s++) {
+        if (s[0] == '\\' && s[1] >= '0' && s[1] <= '3' && s[2] >= '0' && s[2] <= '7' &&
+            s[3] >= '0' && s[3] <= '7') {
+            *out++ = (char)((s[1] - '0') * 64 + (s[2] - '0') * 8 + (s[3] - '0'));
+            s += 3;
+        } else {
+            *out++ = *s;
+        }
+    }
+    *out = '\0';
+}
+
+/*
+ * When path is a hapifs mount whose daemon died (the kernel answers
+ * ENOTCONN, "Transport endpoint is not connected", or ECONNABORTED),
+ * detaches it, so that a
+ * restarted daemon (systemd's Restart=, or an operator) mounts again without
+ * anyone having to unmount first. Mounts of other filesystems are left alone.
+ * Returns 1 if it detached one, else 0.
+ */
+static int detach_dead_mount(const char *path)
+{
+    /*
+     * statfs, not stat: the kernel may answer a stat from attributes it keeps
+     * for a second; a statfs always asks the daemon. ENOTCONN, or ECONNABORTED
+     * once the kernel has aborted the connection.
+     */
+    struct statvfs sv;
+    if (statvfs(path, &sv) == 0 || (errno != ENOTCONN && errno != ECONNABORTED))
+        return 0;
+    char abs[PATH_MAX];
+    if (path[0] == '/')
+        snprintf(abs, sizeof(abs), "%s", path);
+    else if (getcwd(abs, sizeof(abs)))
+        snprintf(abs + strlen(abs), sizeof(abs) - strlen(abs), "/%s", path);
+    else
+        return 0;
+    size_t n = strlen(abs);
+    while (n > 1 && abs[n - 1] == '/')
+        abs[--n] = '\0';
+    FILE *f = fopen("/proc/self/mounts", "re");
+    if (!f)
+        return 0;
+    char line[2 * PATH_MAX + 256];
+    int ours = 0;
+    while (fgets(line, sizeof(line), f)) {
+        char *save = NULL;
+        char *src = strtok_r(line, " ", &save);
+        char *mnt = strtok_r(NULL, " ", &save);
+        char *type = strtok_r(NULL, " ", &save);
+        if (!src || !mnt || !type)
+            continue;
+        unescape_mount_field(mnt);
+        if (strcmp(mnt, abs) == 0)
+            ours = strcmp(type, "fuse.hapifs") == 0; /* the last mount there decides */
+    }
+    fclose(f);
+    if (!ours)
+        return 0;
+    int rc = umount2(abs, MNT_DETACH);
+    if (rc < 0 && errno == EPERM) {
+        /* not root: fusermount3 may undo a mount of ours */
+        pid_t pid = fork();
+        if (pid == 0) {
+            execlp("fusermount3", "fusermount3", "-u", "-z", abs, (char *)NULL);
+            _exit(127);
+        }
+        int status = 0;
+        rc = pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+                     WEXITSTATUS(status) == 0
+                 ? 0
+                 : -1;
+    }
+    if (rc == 0)
+        fprintf(stderr, "hapifs: %s was a hapifs mount whose daemon had died; detached it\n",
+                abs);
+    return rc == 0;
+}
+
 /*
  * Makes sure the cache directory exists and is writable; creates it (one
  * level, or the whole default path) if missing.
@@ -491,6 +576,8 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
         return hapi_error_set(err, HAPI_EINVAL, "unknown option or argument '%s'", raw->bad_option);
     if (raw->nonopts < 2)
         return hapi_error_set(err, HAPI_EINVAL, "usage: hapifs SOURCE MOUNTPOINT -o model=PATH[,...]");
+    if (!raw->fake) /* mount -f: everything but mounting */
+        detach_dead_mount(raw->nonopt[1]);
     if ((rc = resolve_dir("mount point", raw->nonopt[1], &o->mountpoint, err)) < 0)
         return rc;
     if (raw->remote)

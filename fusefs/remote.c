@@ -503,6 +503,14 @@ static const struct index_entry *index_find(const struct dir_index *x, const cha
 }
 
 /* Reads and parses dir's index on src. Returns 0, -ENOENT (no images there), or < 0 (logged). */
+int hapi_remote_index_check(const char *text, size_t len, const char *dir, hapi_error *err)
+{
+    struct dir_index *x = NULL;
+    int rc = index_parse(text, len, 0, dir, &x, err);
+    index_put(x);
+    return rc;
+}
+
 static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index **out)
 {
     struct remote_source *s = &r->sources[src];

@@ -18,6 +18,28 @@ EXPORTER = SOURCE_ROOT / "tools" / "hapifs-export-model"
 PYTHON = "/usr/bin/python3"
 
 
+SANITIZER_LOGS = os.environ.get("HAPI_SANITIZER_LOGS")
+
+
+@pytest.fixture(autouse=True)
+def sanitizer_reports():
+    """Under tools/sanitize: a report written while a test ran (its daemon's, at the latest
+    when the test unmounts) fails that test. Reports are moved to seen/ once attributed."""
+    if not SANITIZER_LOGS:
+        yield
+        return
+    logs = Path(SANITIZER_LOGS)
+    yield
+    new = sorted(p for p in logs.iterdir() if p.is_file())
+    if new:
+        (logs / "seen").mkdir(exist_ok=True)
+        texts = []
+        for p in new:
+            texts.append(f"--- {p.name}\n" + p.read_text(errors="replace")[:3000])
+            p.rename(logs / "seen" / p.name)
+        pytest.fail("sanitizer reports:\n" + "\n".join(texts), pytrace=False)
+
+
 def need_hapifs():
     if not HAPIFS.exists():
         pytest.skip(f"{HAPIFS} is not built (set HAPI_BUILD_ROOT)")

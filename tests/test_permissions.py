@@ -78,7 +78,12 @@ def shared(mounter):
     made = []
     make.top = top
     yield make
-    for m in made:  # before the tree goes
+    # before the tree goes: every mount beneath top, the last made first
+    under = [l.split()[1] for l in Path("/proc/mounts").read_text().splitlines()
+             if l.split()[1].startswith(str(top) + "/")]
+    for mp in reversed(under):
+        subprocess.run(["fusermount3", "-u", mp], check=False)
+    for m in made:
         m.unmount()
     shutil.rmtree(top, ignore_errors=True)
 
