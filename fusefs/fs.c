@@ -910,7 +910,7 @@ static const hapi_cred *req_who(fuse_req_t req, hapi_cred *c)
         return NULL;
     c->uid = ctx->uid;
     c->gid = ctx->gid;
-    int n = fuse_req_getgroups(req, HAPI_CRED_GROUPS, c->groups);
+    int n = hapi_cred_read_groups(ctx->pid, c->groups, HAPI_CRED_GROUPS);
     c->ngroups = n < 0 ? 0 : n > HAPI_CRED_GROUPS ? HAPI_CRED_GROUPS : n;
     return c;
 }

@@ -199,6 +199,15 @@ typedef struct hapi_cred {
     gid_t groups[HAPI_CRED_GROUPS]; /* supplementary */
 } hapi_cred;
 
+/*
+ * Reads the supplementary groups of process (or thread) pid from
+ * /proc/PID/status into groups (at most max). Returns their count, which may
+ * exceed max (the rest are not read), or -errno. (libfuse's
+ * fuse_req_getgroups does the same, but reads past its buffer: AddressSanitizer
+ * reported it in Debian 12's libfuse 3.14.)
+ */
+int hapi_cred_read_groups(pid_t pid, gid_t *groups, int max);
+
 /* 1 when c is in group g (primary or supplementary), else 0. */
 int hapi_cred_in_group(const hapi_cred *c, gid_t g);
 

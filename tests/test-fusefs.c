@@ -164,6 +164,20 @@ START_TEST(test_cred_may)
 }
 END_TEST
 
+/* The groups read from /proc are those the process has. */
+START_TEST(test_cred_read_groups)
+{
+    gid_t want[256], got[256];
+    int n = getgroups(256, want);
+    ck_assert_int_ge(n, 0);
+    ck_assert_int_eq(hapi_cred_read_groups(getpid(), got, 256), n);
+    for (int i = 0; i < n; i++)
+        ck_assert_int_eq(got[i], want[i]);
+    ck_assert_int_eq(hapi_cred_read_groups(getpid(), got, 0), n); /* counted beyond max */
+    ck_assert_int_lt(hapi_cred_read_groups(999999999, got, 256), 0);
+}
+END_TEST
+
 /* A path's name is seen through search on every folder above it and read on its own. */
 START_TEST(test_source_may_see)
 {
@@ -396,6 +410,7 @@ int main(void)
         { "parse_time", test_parse_time },
         { "options_sharing", test_options_sharing },
         { "cred_may", test_cred_may },
+        { "cred_read_groups", test_cred_read_groups },
         { "source_may_see", test_source_may_see },
         { "error_ring", test_error_ring },
         { "error_ring_filter", test_error_ring_filter },
