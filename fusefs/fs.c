@@ -354,8 +354,8 @@ static int ctl_file_index(fuse_ino_t ino)
 static void ctl_file_attr(hapi_fs *fs, int index, struct stat *st)
 {
     if (strcmp(hapi_ctl_files[index], HAPI_CTL_MODEL) == 0) {
-        /* the model archive itself, for the compute tier's remaining stages */
-        /* readable as the model file is: its owner, group and read bits */
+        /* the model archive itself, for the compute tier's remaining stages: readable as
+           the model file is (its owner, group and read bits) */
         struct stat m;
         memset(st, 0, sizeof(*st));
         st->st_mode = 0444;
@@ -922,8 +922,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     char *path = NULL;
     int kind, rc;
     int writing = (fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC);
-    hapi_cred cred;
-    const hapi_cred *who = req_who(req, &cred);
+    hapi_cred cred; /* read only for what the kernel's mode checks cannot decide */
 
     h = calloc(1, sizeof(*h));
     if (!h) {
@@ -947,6 +946,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
             rc = -EROFS;
             goto fail;
         }
+        const hapi_cred *who = req_who(req, &cred);
         /* Commands change what every user of the mount sees: its owner's, and ctl_group's. */
         if (writing && who &&
             !(fs->opt->ctl_gid != (gid_t)-1 && hapi_cred_in_group(who, fs->opt->ctl_gid))) {
@@ -1012,7 +1012,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         fi->keep_cache = 1;
     } else if (kind == HAPI_NODE_PACK) {
         /* A snapshot of the directory now; no keep_cache: an image may change in place. */
-        if ((rc = hapi_pack_open(fs->packs, path, who, &h->pack)) < 0)
+        if ((rc = hapi_pack_open(fs->packs, path, req_who(req, &cred), &h->pack)) < 0)
             goto fail;
     } else if (kind == HAPI_NODE_PACK_INDEX) {
         char *text = NULL;

@@ -61,7 +61,6 @@ typedef struct hapi_fs_options {
     size_t nroots;
     int refresh_ms;        /* remote: how long a directory's index is trusted */
     int fetch_threads;     /* remote: packs fetched at once */
-    int allow_other;       /* other users may use the mount (default_permissions is on) */
     gid_t ctl_gid;         /* ctl_group=: its members may write .hapifs/ctl; -1: none */
     struct fuse_args fuse_args; /* what goes to fuse_session_new() */
 } hapi_fs_options;

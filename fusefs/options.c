@@ -745,7 +745,6 @@ static int validate_common(struct raw_options *raw, hapi_fs_options *o, hapi_err
     } else {
         o->cache_size = default_cache_size(o->cache_dir);
     }
-    o->allow_other = raw->allow_other;
     o->ctl_gid = (gid_t)-1;
     if (raw->ctl_group) {
         /* a name, or a number that names no group by that name */

@@ -95,45 +95,6 @@ void hapi_source_identity_of(const struct stat *st, hapi_source_id *id)
     };
 }
 
-int hapi_cred_read_groups(pid_t pid, gid_t *groups, int max)
-{
-    char path[64];
-    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -errno;
-    /* "Groups:" comes early; a status is a few KiB. Bounded and NUL-terminated. */
-    char buf[16384];
-    size_t used = 0;
-    while (used < sizeof(buf) - 1) {
-        ssize_t n = read(fd, buf + used, sizeof(buf) - 1 - used);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            break;
-        used += (size_t)n;
-    }
-    close(fd);
-    buf[used] = '\0';
-    const char *line = strstr(buf, "\nGroups:");
-    if (!line)
-        return -EIO;
-    int count = 0;
-    for (const char *p = line + 8; *p && *p != '\n';) {
-        char *end;
-        unsigned long g = strtoul(p, &end, 10);
-        if (end == p) {
-            p++;
-            continue;
-        }
-        if (count < max)
-            groups[count] = (gid_t)g;
-        count++;
-        p = end;
-    }
-    return count;
-}
-
 int hapi_cred_in_group(const hapi_cred *c, gid_t g)
 {
     if (c->gid == g)
@@ -224,6 +185,38 @@ static int read_all(int fd, size_t hint, char **data, size_t *size)
     *data = buf;
     *size = used;
     return 0;
+}
+
+int hapi_cred_read_groups(pid_t pid, gid_t *groups, int max)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    char *buf;
+    size_t used;
+    int rc = read_all(fd, 4096, &buf, &used); /* a status is a few KiB */
+    close(fd);
+    if (rc < 0)
+        return rc;
+    buf[used] = '\0'; /* read_all leaves room for it */
+    const char *line = strstr(buf, "\nGroups:");
+    int count = line ? 0 : -EIO;
+    for (const char *p = line ? line + 8 : ""; *p && *p != '\n';) {
+        char *end;
+        unsigned long g = strtoul(p, &end, 10);
+        if (end == p) {
+            p++;
+            continue;
+        }
+        if (count < max)
+            groups[count] = (gid_t)g;
+        count++;
+        p = end;
+    }
+    free(buf);
+    return count;
 }
 
 /*

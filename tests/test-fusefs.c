@@ -116,13 +116,11 @@ START_TEST(test_options_sharing)
     hapi_error err = { 0 };
     ck_assert_int_eq(parse(with_base("model=%s,cache=%s"), &o, &err), 0);
     ck_assert_ptr_null(strstr(kernel_opts(&o), "default_permissions"));
-    ck_assert_int_eq(o.allow_other, 0);
     ck_assert_int_eq(o.ctl_gid, (gid_t)-1);
     hapi_fs_options_free(&o);
     ck_assert_int_eq(parse(with_base("model=%s,cache=%s,allow_other,ctl_group=root"), &o, &err), 0);
     ck_assert_ptr_nonnull(strstr(kernel_opts(&o), "allow_other"));
     ck_assert_ptr_nonnull(strstr(kernel_opts(&o), "default_permissions"));
-    ck_assert_int_eq(o.allow_other, 1);
     ck_assert_int_eq(o.ctl_gid, 0);
     hapi_fs_options_free(&o);
     /* written by the operator too: once */
