@@ -2,6 +2,7 @@
 #include "extractor.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +38,7 @@ struct job {
     void *features;         /* DONE with code 0 */
     uint64_t mem;           /* bytes accounted to this job now */
     uint64_t ready_ns;
+    uint64_t node_mem;       /* bytes drawn from the node budget */
     uint8_t tag[HAPI_BATCHER_TAG_MAX];
     struct job *prev, *next; /* in a queue or a ready list */
     struct job *hash_next;
@@ -60,6 +62,7 @@ struct hapi_batcher {
     pthread_cond_t done_cond;     /* ticket holders: jobs done */
     pthread_cond_t throttle_cond; /* throttled submitters: queues shrank */
     int stop;
+    hapi_stop_flag node_stop;     /* stop, for the node's waits (read without the lock) */
 
     struct list queue[HAPI_PRIORITY_COUNT];
     struct list ready[HAPI_PRIORITY_COUNT];
@@ -175,6 +178,15 @@ static int mem_allows(const hapi_batcher *b)
     return b->stats.mem_in_use + b->mem_estimate <= b->cfg.mem_budget;
 }
 
+/* Gives back bytes of what j drew from the node budget. */
+static void node_give(hapi_batcher *b, struct job *j, uint64_t bytes)
+{
+    if (bytes > j->node_mem)
+        bytes = j->node_mem;
+    j->node_mem -= bytes;
+    hapi_node_mem_give(b->cfg.node, bytes);
+}
+
 /* ------------------------------------------------------------------- jobs */
 
 static void finish(hapi_batcher *b, struct job *j, int code, const char *message)
@@ -188,6 +200,7 @@ static void finish(hapi_batcher *b, struct job *j, int code, const char *message
         b->stats.samples++;
     }
     mem_add(b, j, -(int64_t)j->mem);
+    node_give(b, j, j->node_mem);
     table_remove(b, j);
     pthread_cond_broadcast(&b->done_cond);
     job_unref(j);
@@ -219,6 +232,7 @@ static int prepare(hapi_batcher *b, hapi_decoder *dec, struct job *j, hapi_error
     size_t size = 0;
     hapi_image img = { 0 };
     int64_t transient = 0;
+    uint64_t tensor_bytes = b->tensor_floats * sizeof(float);
     int rc = b->cfg.load(b->cfg.ctx, j->key, &data, &size, j->tag, err);
     if (rc < 0)
         return rc;
@@ -253,6 +267,12 @@ static int prepare(hapi_batcher *b, hapi_decoder *dec, struct job *j, hapi_error
     b->mem_estimate = (b->mem_estimate * 7 + (uint64_t)transient +
                        b->tensor_floats * sizeof(float)) / 8;
     pthread_mutex_unlock(&b->lock);
+    /* the node's budget, which the other mounts draw from too: the image and the tensor */
+    if (hapi_node_mem_take(b->cfg.node, (uint64_t)transient + tensor_bytes, &b->node_stop) < 0) {
+        rc = hapi_error_set(err, -ECANCELED, "shutting down");
+        goto out;
+    }
+    j->node_mem = (uint64_t)transient + tensor_bytes;
     rc = hapi_image_decode(dec, data, size, pp->max_pixels,
                            pp->mode == HAPI_PREPROCESS_FAST ? pp->resize : 0, &img, err);
     if (rc < 0)
@@ -266,6 +286,8 @@ out:
         mem_add(b, j, -transient);
         pthread_mutex_unlock(&b->lock);
     }
+    if (j->node_mem > tensor_bytes)
+        node_give(b, j, j->node_mem - tensor_bytes); /* the tensor's part goes with it */
     return rc;
 }
 
@@ -376,6 +398,7 @@ static void *inference_main(void *arg)
     hapi_batch_result *results = calloc((size_t)cap, sizeof(*results));
     float *input = malloc((size_t)cap * b->tensor_floats * sizeof(float));
     char *output = malloc((size_t)cap * b->sample_bytes);
+    int threads_now = 0; /* this thread's inference threads, once the node has set them */
 
     pthread_mutex_lock(&b->lock);
     while (!b->stop) {
@@ -449,7 +472,18 @@ static void *inference_main(void *arg)
             for (int i = 0; i < n; i++)
                 mem_add(b, jobs[i], -(int64_t)(b->tensor_floats * sizeof(float)));
             pthread_mutex_unlock(&b->lock);
-            rc = run_batch(b, input, n, output, &err);
+            for (int i = 0; i < n; i++)
+                node_give(b, jobs[i], jobs[i]->node_mem);
+            /* the node's cores: inferences of all mounts take turns */
+            int tokens = hapi_node_cores_take(b->cfg.node, b->cfg.node_cores, &b->node_stop);
+            if (tokens > 0 && tokens != threads_now) {
+                hapi_model_set_threads(tokens); /* as many threads as cores granted */
+                threads_now = tokens;
+            }
+            t0 = hapi_now_ns();
+            rc = tokens < 0 ? hapi_error_set(&err, -ECANCELED, "shutting down")
+                            : run_batch(b, input, n, output, &err);
+            hapi_node_cores_give(b->cfg.node, tokens);
         }
         uint64_t t1 = hapi_now_ns();
         for (int i = 0; i < n; i++) {
@@ -562,6 +596,7 @@ void hapi_batcher_stop(hapi_batcher *b)
 {
     pthread_mutex_lock(&b->lock);
     b->stop = 1;
+    atomic_store(&b->node_stop, 1);
     pthread_cond_broadcast(&b->work_cond);
     pthread_cond_broadcast(&b->ready_cond);
     pthread_cond_broadcast(&b->throttle_cond);

@@ -180,6 +180,13 @@ int hapi_model_probe(hapi_model *m, int channels, int height, int width,
 int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info) HAPI_NOEXCEPT;
 
 /*
+ * Sets how many threads the calling thread's later inferences use (OpenMP's
+ * per-thread count; the load's threads stay the default of other threads).
+ * Cheap: no cache is cleared. n < 1 is ignored.
+ */
+void hapi_model_set_threads(int n);
+
+/*
  * Runs stages [0, split) (1 <= split <= num_stages) on batch samples of the
  * probed input shape (CHW fp32, contiguous, batch-major) and writes the
  * output of stage split - 1 to output as dtype (enum hapi_dtype; fp16 is
@@ -280,6 +287,78 @@ int hapi_extractor_compute(hapi_extractor *ex, hapi_decoder *dec,
                            const void *data, size_t size, void *out,
                            hapi_error *err);
 
+/* -------------------------------------------------------------------- node */
+
+/*
+ * What the mounts of one node share, through a file every daemon maps
+ * (/run/hapifs/node): a memory budget, from which each daemon holds its
+ * model's share while mounted and draws its images and tensors in flight;
+ * and the cores, as tokens an inference holds while it runs, granted first
+ * come, first served, so that 20 mounts on 2 cores take turns instead of
+ * running 40 spinning torch threads at once. A dead daemon's share is taken
+ * back by the next daemon that finds it (its slot names pid and start time).
+ */
+typedef struct hapi_node hapi_node;
+
+#ifdef __cplusplus
+typedef int hapi_stop_flag; /* the C++ shim does not call these */
+#else
+typedef _Atomic int hapi_stop_flag; /* set once to cancel a wait */
+#endif
+
+typedef struct hapi_node_config {
+    const char *path;   /* the node file, created if missing */
+    uint64_t mem_total; /* the node budget in bytes: 0 keeps the file's (new: half the RAM) */
+    int cores;          /* core tokens: 0 keeps the file's (new: the online CPUs) */
+    const char *name;   /* this daemon's mountpoint, shown to others */
+} hapi_node_config;
+
+typedef struct hapi_node_stats {
+    uint64_t mem_total, mem_used;     /* the node budget, and what its mounts hold */
+    uint64_t cores, cores_used;       /* core tokens, and those held by inferences */
+    uint64_t mounts, waiting;         /* daemons joined; inferences waiting for cores */
+    uint64_t reaped;                  /* slots of dead daemons taken back */
+    uint64_t own_fixed, own_flight;   /* this daemon's model share and bytes in flight */
+    uint64_t own_waits;               /* times this daemon waited for memory or cores */
+} hapi_node_stats;
+
+/*
+ * Opens (creating) the node file and joins it: *out is this daemon's place
+ * until hapi_node_close(). A mem_total or cores given replaces the file's.
+ * Returns 0 or -errno with err (e.g. -EACCES: not root; the caller runs
+ * without a node then).
+ */
+int hapi_node_open(const hapi_node_config *cfg, hapi_node **out, hapi_error *err);
+
+/* Leaves the node: gives back everything this process holds. Accepts NULL. */
+void hapi_node_close(hapi_node *n);
+
+/* Sets what this daemon holds while mounted (its model's weights and working memory). */
+void hapi_node_set_fixed(hapi_node *n, uint64_t bytes);
+
+/*
+ * Draws bytes in flight from the node budget, waiting while the node is full;
+ * a daemon with nothing in flight may go over, so every mount progresses.
+ * Returns 0, or -ECANCELED once *stop is set. n NULL: returns 0 at once.
+ */
+int hapi_node_mem_take(hapi_node *n, uint64_t bytes, const hapi_stop_flag *stop);
+void hapi_node_mem_give(hapi_node *n, uint64_t bytes);
+
+/*
+ * Takes core tokens for an inference, first come first served across the
+ * node: want, but no more than the node's cores divided among the mounts busy
+ * computing (those that ran an inference within the last second or wait to),
+ * and at least one; the inference should run that many threads
+ * (hapi_model_set_threads()). Returns the count taken (give it
+ * back with hapi_node_cores_give()), 0 with n NULL, or -ECANCELED once *stop
+ * is set.
+ */
+int hapi_node_cores_take(hapi_node *n, int want, const hapi_stop_flag *stop);
+void hapi_node_cores_give(hapi_node *n, int count);
+
+/* Fills *st (zeros with n NULL). */
+void hapi_node_stats_get(hapi_node *n, hapi_node_stats *st);
+
 /* ----------------------------------------------------------------- batcher */
 
 /*
@@ -343,6 +422,8 @@ typedef struct hapi_batcher_config {
     hapi_batcher_load_fn load;
     hapi_batcher_sink_fn sink;
     void *ctx;
+    hapi_node *node;         /* the node's shared budget and cores (borrowed); NULL: none */
+    int node_cores;          /* core tokens an inference holds (its torch threads) */
     int fault_decoders_fail; /* testing: this many decode threads fail to create their
                                 decoder, as on out-of-memory (0 = none) */
     int fault_oom_above;     /* testing: an inference of more samples fails as out of

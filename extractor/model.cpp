@@ -9,6 +9,7 @@
 #include "extractor.h"
 
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <c10/core/InferenceMode.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/cuda.h>
@@ -113,6 +114,12 @@ void configure_threads(int threads)
             // The pool already started (someone else ran parallel work first): keep it.
         }
     });
+}
+
+extern "C" void hapi_model_set_threads(int n)
+{
+    if (n >= 1)
+        omp_set_num_threads(n); // the calling thread's own count: at::parallel_for and oneDNN read it
 }
 
 // A batch as the first stage takes it: on the model's device, in its precision. A bf16 model

@@ -234,6 +234,27 @@ static json_t *render_prefetch(hapi_ctl *c)
                      "dropped", (json_int_t)p.dropped);
 }
 
+/* The node's shared budget and cores: totals only, no other mount's name. */
+static json_t *render_node(hapi_ctl *c)
+{
+    if (!c->cfg.node)
+        return json_null();
+    hapi_node_stats n;
+    hapi_node_stats_get(c->cfg.node, &n);
+    return json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}",
+                     "file", c->cfg.opt->node_path,
+                     "mem_total", (json_int_t)n.mem_total,
+                     "mem_used", (json_int_t)n.mem_used,
+                     "cores", (json_int_t)n.cores,
+                     "cores_used", (json_int_t)n.cores_used,
+                     "mounts", (json_int_t)n.mounts,
+                     "waiting", (json_int_t)n.waiting,
+                     "reaped", (json_int_t)n.reaped,
+                     "own_fixed", (json_int_t)n.own_fixed,
+                     "own_flight", (json_int_t)n.own_flight,
+                     "own_waits", (json_int_t)n.own_waits);
+}
+
 static json_t *render_stats(hapi_ctl *c)
 {
     hapi_serve_stats s;
@@ -245,7 +266,7 @@ static json_t *render_stats(hapi_ctl *c)
     double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
     return json_pack(
         "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, "
-        "s:{s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}}",
+        "s:{s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o}",
         "uptime_s", uptime,
         "split_changes", (json_int_t)ts.split_changes,
         "feat",
@@ -269,7 +290,8 @@ static json_t *render_stats(hapi_ctl *c)
         "prefetch", render_prefetch(c),
         "cache", render_cache(c, &s),
         "passthrough",
-          "bytes", (json_int_t)s.passthrough_bytes);
+          "bytes", (json_int_t)s.passthrough_bytes,
+        "node", render_node(c));
 }
 
 static json_t *render_profile(hapi_ctl *c)

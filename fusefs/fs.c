@@ -1340,6 +1340,33 @@ static int init_remote(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     return 0;
 }
 
+/*
+ * Joins the node's shared budget and cores. Until the policy has chosen a
+ * split, the mount's share is its model file's size (about its weights).
+ * Failing to join is a warning, and the mount runs alone, unless the operator
+ * asked for the node with node=, node_mem= or node_cores=.
+ */
+static int join_node(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
+{
+    if (!opt->node_path)
+        return 0;
+    hapi_node_config ncfg = { .path = opt->node_path, .mem_total = opt->node_mem,
+                              .cores = opt->node_cores, .name = opt->mountpoint };
+    hapi_error nerr = { 0 };
+    int rc = hapi_node_open(&ncfg, &fs->node_share, &nerr);
+    if (rc < 0) {
+        if (opt->node_required)
+            return hapi_error_set(err, rc, "node=%s: %s", opt->node_path, nerr.message);
+        hapi_log(HAPI_LOG_WARNING, "the node's shared budget is unavailable (%s): this mount "
+                 "counts only its own mem=", nerr.message);
+        return 0;
+    }
+    struct stat st;
+    if (fs->model_fd >= 0 && fstat(fs->model_fd, &st) == 0)
+        hapi_node_set_fixed(fs->node_share, (uint64_t)st.st_size);
+    return 0;
+}
+
 int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
 {
     int rc;
@@ -1361,6 +1388,8 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     fs->started_realtime = time(NULL);
 
     if ((rc = hapi_source_open(opt->source, &fs->source, err)) < 0)
+        goto fail;
+    if ((rc = join_node(fs, opt, err)) < 0)
         goto fail;
     hapi_extractor_config cfg = {
         .model_path = opt->model,
@@ -1390,6 +1419,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
         .errors = fs->errors, .batch_wait_us = opt->batch_wait_us,
         .decode_threads = opt->decode_threads, .mem_budget = opt->mem_budget,
+        .node = fs->node_share, .torch_threads = opt->torch_threads,
     };
     if ((rc = hapi_serve_new(&scfg, &fs->serve, err)) < 0)
         goto fail;
@@ -1406,7 +1436,8 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     /* The split and batch are chosen in the background; .feat operations wait for them. */
     hapi_tune_config tcfg = {
         .opt = opt, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
-        .serve = fs->serve, .background = fs->background, .on_split_change = invalidate_feats,
+        .serve = fs->serve, .background = fs->background, .node = fs->node_share,
+        .on_split_change = invalidate_feats,
         .arg = fs,
     };
     if ((rc = hapi_tune_start(&tcfg, &fs->tune, err)) < 0)
@@ -1414,7 +1445,8 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     hapi_ctl_config ccfg = {
         .opt = opt, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .packs = fs->packs, .background = fs->background,
-        .tune = fs->tune, .errors = fs->errors, .started_ns = fs->started_ns,
+        .tune = fs->tune, .errors = fs->errors, .node = fs->node_share,
+        .started_ns = fs->started_ns,
     };
     if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0) {
         hapi_error_set(err, rc, "out of memory");
@@ -1449,6 +1481,7 @@ void hapi_fs_destroy(hapi_fs *fs)
     hapi_cache_close(fs->cache);
     hapi_extractor_close(fs->ex);
     hapi_source_close(fs->source);
+    hapi_node_close(fs->node_share);
     if (fs->model_fd >= 0)
         close(fs->model_fd);
     memset(fs, 0, sizeof(*fs));

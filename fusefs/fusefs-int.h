@@ -42,6 +42,10 @@ typedef struct hapi_fs_options {
     int batch_wait_us;     /* how long a partial batch waits for more demand */
     int decode_threads;
     uint64_t mem_budget;   /* bytes of in-flight images and tensors */
+    char *node_path;       /* the node file shared with the node's other mounts; NULL: none */
+    int node_required;     /* node options were given: failing to join fails the mount */
+    uint64_t node_mem;     /* node_mem=: the node's budget (0: keep the file's) */
+    int node_cores;        /* node_cores=: the node's core tokens (0: keep the file's) */
     int warm;              /* warm the whole tree at mount */
     int prefetch;          /* enum hapi_prefetch_mode */
     double link_bps;       /* the link to the compute tier, bits/s */
@@ -383,6 +387,8 @@ typedef struct hapi_serve_config {
     int batch_wait_us;         /* how long a partial batch waits for more demand */
     int decode_threads;
     uint64_t mem_budget;       /* in-flight images and tensors, model included */
+    hapi_node *node;           /* the node's budget and cores, which batchers draw from */
+    int torch_threads;         /* core tokens an inference holds */
 } hapi_serve_config;
 
 typedef struct hapi_serve hapi_serve;
@@ -743,6 +749,7 @@ typedef struct hapi_tune_config {
     hapi_views *views;
     hapi_serve *serve;
     hapi_background *background;
+    hapi_node *node;             /* the node's cores, all taken while profiling; NULL: none */
     /* Called after every split change, with only tune.switch_lock held (fs: kernel invalidation). */
     void (*on_split_change)(void *arg);
     void *arg;
@@ -831,6 +838,7 @@ typedef struct hapi_ctl_config {
     hapi_tune *tune;
     hapi_remote *remote;       /* a compute-side mount: the layers above remote are NULL */
     hapi_error_ring *errors;
+    hapi_node *node;             /* the node's shared budget and cores; NULL: none */
     uint64_t started_ns;
 } hapi_ctl_config;
 
@@ -898,6 +906,7 @@ typedef struct hapi_fs {
     hapi_tune *tune;
     hapi_ctl *ctl;
     hapi_remote *remote;         /* -o remote: every layer above but ctl is NULL */
+    hapi_node *node_share;       /* the node's shared budget and cores; NULL: none */
     struct node_table *nodes;
     struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
     uint64_t started_ns;

@@ -17,6 +17,7 @@
 
 #define HAPI_DEFAULT_CACHE_DIR "/var/cache/hapifs"
 #define HAPI_DEFAULT_MAX_PIXELS 100000000ull
+#define HAPI_DEFAULT_NODE_FILE "/run/hapifs/node"
 
 /* Option values as written; validated into hapi_fs_options afterwards. */
 struct raw_options {
@@ -25,6 +26,7 @@ struct raw_options {
     char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
     char *link, *client_speed, *epochs, *profile, *prefetch;
     char *refresh, *fetch_threads, *rtt, *transport, *ctl_group;
+    char *node, *node_mem, *node_cores;
     int remote;
     int allow_other, default_permissions; /* given among the kernel options */
     char *nonopt[3];
@@ -70,6 +72,9 @@ static const struct fuse_opt option_table[] = {
     RAW("transport=%s", transport),
     RAW("fetch_threads=%s", fetch_threads),
     RAW("ctl_group=%s", ctl_group),
+    RAW("node=%s", node),
+    RAW("node_mem=%s", node_mem),
+    RAW("node_cores=%s", node_cores),
     { "remote", offsetof(struct raw_options, remote), 1 },
     FUSE_OPT_KEY("-f", KEY_FOREGROUND),
     FUSE_OPT_KEY("-d", KEY_DEBUG),
@@ -193,6 +198,12 @@ void hapi_fs_usage(const char *prog)
            "    decode_threads=N     JPEG/PNG decode threads (default 1)\n"
            "    mem=SIZE             storage-side memory budget: weights, inference, images in\n"
            "                         flight (default 1G)\n"
+           "    node=PATH|none       the file the mounts of this node share their budget and\n"
+           "                         cores through (default /run/hapifs/node)\n"
+           "    node_mem=SIZE        the budget of all mounts of the node together (default:\n"
+           "                         the node file's, first set to half the RAM)\n"
+           "    node_cores=N         cores the node's inferences share (default: the node\n"
+           "                         file's, first set to the online CPUs)\n"
            "    link=RATE            link to the compute tier, e.g. 1Gbit, 100Mbit, 125MB/s\n"
            "                         (default 1Gbit)\n"
            "    rtt=TIME             the link's round-trip time, e.g. 1ms, 200us (default 0: the\n"
@@ -496,6 +507,7 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
         { "precision", raw->precision }, { "torch_threads", raw->torch_threads },
         { "batch", raw->batch }, { "batch_wait", raw->batch_wait },
         { "decode_threads", raw->decode_threads }, { "mem", raw->mem }, { "warm", raw->warm },
+        { "node", raw->node }, { "node_mem", raw->node_mem }, { "node_cores", raw->node_cores },
         { "prefetch", raw->prefetch }, { "link", raw->link },
         { "client_speed", raw->client_speed }, { "epochs", raw->epochs },
         { "profile", raw->profile }, { "device", raw->device }, { "max_pixels", raw->max_pixels },
@@ -665,6 +677,27 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
     o->mem_budget = 1ull << 30;
     if (raw->mem && (hapi_fs_parse_size(raw->mem, &o->mem_budget) < 0 || o->mem_budget == 0))
         return hapi_error_set(err, HAPI_EINVAL, "mem=%s: expected a size, e.g. 2G", raw->mem);
+    o->node_path = strdup(raw->node ? raw->node : HAPI_DEFAULT_NODE_FILE);
+    if (!o->node_path)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    if (strcmp(o->node_path, "none") == 0) {
+        free(o->node_path);
+        o->node_path = NULL;
+    } else if (o->node_path[0] != '/') {
+        return hapi_error_set(err, HAPI_EINVAL, "node=%s: expected an absolute path or none",
+                              raw->node);
+    }
+    o->node_required = raw->node || raw->node_mem || raw->node_cores;
+    if (raw->node_mem && (hapi_fs_parse_size(raw->node_mem, &o->node_mem) < 0 ||
+                          o->node_mem == 0))
+        return hapi_error_set(err, HAPI_EINVAL, "node_mem=%s: expected a size, e.g. 8G",
+                              raw->node_mem);
+    if (raw->node_cores) {
+        if (parse_int(raw->node_cores, 1, 4096, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "node_cores=%s: expected 1..4096",
+                                  raw->node_cores);
+        o->node_cores = (int)v;
+    }
     o->link_bps = HAPI_POLICY_LINK_DEFAULT;
     if (raw->link && (rc = hapi_policy_parse_rate(raw->link, &o->link_bps, err)) < 0)
         return rc;
@@ -849,6 +882,9 @@ out:
     free(raw.transport);
     free(raw.fetch_threads);
     free(raw.ctl_group);
+    free(raw.node);
+    free(raw.node_mem);
+    free(raw.node_cores);
     free(raw.bad_option);
     free(raw.kernel_opts);
     for (int i = 0; i < raw.nonopts; i++)
@@ -866,6 +902,7 @@ void hapi_fs_options_free(hapi_fs_options *o)
     free(o->cache_dir);
     free(o->log_path);
     free(o->device);
+    free(o->node_path);
     for (size_t i = 0; i < o->nroots; i++)
         free(o->roots[i]);
     free(o->roots);

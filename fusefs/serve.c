@@ -152,11 +152,16 @@ int hapi_serve_view_new(hapi_serve *s, int split, int batch, uint64_t model_byte
         .sink = store_results,
         .ctx = c,
         .fault_oom_above = s->fault_oom_above,
+        .node = s->cfg.node,
+        .node_cores = s->cfg.torch_threads,
     };
     if ((rc = hapi_batcher_new(s->cfg.ex, &cfg, &v->batcher, err)) < 0) {
         hapi_view_put(v);
         return rc;
     }
+    /* the newest view's model share is what the mount holds of the node's budget */
+    if (model_bytes)
+        hapi_node_set_fixed(s->cfg.node, model_bytes);
     *out = v;
     return 0;
 }

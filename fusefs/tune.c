@@ -136,9 +136,14 @@ static int get_profile(hapi_tune *t, hapi_profile *prof, int *reused, hapi_error
                      rc < 0 ? lerr.message : "another model's");
     }
     hapi_log(HAPI_LOG_INFO, "profiling the model (once per model, device and thread count)");
+    /* every core of the node: the other mounts' inferences would skew the timings */
+    int tokens = hapi_node_cores_take(t->cfg.node, INT_MAX, &t->stop);
+    if (tokens < 0)
+        return hapi_error_set(err, -ECANCELED, "unmounting");
     int rc = hapi_profile_measure(hapi_extractor_model(t->cfg.ex), digest, device,
                                   t->cfg.opt->torch_threads, t->cfg.opt->mem_budget,
                                   &t->stop, prof, err);
+    hapi_node_cores_give(t->cfg.node, tokens);
     if (rc < 0)
         return rc;
     hapi_error serr = { 0 };

@@ -1,0 +1,228 @@
+/* test-node.c — the node's shared budget and cores: waits, turns, and a dead daemon's share taken back. */
+#include "extractor.h"
+
+#include <check.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static char path[128];
+
+static hapi_node *join(uint64_t mem, int cores)
+{
+    hapi_node_config cfg = { .path = path, .mem_total = mem, .cores = cores, .name = "/t" };
+    hapi_node *n = NULL;
+    hapi_error err = { 0 };
+    ck_assert_msg(hapi_node_open(&cfg, &n, &err) == 0, "%s", err.message);
+    return n;
+}
+
+static void setup(void)
+{
+    snprintf(path, sizeof(path), "/tmp/hapi-test-node-%d/node", (int)getpid());
+    unlink(path);
+}
+
+static void teardown(void)
+{
+    unlink(path);
+    char *slash = strrchr(path, '/');
+    *slash = '\0';
+    rmdir(path);
+}
+
+struct taker {
+    hapi_node *n;
+    uint64_t bytes;
+    int cores;
+    hapi_stop_flag stop;
+    atomic_int done;
+    int rc;
+};
+
+static void *take_mem(void *arg)
+{
+    struct taker *t = arg;
+    t->rc = hapi_node_mem_take(t->n, t->bytes, &t->stop);
+    atomic_store(&t->done, 1);
+    return NULL;
+}
+
+static void *take_cores(void *arg)
+{
+    struct taker *t = arg;
+    t->rc = hapi_node_cores_take(t->n, t->cores, &t->stop);
+    atomic_store(&t->done, 1);
+    return NULL;
+}
+
+/* A mount waits for room that another mount holds, and gets it when that is given back. */
+START_TEST(memory_waits_for_the_other_mounts)
+{
+    hapi_node *a = join(1000, 2), *b = join(0, 0);
+    hapi_node_set_fixed(a, 300);
+    ck_assert_int_eq(hapi_node_mem_take(a, 600, NULL), 0); /* 900 of 1000 */
+    ck_assert_int_eq(hapi_node_mem_take(b, 50, NULL), 0);  /* 950: fits */
+    struct taker t = { .n = b, .bytes = 100 };             /* 1050: waits */
+    pthread_t th;
+    pthread_create(&th, NULL, take_mem, &t);
+    usleep(150 * 1000);
+    ck_assert_int_eq(atomic_load(&t.done), 0);
+    hapi_node_stats st;
+    hapi_node_stats_get(a, &st);
+    ck_assert_uint_eq(st.mem_total, 1000); /* b's 0 kept what a set */
+    ck_assert_uint_eq(st.mem_used, 950);
+    ck_assert_uint_eq(st.mounts, 2);
+    hapi_node_mem_give(a, 600);
+    pthread_join(th, NULL);
+    ck_assert_int_eq(t.rc, 0);
+    hapi_node_stats_get(b, &st);
+    ck_assert_uint_eq(st.mem_used, 300 + 150);
+    ck_assert_uint_eq(st.own_flight, 150);
+    ck_assert_uint_ge(st.own_waits, 1);
+    hapi_node_close(a);
+    hapi_node_close(b);
+}
+END_TEST
+
+/* With nothing of its own in flight a mount may go over, or models alone could stall the node. */
+START_TEST(a_mount_with_nothing_in_flight_progresses)
+{
+    hapi_node *a = join(1000, 2), *b = join(0, 0);
+    hapi_node_set_fixed(a, 1200);
+    ck_assert_int_eq(hapi_node_mem_take(b, 100, NULL), 0); /* over, but b held nothing */
+    struct taker t = { .n = b, .bytes = 1 };
+    pthread_t th;
+    pthread_create(&th, NULL, take_mem, &t);
+    usleep(150 * 1000);
+    ck_assert_int_eq(atomic_load(&t.done), 0); /* the second sample waits */
+    atomic_store(&t.stop, 1);
+    pthread_join(th, NULL);
+    ck_assert_int_eq(t.rc, -ECANCELED);
+    hapi_node_close(a);
+    hapi_node_close(b);
+}
+END_TEST
+
+/*
+ * Inferences take turns for the cores, first come first served; the cores are
+ * divided among the mounts busy computing (2 cores, 4 mounts: one each).
+ */
+START_TEST(cores_are_taken_in_turn)
+{
+    hapi_node *a = join(1 << 20, 2), *b = join(0, 0), *c = join(0, 0), *d = join(0, 0);
+    ck_assert_int_eq(hapi_node_cores_take(a, 8, NULL), 2); /* alone: all, capped at the node's */
+    struct taker tb = { .n = b, .cores = 2 }, tc = { .n = c, .cores = 2 },
+                 td = { .n = d, .cores = 2 };
+    pthread_t thb, thc, thd;
+    pthread_create(&thb, NULL, take_cores, &tb);
+    usleep(50 * 1000);
+    pthread_create(&thc, NULL, take_cores, &tc);
+    usleep(50 * 1000);
+    pthread_create(&thd, NULL, take_cores, &td);
+    usleep(100 * 1000);
+    ck_assert_int_eq(atomic_load(&tb.done) + atomic_load(&tc.done) + atomic_load(&td.done), 0);
+    hapi_node_stats st;
+    hapi_node_stats_get(a, &st);
+    ck_assert_uint_eq(st.waiting, 3);
+    ck_assert_uint_eq(st.cores_used, 2);
+    hapi_node_cores_give(a, 2);
+    /* b and c came first: a core each (4 mounts busy); d, last, waits for one of them */
+    pthread_join(thb, NULL);
+    pthread_join(thc, NULL);
+    ck_assert_int_eq(tb.rc, 1);
+    ck_assert_int_eq(tc.rc, 1);
+    usleep(100 * 1000);
+    ck_assert_int_eq(atomic_load(&td.done), 0);
+    hapi_node_cores_give(c, 1);
+    pthread_join(thd, NULL);
+    ck_assert_int_eq(td.rc, 1); /* b still holds one */
+    hapi_node_cores_give(b, 1);
+    hapi_node_cores_give(d, 1);
+    hapi_node_stats_get(a, &st);
+    ck_assert_uint_eq(st.cores_used, 0);
+    ck_assert_uint_eq(st.waiting, 0);
+    ck_assert_int_eq(hapi_node_cores_take(d, 2, NULL), 1); /* the others ran just now */
+    hapi_node_cores_give(d, 1);
+    usleep(1100 * 1000);
+    ck_assert_int_eq(hapi_node_cores_take(d, 2, NULL), 2); /* alone again: all */
+    hapi_node_cores_give(d, 2);
+    hapi_node_close(a);
+    hapi_node_close(b);
+    hapi_node_close(c);
+    hapi_node_close(d);
+}
+END_TEST
+
+/* A daemon killed while it holds memory and cores: the next to need them takes them back. */
+START_TEST(a_dead_daemons_share_is_taken_back)
+{
+    hapi_node *a = join(1000, 2);
+    pid_t pid = fork();
+    if (pid == 0) {
+        hapi_node_config cfg = { .path = path };
+        hapi_node *n = NULL;
+        hapi_error err = { 0 };
+        if (hapi_node_open(&cfg, &n, &err) < 0 || hapi_node_mem_take(n, 900, NULL) < 0 ||
+            hapi_node_cores_take(n, 2, NULL) != 2)
+            _exit(1);
+        _exit(0); /* dies holding both */
+    }
+    int status;
+    waitpid(pid, &status, 0);
+    ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    ck_assert_int_eq(hapi_node_mem_take(a, 10, NULL), 0); /* nothing in flight: goes over */
+    uint64_t t0 = hapi_now_ns();
+    ck_assert_int_eq(hapi_node_mem_take(a, 500, NULL), 0);
+    ck_assert_int_eq(hapi_node_cores_take(a, 2, NULL), 2);
+    ck_assert_uint_lt(hapi_now_ns() - t0, 2000000000ull);
+    hapi_node_stats st;
+    hapi_node_stats_get(a, &st);
+    ck_assert_uint_eq(st.reaped, 1);
+    ck_assert_uint_eq(st.mounts, 1);
+    ck_assert_uint_eq(st.mem_used, 510);
+    hapi_node_close(a);
+}
+END_TEST
+
+/* A file that is not a node file of this version is refused with a reason, not overwritten. */
+START_TEST(a_foreign_file_is_refused)
+{
+    hapi_node *a = join(1000, 2);
+    hapi_node_close(a);
+    FILE *f = fopen(path, "w");
+    fputs("not a node file\n", f);
+    fclose(f);
+    hapi_node_config cfg = { .path = path };
+    hapi_node *n = NULL;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(hapi_node_open(&cfg, &n, &err), -EINVAL);
+    ck_assert_ptr_null(n);
+    ck_assert_ptr_nonnull(strstr(err.message, "not a hapifs node file"));
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("node");
+    TCase *tc = tcase_create("node");
+    tcase_add_checked_fixture(tc, setup, teardown);
+    tcase_set_timeout(tc, 30);
+    tcase_add_test(tc, memory_waits_for_the_other_mounts);
+    tcase_add_test(tc, a_mount_with_nothing_in_flight_progresses);
+    tcase_add_test(tc, cores_are_taken_in_turn);
+    tcase_add_test(tc, a_dead_daemons_share_is_taken_back);
+    tcase_add_test(tc, a_foreign_file_is_refused);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
