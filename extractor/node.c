@@ -21,17 +21,20 @@
  * slots, one per daemon, and one per thread waiting for cores. Every change
  * happens under an open-file-description lock on the whole file, which the
  * kernel drops when a daemon dies; a slot names its process by pid and start
- * time, so a dead daemon's share is taken back by whoever next finds it. The
- * word seq changes at every release: waiters sleep on it as a futex (the map
- * is shared, so the futex is too) and look again every REAP_MS besides.
+ * time, so a dead daemon's share is taken back by whoever next finds it.
+ * Memory and cores each have a futex word (the map is shared, so the futex
+ * is too) that changes at every release of theirs, and a count of waiters,
+ * so a release wakes only those that wait for what it gave, and only if any
+ * do; waiters look again every REAP_MS besides.
  */
 #define NODE_MAGIC 0x68617069u /* "hapi" */
-#define NODE_VERSION 1u
+#define NODE_VERSION 2u
 #define NODE_SLOTS 256
 #define REAP_MS 100
 #define ACTIVE_NS 1000000000ull /* a mount that ran an inference this recently is busy */
 
 enum { SLOT_FREE = 0, SLOT_MOUNT = 1, SLOT_WAITER = 2 };
+enum { CH_MEM, CH_CORES, CH_COUNT }; /* what a waiter waits for */
 
 struct node_slot {
     int32_t kind;
@@ -50,8 +53,11 @@ struct node_slot {
 
 struct node_file {
     uint32_t magic, version;
-    _Atomic uint32_t seq; /* futex word: bumped at every release */
     uint32_t cores;       /* core tokens of the node */
+    struct {
+        _Atomic uint32_t seq;     /* futex word: bumped at every release */
+        _Atomic uint32_t waiting; /* threads asleep on it (a dead one's stays counted) */
+    } ch[CH_COUNT];
     uint64_t mem_total;   /* bytes of the node budget */
     uint64_t next_ticket;
     uint64_t reaped;      /* slots of dead daemons taken back */
@@ -121,17 +127,33 @@ static void unlock(hapi_node *n)
     (void)lock_file(n->fd, F_UNLCK);
 }
 
-static void wake_all(hapi_node *n)
+/* After a release on channel ch: wakes its waiters, if any (seq_cst: a waiter that counted
+ * itself after this looked sees the new seq and does not sleep). */
+static void wake(hapi_node *n, int ch)
 {
-    atomic_fetch_add(&n->f->seq, 1);
-    syscall(SYS_futex, &n->f->seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    atomic_fetch_add(&n->f->ch[ch].seq, 1);
+    if (atomic_load(&n->f->ch[ch].waiting))
+        syscall(SYS_futex, &n->f->ch[ch].seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Sleeps until seq moves past seen, or REAP_MS. */
-static void wait_change(hapi_node *n, uint32_t seen)
+static void wake_all(hapi_node *n)
+{
+    for (int ch = 0; ch < CH_COUNT; ch++)
+        wake(n, ch);
+}
+
+static uint32_t seq_of(hapi_node *n, int ch)
+{
+    return atomic_load(&n->f->ch[ch].seq);
+}
+
+/* Sleeps until channel ch's seq moves past seen (read under the lock), or REAP_MS. */
+static void wait_change(hapi_node *n, int ch, uint32_t seen)
 {
     struct timespec ts = { 0, REAP_MS * 1000000L };
-    syscall(SYS_futex, &n->f->seq, FUTEX_WAIT, seen, &ts, NULL, 0);
+    atomic_fetch_add(&n->f->ch[ch].waiting, 1);
+    syscall(SYS_futex, &n->f->ch[ch].seq, FUTEX_WAIT, seen, &ts, NULL, 0);
+    atomic_fetch_sub(&n->f->ch[ch].waiting, 1);
 }
 
 /* Under the lock: frees the slots of dead processes. Returns how many. */
@@ -305,7 +327,7 @@ void hapi_node_set_fixed(hapi_node *n, uint64_t bytes)
     n->f->slot[n->self].fixed = bytes;
     unlock(n);
     if (bytes < before)
-        wake_all(n);
+        wake(n, CH_MEM);
 }
 
 int hapi_node_mem_take(hapi_node *n, uint64_t bytes, const hapi_stop_flag *stop)
@@ -315,8 +337,8 @@ int hapi_node_mem_take(hapi_node *n, uint64_t bytes, const hapi_stop_flag *stop)
     int waited = 0;
     uint64_t since = hapi_now_ns();
     for (;;) {
-        uint32_t seen = atomic_load(&n->f->seq);
         lock(n);
+        uint32_t seen = seq_of(n, CH_MEM);
         struct node_slot *me = &n->f->slot[n->self];
         /* with nothing of its own in flight a mount may go over: every mount progresses */
         if (me->flight == 0 || mem_used(n->f) + bytes <= n->f->mem_total) {
@@ -333,7 +355,7 @@ int hapi_node_mem_take(hapi_node *n, uint64_t bytes, const hapi_stop_flag *stop)
         if (stop && atomic_load(stop))
             return -ECANCELED;
         waited = 1;
-        wait_change(n, seen);
+        wait_change(n, CH_MEM, seen);
     }
 }
 
@@ -345,7 +367,7 @@ void hapi_node_mem_give(hapi_node *n, uint64_t bytes)
     struct node_slot *me = &n->f->slot[n->self];
     me->flight = me->flight > bytes ? me->flight - bytes : 0;
     unlock(n);
-    wake_all(n);
+    wake(n, CH_MEM);
 }
 
 /* ------------------------------------------------------------------ cores */
@@ -360,17 +382,18 @@ void hapi_node_mem_give(hapi_node *n, uint64_t bytes)
 static uint32_t busy_mounts(hapi_node *n)
 {
     uint64_t now = hapi_now_ns();
+    unsigned char waits[NODE_SLOTS] = { 0 };
+    for (int k = 0; k < NODE_SLOTS; k++) {
+        const struct node_slot *q = &n->f->slot[k];
+        if (q->kind == SLOT_WAITER && q->owner >= 0 && q->owner < NODE_SLOTS)
+            waits[q->owner] = 1;
+    }
     uint32_t busy = 1;
     for (int i = 0; i < NODE_SLOTS; i++) {
         const struct node_slot *s = &n->f->slot[i];
-        if (i == n->self || s->kind != SLOT_MOUNT)
-            continue;
-        int yes = s->last_run && now - s->last_run < ACTIVE_NS;
-        for (int k = 0; k < NODE_SLOTS && !yes; k++) {
-            const struct node_slot *q = &n->f->slot[k];
-            yes = q->kind == SLOT_WAITER && q->owner == i;
-        }
-        busy += (uint32_t)yes;
+        if (i != n->self && s->kind == SLOT_MOUNT &&
+            (waits[i] || (s->last_run && now - s->last_run < ACTIVE_NS)))
+            busy++;
     }
     return busy;
 }
@@ -417,24 +440,24 @@ int hapi_node_cores_take(hapi_node *n, int want, const hapi_stop_flag *stop)
             memset(&n->f->slot[w], 0, sizeof(n->f->slot[w]));
             unlock(n);
             if (waited)
-                wake_all(n); /* the next in line may fit beside this one */
+                wake(n, CH_CORES); /* the next in line may fit beside this one */
             return want;
         }
         if (hapi_now_ns() - since > REAP_MS * 1000000ull) {
             reap(n);
             since = hapi_now_ns();
         }
-        uint32_t seen = atomic_load(&n->f->seq);
+        uint32_t seen = seq_of(n, CH_CORES);
         unlock(n);
         if (stop && atomic_load(stop)) {
             lock(n);
             memset(&n->f->slot[w], 0, sizeof(n->f->slot[w]));
             unlock(n);
-            wake_all(n);
+            wake(n, CH_CORES);
             return -ECANCELED;
         }
         waited = 1;
-        wait_change(n, seen);
+        wait_change(n, CH_CORES, seen);
         lock(n);
     }
 }
@@ -448,7 +471,7 @@ void hapi_node_cores_give(hapi_node *n, int count)
     me->cores = me->cores > (uint32_t)count ? me->cores - (uint32_t)count : 0;
     me->last_run = hapi_now_ns();
     unlock(n);
-    wake_all(n);
+    wake(n, CH_CORES);
 }
 
 /* ------------------------------------------------------------------ stats */
