@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from conftest import HAPIFS, need_hapifs, wait_gone
+from conftest import BUILD_ROOT, HAPIFS, need_hapifs, wait_gone
 from test_throughput import make_tree
 
 
@@ -51,6 +51,10 @@ def test_mounts_share_the_node_file(tmp_path, models, mounter):
     assert sa["cores_used"] == 0 and sa["waiting"] == 0
     assert sa["mem_used"] == sa["own_fixed"] + sb["own_fixed"]
     assert a.ctl("stats")["batcher"]["samples"] == len(paths)
+    status = subprocess.run([str(BUILD_ROOT / "tools" / "hapifs-ctl"), "status", str(a.path)],
+                            capture_output=True, text=True, check=True).stdout
+    line = next(l for l in status.splitlines() if l.startswith("node"))
+    assert "2 mounts hold" in line and "of 2.0 GiB" in line and "cores 0 of 2 busy" in line, line
 
 
 def test_a_killed_daemons_share_is_taken_back(tmp_path, models, mounter):

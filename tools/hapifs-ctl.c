@@ -258,6 +258,16 @@ static int cmd_status(const char *mnt)
                num(stats, "prefetch.dirs"), num(stats, "prefetch.pending_dirs"),
                num(stats, "prefetch.dropped"), num(stats, "prefetch.submitted"),
                num(stats, "prefetch.cached"), num(stats, "prefetch.computed"));
+    if (json_is_object(get(stats, "node"))) { /* null: the mount runs alone */
+        char s4[32];
+        printf("%-10s %.0f mounts hold %s of %s; this one %s (model) + %s in flight; "
+               "cores %.0f of %.0f busy, %.0f inferences waiting\n", "node",
+               num(stats, "node.mounts"), human_size(num(stats, "node.mem_used"), s1, sizeof(s1)),
+               human_size(num(stats, "node.mem_total"), s2, sizeof(s2)),
+               human_size(num(stats, "node.own_fixed"), s3, sizeof(s3)),
+               human_size(num(stats, "node.own_flight"), s4, sizeof(s4)),
+               num(stats, "node.cores_used"), num(stats, "node.cores"), num(stats, "node.waiting"));
+    }
     free(shape);
 out:
     json_decref(config);
