@@ -474,8 +474,8 @@ static void *inference_main(void *arg)
             pthread_mutex_unlock(&b->lock);
             for (int i = 0; i < n; i++)
                 node_give(b, jobs[i], jobs[i]->node_mem);
-            /* the node's cores: inferences of all mounts take turns */
-            int tokens = hapi_node_cores_take(b->cfg.node, b->cfg.node_cores, &b->node_stop);
+            /* the node's cores, divided among the mounts busy computing */
+            int tokens = hapi_node_cores_take(b->cfg.node, b->cfg.node_cores, 0, &b->node_stop);
             if (tokens > 0 && tokens != threads_now) {
                 hapi_model_set_threads(tokens); /* as many threads as cores granted */
                 threads_now = tokens;

@@ -293,9 +293,8 @@ int hapi_extractor_compute(hapi_extractor *ex, hapi_decoder *dec,
  * What the mounts of one node share, through a file every daemon maps
  * (/run/hapifs/node): a memory budget, from which each daemon holds its
  * model's share while mounted and draws its images and tensors in flight;
- * and the cores, as tokens an inference holds while it runs, granted first
- * come, first served, so that 20 mounts on 2 cores take turns instead of
- * running 40 spinning torch threads at once. A dead daemon's share is taken
+ * and the cores, divided among the mounts busy computing, so that 20 mounts
+ * on 2 cores run 20 inference threads, not 40, and a profile runs alone. A dead daemon's share is taken
  * back by the next daemon that finds it (its slot names pid and start time).
  */
 typedef struct hapi_node hapi_node;
@@ -315,8 +314,8 @@ typedef struct hapi_node_config {
 
 typedef struct hapi_node_stats {
     uint64_t mem_total, mem_used;     /* the node budget, and what its mounts hold */
-    uint64_t cores, cores_used;       /* core tokens, and those held by inferences */
-    uint64_t mounts, waiting;         /* daemons joined; inferences waiting for cores */
+    uint64_t cores, cores_used;       /* the node's cores, and threads inferences run now */
+    uint64_t mounts, waiting;         /* daemons joined; profiles waiting for the cores */
     uint64_t reaped;                  /* slots of dead daemons taken back */
     uint64_t own_fixed, own_flight;   /* this daemon's model share and bytes in flight */
     uint64_t own_waits;               /* times this daemon waited for memory or cores */
@@ -345,15 +344,16 @@ int hapi_node_mem_take(hapi_node *n, uint64_t bytes, const hapi_stop_flag *stop)
 void hapi_node_mem_give(hapi_node *n, uint64_t bytes);
 
 /*
- * Takes core tokens for an inference, first come first served across the
- * node: want, but no more than the node's cores divided among the mounts busy
- * computing (those that ran an inference within the last second or wait to),
- * and at least one; the inference should run that many threads
- * (hapi_model_set_threads()). Returns the count taken (give it
- * back with hapi_node_cores_give()), 0 with n NULL, or -ECANCELED once *stop
- * is set.
+ * Threads for an inference: want, but no more than the node's cores divided
+ * among the mounts busy computing (those running an inference, or that ran
+ * one within the last second), and at least one; it does not wait, but while
+ * a mount profiles (or waits to) nobody starts. With alone set (a profile):
+ * waits, first come first served among profiles, until no inference runs and
+ * takes every core. Returns the count (the inference runs that many threads,
+ * hapi_model_set_threads(); give it back with hapi_node_cores_give()), 0 with
+ * n NULL, or -ECANCELED once *stop is set.
  */
-int hapi_node_cores_take(hapi_node *n, int want, const hapi_stop_flag *stop);
+int hapi_node_cores_take(hapi_node *n, int want, int alone, const hapi_stop_flag *stop);
 void hapi_node_cores_give(hapi_node *n, int count);
 
 /* Fills *st (zeros with n NULL). */

@@ -18,7 +18,7 @@
 
 /*
  * The file (tmpfs, /run/hapifs/node by default) holds a header and a table of
- * slots, one per daemon, and one per thread waiting for cores. Every change
+ * slots, one per daemon, and one per profile waiting for the cores. Every change
  * happens under an open-file-description lock on the whole file, which the
  * kernel drops when a daemon dies; a slot names its process by pid and start
  * time, so a dead daemon's share is taken back by whoever next finds it.
@@ -28,7 +28,7 @@
  * do; waiters look again every REAP_MS besides.
  */
 #define NODE_MAGIC 0x68617069u /* "hapi" */
-#define NODE_VERSION 2u
+#define NODE_VERSION 3u
 #define NODE_SLOTS 256
 #define REAP_MS 100
 #define ACTIVE_NS 1000000000ull /* a mount that ran an inference this recently is busy */
@@ -42,9 +42,9 @@ struct node_slot {
     uint64_t start;     /* the process's start time, in clock ticks after boot */
     uint64_t fixed;     /* MOUNT: bytes held while mounted (the model's share) */
     uint64_t flight;    /* MOUNT: bytes of images and tensors in flight */
-    uint32_t cores;     /* MOUNT: core tokens held */
-    uint32_t want;      /* WAITER: tokens asked for */
-    int32_t owner;      /* WAITER: its mount's slot */
+    uint32_t cores;     /* MOUNT: threads its inferences run now */
+    uint32_t alone;     /* MOUNT: it holds every core, to profile */
+    int32_t owner;      /* WAITER: the mount that waits to profile */
     uint64_t ticket;    /* WAITER: place in the queue */
     uint64_t waits;     /* MOUNT: times it waited for memory or cores */
     uint64_t last_run;  /* MOUNT: when its last inference started or ended (CLOCK_MONOTONIC) */
@@ -374,10 +374,10 @@ void hapi_node_mem_give(hapi_node *n, uint64_t bytes)
 
 /*
  * Under the lock: the mounts busy computing, this one included: those that
- * ran an inference within ACTIVE_NS or have one waiting. The cores are
- * shared among them, so a mount alone runs all its threads, and in a crowd
- * each inference runs fewer; the count changes only as mounts start and stop
- * computing, so a mount's thread count seldom changes.
+ * run an inference, ran one within ACTIVE_NS, or wait to profile. The cores
+ * are divided among them, so a mount alone runs all its threads and in a
+ * crowd each inference runs fewer; the count changes only as mounts start
+ * and stop computing, so a mount's thread count seldom changes.
  */
 static uint32_t busy_mounts(hapi_node *n)
 {
@@ -392,10 +392,21 @@ static uint32_t busy_mounts(hapi_node *n)
     for (int i = 0; i < NODE_SLOTS; i++) {
         const struct node_slot *s = &n->f->slot[i];
         if (i != n->self && s->kind == SLOT_MOUNT &&
-            (waits[i] || (s->last_run && now - s->last_run < ACTIVE_NS)))
+            (waits[i] || s->cores || (s->last_run && now - s->last_run < ACTIVE_NS)))
             busy++;
     }
     return busy;
+}
+
+/* Under the lock: whether any mount profiles (holds the node alone) or waits to. */
+static int profile_pending(hapi_node *n)
+{
+    for (int i = 0; i < NODE_SLOTS; i++) {
+        const struct node_slot *s = &n->f->slot[i];
+        if (s->kind == SLOT_WAITER || (s->kind == SLOT_MOUNT && s->alone))
+            return 1;
+    }
+    return 0;
 }
 
 /* Under the lock: whether the waiter in slot w is the oldest live one. */
@@ -409,7 +420,7 @@ static int first_in_line(hapi_node *n, int w)
     return 1;
 }
 
-int hapi_node_cores_take(hapi_node *n, int want, const hapi_stop_flag *stop)
+int hapi_node_cores_take(hapi_node *n, int want, int alone, const hapi_stop_flag *stop)
 {
     if (!n)
         return 0;
@@ -418,30 +429,36 @@ int hapi_node_cores_take(hapi_node *n, int want, const hapi_stop_flag *stop)
         want = 1;
     if ((uint32_t)want > n->f->cores)
         want = (int)n->f->cores;
-    int w = take_slot(n, SLOT_WAITER);
-    if (w < 0) {
-        unlock(n);
-        return 0; /* no room to queue: run without a token rather than stall */
+    int w = -1;
+    if (alone) {
+        /* in line behind the other profiles; nobody starts an inference meanwhile */
+        w = take_slot(n, SLOT_WAITER);
+        if (w < 0) {
+            unlock(n);
+            return 0; /* no room to queue: measure beside the others rather than stall */
+        }
+        n->f->slot[w].owner = n->self;
+        n->f->slot[w].ticket = ++n->f->next_ticket;
     }
-    n->f->slot[w].want = (uint32_t)want;
-    n->f->slot[w].owner = n->self;
-    n->f->slot[w].ticket = ++n->f->next_ticket;
     uint64_t since = hapi_now_ns();
     int waited = 0;
     for (;;) {
         struct node_slot *me = &n->f->slot[n->self];
-        uint32_t share = n->f->cores / busy_mounts(n);
-        uint32_t take = (uint32_t)want < share ? (uint32_t)want : share < 1 ? 1 : share;
-        if (first_in_line(n, w) && cores_used(n->f) + take <= n->f->cores) {
-            want = (int)take;
+        uint32_t take = 0;
+        if (!alone && !profile_pending(n)) {
+            uint32_t share = n->f->cores / busy_mounts(n);
+            take = (uint32_t)want < share ? (uint32_t)want : share < 1 ? 1 : share;
+        } else if (alone && first_in_line(n, w) && cores_used(n->f) == 0) {
+            take = n->f->cores;
+            me->alone = 1;
+            memset(&n->f->slot[w], 0, sizeof(n->f->slot[w]));
+        }
+        if (take) {
             me->cores += take;
             me->last_run = hapi_now_ns();
             me->waits += (uint64_t)waited;
-            memset(&n->f->slot[w], 0, sizeof(n->f->slot[w]));
             unlock(n);
-            if (waited)
-                wake(n, CH_CORES); /* the next in line may fit beside this one */
-            return want;
+            return (int)take;
         }
         if (hapi_now_ns() - since > REAP_MS * 1000000ull) {
             reap(n);
@@ -450,10 +467,12 @@ int hapi_node_cores_take(hapi_node *n, int want, const hapi_stop_flag *stop)
         uint32_t seen = seq_of(n, CH_CORES);
         unlock(n);
         if (stop && atomic_load(stop)) {
-            lock(n);
-            memset(&n->f->slot[w], 0, sizeof(n->f->slot[w]));
-            unlock(n);
-            wake(n, CH_CORES);
+            if (w >= 0) {
+                lock(n);
+                memset(&n->f->slot[w], 0, sizeof(n->f->slot[w]));
+                unlock(n);
+                wake(n, CH_CORES);
+            }
             return -ECANCELED;
         }
         waited = 1;
@@ -469,6 +488,8 @@ void hapi_node_cores_give(hapi_node *n, int count)
     lock(n);
     struct node_slot *me = &n->f->slot[n->self];
     me->cores = me->cores > (uint32_t)count ? me->cores - (uint32_t)count : 0;
+    if (!me->cores)
+        me->alone = 0;
     me->last_run = hapi_now_ns();
     unlock(n);
     wake(n, CH_CORES);

@@ -137,7 +137,7 @@ static int get_profile(hapi_tune *t, hapi_profile *prof, int *reused, hapi_error
     }
     hapi_log(HAPI_LOG_INFO, "profiling the model (once per model, device and thread count)");
     /* every core of the node: the other mounts' inferences would skew the timings */
-    int tokens = hapi_node_cores_take(t->cfg.node, INT_MAX, &t->stop);
+    int tokens = hapi_node_cores_take(t->cfg.node, INT_MAX, 1, &t->stop);
     if (tokens < 0)
         return hapi_error_set(err, -ECANCELED, "unmounting");
     int rc = hapi_profile_measure(hapi_extractor_model(t->cfg.ex), digest, device,

@@ -41,6 +41,7 @@ struct taker {
     hapi_node *n;
     uint64_t bytes;
     int cores;
+    int alone;
     hapi_stop_flag stop;
     atomic_int done;
     int rc;
@@ -57,7 +58,7 @@ static void *take_mem(void *arg)
 static void *take_cores(void *arg)
 {
     struct taker *t = arg;
-    t->rc = hapi_node_cores_take(t->n, t->cores, &t->stop);
+    t->rc = hapi_node_cores_take(t->n, t->cores, t->alone, &t->stop);
     atomic_store(&t->done, 1);
     return NULL;
 }
@@ -111,48 +112,47 @@ START_TEST(a_mount_with_nothing_in_flight_progresses)
 END_TEST
 
 /*
- * Inferences take turns for the cores, first come first served; the cores are
- * divided among the mounts busy computing (2 cores, 4 mounts: one each).
+ * The cores are divided among the mounts busy computing, without waiting; a
+ * profile waits until no inference runs, and nobody starts while it runs.
  */
-START_TEST(cores_are_taken_in_turn)
+START_TEST(cores_are_divided_and_a_profile_runs_alone)
 {
     hapi_node *a = join(1 << 20, 2), *b = join(0, 0), *c = join(0, 0), *d = join(0, 0);
-    ck_assert_int_eq(hapi_node_cores_take(a, 8, NULL), 2); /* alone: all, capped at the node's */
-    struct taker tb = { .n = b, .cores = 2 }, tc = { .n = c, .cores = 2 },
-                 td = { .n = d, .cores = 2 };
-    pthread_t thb, thc, thd;
-    pthread_create(&thb, NULL, take_cores, &tb);
-    usleep(50 * 1000);
-    pthread_create(&thc, NULL, take_cores, &tc);
-    usleep(50 * 1000);
-    pthread_create(&thd, NULL, take_cores, &td);
-    usleep(100 * 1000);
-    ck_assert_int_eq(atomic_load(&tb.done) + atomic_load(&tc.done) + atomic_load(&td.done), 0);
+    ck_assert_int_eq(hapi_node_cores_take(a, 8, 0, NULL), 2); /* alone: all, capped */
+    ck_assert_int_eq(hapi_node_cores_take(b, 2, 0, NULL), 1); /* a and b busy: one each */
+    ck_assert_int_eq(hapi_node_cores_take(c, 2, 0, NULL), 1); /* at least one */
     hapi_node_stats st;
     hapi_node_stats_get(a, &st);
-    ck_assert_uint_eq(st.waiting, 3);
-    ck_assert_uint_eq(st.cores_used, 2);
-    hapi_node_cores_give(a, 2);
-    /* b and c came first: a core each (4 mounts busy); d, last, waits for one of them */
-    pthread_join(thb, NULL);
-    pthread_join(thc, NULL);
-    ck_assert_int_eq(tb.rc, 1);
-    ck_assert_int_eq(tc.rc, 1);
+    ck_assert_uint_eq(st.cores_used, 4);
+    /* d profiles: it waits for the three inferences, and e's waits for d */
+    struct taker td = { .n = d, .cores = 2, .alone = 1 }, te = { .n = a, .cores = 2 };
+    pthread_t thd, the;
+    pthread_create(&thd, NULL, take_cores, &td);
     usleep(100 * 1000);
-    ck_assert_int_eq(atomic_load(&td.done), 0);
+    pthread_create(&the, NULL, take_cores, &te);
+    usleep(100 * 1000);
+    ck_assert_int_eq(atomic_load(&td.done) + atomic_load(&te.done), 0);
+    hapi_node_stats_get(a, &st);
+    ck_assert_uint_eq(st.waiting, 1);
+    hapi_node_cores_give(a, 2);
+    hapi_node_cores_give(b, 1);
+    usleep(100 * 1000);
+    ck_assert_int_eq(atomic_load(&td.done), 0); /* c still runs */
     hapi_node_cores_give(c, 1);
     pthread_join(thd, NULL);
-    ck_assert_int_eq(td.rc, 1); /* b still holds one */
-    hapi_node_cores_give(b, 1);
-    hapi_node_cores_give(d, 1);
+    ck_assert_int_eq(td.rc, 2);
+    usleep(100 * 1000);
+    ck_assert_int_eq(atomic_load(&te.done), 0); /* nobody starts beside a profile */
+    hapi_node_cores_give(d, 2);
+    pthread_join(the, NULL);
+    ck_assert_int_eq(te.rc, 1); /* d ran just now: still busy */
+    hapi_node_cores_give(a, 1);
+    usleep(1100 * 1000);
+    ck_assert_int_eq(hapi_node_cores_take(c, 2, 0, NULL), 2); /* alone again: all */
+    hapi_node_cores_give(c, 2);
     hapi_node_stats_get(a, &st);
     ck_assert_uint_eq(st.cores_used, 0);
     ck_assert_uint_eq(st.waiting, 0);
-    ck_assert_int_eq(hapi_node_cores_take(d, 2, NULL), 1); /* the others ran just now */
-    hapi_node_cores_give(d, 1);
-    usleep(1100 * 1000);
-    ck_assert_int_eq(hapi_node_cores_take(d, 2, NULL), 2); /* alone again: all */
-    hapi_node_cores_give(d, 2);
     hapi_node_close(a);
     hapi_node_close(b);
     hapi_node_close(c);
@@ -170,7 +170,7 @@ START_TEST(a_dead_daemons_share_is_taken_back)
         hapi_node *n = NULL;
         hapi_error err = { 0 };
         if (hapi_node_open(&cfg, &n, &err) < 0 || hapi_node_mem_take(n, 900, NULL) < 0 ||
-            hapi_node_cores_take(n, 2, NULL) != 2)
+            hapi_node_cores_take(n, 2, 0, NULL) != 2)
             _exit(1);
         _exit(0); /* dies holding both */
     }
@@ -180,7 +180,7 @@ START_TEST(a_dead_daemons_share_is_taken_back)
     ck_assert_int_eq(hapi_node_mem_take(a, 10, NULL), 0); /* nothing in flight: goes over */
     uint64_t t0 = hapi_now_ns();
     ck_assert_int_eq(hapi_node_mem_take(a, 500, NULL), 0);
-    ck_assert_int_eq(hapi_node_cores_take(a, 2, NULL), 2);
+    ck_assert_int_eq(hapi_node_cores_take(a, 2, 1, NULL), 2); /* a profile: waits for none */
     ck_assert_uint_lt(hapi_now_ns() - t0, 2000000000ull);
     hapi_node_stats st;
     hapi_node_stats_get(a, &st);
@@ -216,7 +216,7 @@ int main(void)
     tcase_set_timeout(tc, 30);
     tcase_add_test(tc, memory_waits_for_the_other_mounts);
     tcase_add_test(tc, a_mount_with_nothing_in_flight_progresses);
-    tcase_add_test(tc, cores_are_taken_in_turn);
+    tcase_add_test(tc, cores_are_divided_and_a_profile_runs_alone);
     tcase_add_test(tc, a_dead_daemons_share_is_taken_back);
     tcase_add_test(tc, a_foreign_file_is_refused);
     suite_add_tcase(s, tc);
