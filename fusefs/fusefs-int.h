@@ -640,6 +640,12 @@ void hapi_remote_feat_close(hapi_remote_feat *f);
 /* Starts fetching every pack under path ("" all) with a row not cached. Returns 0, -EBUSY, -errno. */
 int hapi_remote_warm_start(hapi_remote *r, const char *path);
 /*
+ * Stops a running warm-up: its walker is told to stop and joined; fetches
+ * already started or queued (fetch_threads at most) go on. Returns 1 if one
+ * was stopped, 0 if none was running.
+ */
+int hapi_remote_warm_stop(hapi_remote *r);
+/*
  * Removes the cached features under path (a directory, a .feat or its
  * image's name; "" every namespace the sources serve). Returns the count or
  * < 0 with err.
@@ -710,12 +716,22 @@ void hapi_background_set_tree_size(hapi_background *bg, uint64_t images, int ok)
 /* Starts warming path (relative; "" for all) in the background. Returns 0, -EBUSY, -errno. */
 int hapi_warm_start(hapi_background *bg, const char *path);
 /*
+ * Stops an unfinished warm-up for good (ctl "warm stop"): the walker is told
+ * to stop and joined; what it has queued already (two batches at most) is
+ * still computed. Its status says HAPI_WARM_STOPPED until the next start.
+ * Returns 1 if a warm-up was stopped, 0 if none was running.
+ */
+int hapi_warm_stop(hapi_background *bg);
+/*
  * Stops an unfinished warm-up and returns what it was warming (malloc'd, to
  * hand to hapi_warm_start() again), or NULL if none was running.
  */
 char *hapi_warm_pause(hapi_background *bg);
 
-enum hapi_warm_state { HAPI_WARM_IDLE, HAPI_WARM_COUNTING, HAPI_WARM_RUNNING, HAPI_WARM_DONE };
+enum hapi_warm_state {
+    HAPI_WARM_IDLE, HAPI_WARM_COUNTING, HAPI_WARM_RUNNING, HAPI_WARM_DONE,
+    HAPI_WARM_STOPPED       /* by hapi_warm_stop() or hapi_remote_warm_stop() */
+};
 
 /* A warm-up's progress; path is a copy (malloc'd, NULL when idle): free it. */
 typedef struct hapi_warm_status {
