@@ -369,7 +369,8 @@ typedef struct hapi_serve_stats {
     uint64_t bad;             /* lookups that found damaged entries */
     uint64_t collected;       /* entries of deleted sources removed */
     uint64_t passthrough_bytes; /* asked of source files shown as they are */
-    uint64_t completed[HAPI_PRIORITY_COUNT]; /* results (computed or failed) by origin */
+    uint64_t completed[HAPI_PRIORITY_COUNT]; /* requests answered (computed or failed), by
+                                                the priority they were made at */
     uint64_t origin_computed[HAPI_PRIORITY_COUNT]; /* computed, by who asked first */
 } hapi_serve_stats;
 

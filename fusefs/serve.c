@@ -83,7 +83,9 @@ static void store_results(void *ctx, const hapi_batch_result *results, size_t n)
 
     for (size_t i = 0; i < n; i++) {
         const hapi_batch_result *r = &results[i];
-        atomic_fetch_add(&s->stats.completed[r->origin], 1);
+        for (int p = 0; p < HAPI_PRIORITY_COUNT; p++)
+            if (r->requests[p])
+                atomic_fetch_add(&s->stats.completed[p], r->requests[p]);
         if (r->code >= 0)
             atomic_fetch_add(&s->stats.origin_computed[r->origin], 1);
         if (r->code < 0 && r->origin == HAPI_PRIORITY_PREFETCH &&
@@ -219,9 +221,9 @@ ssize_t hapi_serve_read(hapi_serve *s, hapi_view *v, const char *path, const hap
         hapi_ticket *t = NULL;
         const void *features;
         int rc = hapi_batcher_submit(v->batcher, path, HAPI_PRIORITY_DEMAND, &t);
-        if (rc == 0 && s->on_miss)
+        if (rc >= 0 && s->on_miss)
             s->on_miss(s->on_miss_arg, v, path); /* after the read's own request: it goes first */
-        if (rc == 0)
+        if (rc >= 0)
             rc = hapi_ticket_wait(v->batcher, t, &features, NULL, NULL); /* the sink logged why */
         if (rc == 0)
             memcpy(dst, (const char *)features + dpos, dend - dpos);
@@ -269,6 +271,8 @@ int hapi_serve_read_parts(hapi_serve *s, hapi_view *v, hapi_serve_part *parts, s
         } else if (!probe(s, v, p->path, p->id)) {
             p->code = hapi_batcher_submit(v->batcher, p->path, HAPI_PRIORITY_DEMAND, NULL);
         }
+        if (p->code == HAPI_BATCHER_DELIVERED)
+            p->code = 0; /* its ticket is as good */
         if (p->code == -ECANCELED)
             rc = -ECANCELED;
     }
@@ -307,7 +311,8 @@ int hapi_serve_queue(hapi_serve *s, hapi_view *v, const char *path, int priority
         rc = -ECANCELED;
     if (rc == 0)
         rc = hapi_batcher_submit(v->batcher, path, priority, NULL);
-    return rc;
+    /* A result delivered already is in the cache, or its failure recorded. */
+    return rc == HAPI_BATCHER_DELIVERED ? HAPI_QUEUE_CACHED : rc;
 }
 
 void hapi_serve_note_passthrough(hapi_serve *s, size_t bytes)
