@@ -506,6 +506,7 @@ typedef struct hapi_pack_info {
     uint64_t size;             /* bytes of the pack (header + count rows) */
     uint64_t index_bound;      /* the index is never longer than this */
     struct timespec mtime, ctime; /* the latest of the directory's and its images' */
+    uint64_t key;              /* a hash of what its bytes are: namespace, names, identities */
 } hapi_pack_info;
 
 /*
@@ -524,6 +525,11 @@ int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info);
 int hapi_pack_open(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_pack **out);
 /* The pack's size in bytes. */
 uint64_t hapi_pack_size(const hapi_pack *k);
+/*
+ * The key of its snapshot (as hapi_pack_info's): two opens with one key read
+ * the same bytes (but for rows of images that change while being read).
+ */
+uint64_t hapi_pack_key(const hapi_pack *k);
 /*
  * Fills buf with bytes [off, off + size) of the pack, computing the rows it
  * covers (and asking for the next ones ahead). Waits only for the rows it

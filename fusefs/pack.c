@@ -42,6 +42,7 @@ struct snapshot {
     char **paths;
     hapi_source_id *ids;
     struct timespec mtime, ctime;
+    uint64_t key;              /* of the view's namespace, the names and the identities */
     const hapi_cred *who;      /* NULL, or who must be able to read every image */
     int denied;                /* who cannot read one of them */
 };
@@ -247,6 +248,17 @@ static int take(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_view 
     int rc = snapshot_take(p, dir, who, sn);
     if (rc == 0 && (rc = pack_header(*v, sn->count, header)) < 0)
         snapshot_free(sn);
+    if (rc >= 0) {
+        XXH3_state_t key;
+        XXH3_64bits_reset(&key);
+        XXH3_64bits_update(&key, &(*v)->ns, sizeof((*v)->ns));
+        XXH3_64bits_update(&key, &sn->count, sizeof(sn->count));
+        for (size_t i = 0; i < sn->count; i++) {
+            XXH3_64bits_update(&key, sn->names[i], strlen(sn->names[i]) + 1);
+            XXH3_64bits_update(&key, &sn->ids[i], sizeof(sn->ids[i]));
+        }
+        sn->key = XXH3_64bits_digest(&key);
+    }
     if (rc < 0) {
         hapi_view_put(*v);
         *v = NULL;
@@ -267,6 +279,7 @@ int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info)
     info->index_bound = index_bound(&sn);
     info->mtime = sn.mtime;
     info->ctime = sn.ctime;
+    info->key = sn.key;
     snapshot_free(&sn);
     hapi_view_put(v);
     return 0;
@@ -297,6 +310,11 @@ int hapi_pack_open(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_pa
 uint64_t hapi_pack_size(const hapi_pack *k)
 {
     return k->size;
+}
+
+uint64_t hapi_pack_key(const hapi_pack *k)
+{
+    return k->snap.key;
 }
 
 void hapi_pack_close(hapi_pack *k)
