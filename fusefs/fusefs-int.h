@@ -144,11 +144,12 @@ char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, vo
  *   background warm.lock  starting, pausing and joining the warm-up walker
  *   tune.lock             the profile and the policy's inputs
  *   views.lock            the current view (leaf but for view refcounts)
+ *   remote.c's warm_control  starting and stopping its warm-up (held through the join)
  *   the batcher's and the cache's own locks (extractor/, cache/)
  *   leaves, never held while taking another: background prefetch.lock,
  *   keeper.lock and warm.status_lock, remote.c's index_lock, fetch_lock, warm_lock and a remote
- *   source's lock, a pack's lock, the packs' failure lock, fs's node table
- *   lock, a ctl handle's lock, the error ring's lock, the log's lock.
+ *   source's lock, a pack's lock, the packs' failure and partial-row locks, fs's node
+ *   table lock, a ctl handle's lock, the error ring's lock, the log's lock.
  * Joining the warm-up walker is allowed while holding warm.lock and, in a
  * split change, tune.switch_lock: the walker takes neither, nor any lock
  * above them. The split-change callback runs with tune.switch_lock held (and

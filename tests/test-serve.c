@@ -384,6 +384,46 @@ START_TEST(walker_sees_what_the_mount_shows)
 END_TEST
 
 /*
+ * A pack's row read in two parts (the kernel splits reads at pages, inside
+ * rows) is of one version of its image, though the image changes and its
+ * features leave the cache between the two reads.
+ */
+START_TEST(a_row_read_in_parts_is_of_one_version)
+{
+    hapi_view *v = make_current(hapi_extractor_split(ex));
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof(dir), "%s/d", src_path);
+    ck_assert_int_eq(mkdir(dir, 0755), 0);
+    write_jpeg("d/w.jpg", 72, 60, 5);
+    size_t bytes;
+    void *v1 = reference("d/w.jpg", v->split, &bytes);
+    hapi_packs *packs = NULL;
+    ck_assert_int_eq(hapi_packs_new(source, views, serve, &packs), 0);
+    hapi_pack *k = NULL;
+    ck_assert_int_eq(hapi_pack_open(packs, "d", NULL, &k), 0);
+    uint64_t size = hapi_pack_size(k), hdr = size - v->sample_bytes;
+    char *pack = malloc(size);
+    uint64_t half = hdr + v->sample_bytes / 2 + 3;
+    ck_assert_int_eq(hapi_pack_read(k, pack, half, 0), (ssize_t)half);
+    write_jpeg("d/w.jpg", 72, 60, 6); /* another version, and its old features go */
+    hapi_error err = { 0 };
+    ck_assert_int_ge(hapi_cache_evict_path(cache, &v->ns, "d/w.jpg", &err), 0);
+    ck_assert_int_eq(hapi_pack_read(k, pack + half, size - half, (off_t)half),
+                     (ssize_t)(size - half));
+    ck_assert_mem_eq(pack + hdr, v1, bytes);
+    hapi_pack_close(k);
+    hapi_packs_free(packs);
+    free(pack);
+    free(v1);
+    snprintf(dir, sizeof(dir), "%s/d/w.jpg", src_path);
+    unlink(dir);
+    snprintf(dir, sizeof(dir), "%s/d", src_path);
+    rmdir(dir);
+    hapi_view_put(v);
+}
+END_TEST
+
+/*
  * A read opened at one identity never gets the features of an older one: a
  * request it joins may have read the image before it changed (here: loaded,
  * then held for a batch that does not fill); that result is not the read's,
@@ -612,6 +652,7 @@ int main(void)
         { "walker_sees_what_the_mount_shows", walker_sees_what_the_mount_shows },
         { "pack_rows_are_the_feats", pack_rows_are_the_feats },
         { "a_read_never_gets_an_older_version", a_read_never_gets_an_older_version },
+        { "a_row_read_in_parts_is_of_one_version", a_row_read_in_parts_is_of_one_version },
         { "warm_up_and_its_status", warm_up_and_its_status }, /* last: it stops the views */
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
