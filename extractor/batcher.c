@@ -40,6 +40,8 @@ struct job {
     uint64_t ready_ns;
     uint64_t node_mem;       /* bytes drawn from the node budget */
     uint8_t tag[HAPI_BATCHER_TAG_MAX];
+    unsigned requests[HAPI_PRIORITY_COUNT]; /* that it answers, by priority */
+    int delivered;          /* the sink has (or is getting) its result: requests is final */
     struct job *prev, *next; /* in a queue or a ready list */
     struct job *hash_next;
 };
@@ -222,6 +224,22 @@ static size_t ready_total(const hapi_batcher *b)
     return n;
 }
 
+/*
+ * Marks jobs delivered and gives their results the requests they answer,
+ * before the sink has them: a request that comes after this joins a result
+ * already delivered (hapi_batcher_submit says so), so every request is
+ * counted by exactly one result.
+ */
+static void deliver(hapi_batcher *b, struct job **jobs, hapi_batch_result *results, size_t n)
+{
+    pthread_mutex_lock(&b->lock);
+    for (size_t i = 0; i < n; i++) {
+        jobs[i]->delivered = 1;
+        memcpy(results[i].requests, jobs[i]->requests, sizeof(results[i].requests));
+    }
+    pthread_mutex_unlock(&b->lock);
+}
+
 /* ------------------------------------------------------- decode threads */
 
 /* Loads, decodes and preprocesses one job outside the lock. */
@@ -339,7 +357,8 @@ static void *decode_main(void *arg)
         if (rc < 0) {
             /* A sample that cannot be read fails alone, before it meets a batch. */
             hapi_batch_result r = { j->key, j->tag, NULL, rc, err.message, j->priority,
-                                    j->origin };
+                                    j->origin, { 0 } };
+            deliver(b, &j, &r, 1);
             b->cfg.sink(b->cfg.ctx, &r, 1);
         }
         pthread_mutex_lock(&b->lock);
@@ -499,8 +518,9 @@ static void *inference_main(void *arg)
             results[i] = (hapi_batch_result){ j->key, j->tag, j->features, code,
                                               code < 0 ? (rc < 0 ? err.message : "out of memory")
                                                        : NULL,
-                                              j->priority, j->origin };
+                                              j->priority, j->origin, { 0 } };
         }
+        deliver(b, jobs, results, (size_t)n);
         b->cfg.sink(b->cfg.ctx, results, (size_t)n);
 
         pthread_mutex_lock(&b->lock);
@@ -645,8 +665,13 @@ int hapi_batcher_submit(hapi_batcher *b, const char *key, int priority, hapi_tic
         return -ECANCELED;
     }
     struct job *j = table_find(b, key);
+    int rc = 0;
     if (j) {
         b->stats.joined++;
+        if (j->delivered)
+            rc = HAPI_BATCHER_DELIVERED; /* between the sink and done: the result is there */
+        else
+            j->requests[priority]++;
         if (priority < j->priority) {
             /* A reader now waits for a queued warm-up item: move it up, don't duplicate it. */
             b->stats.promoted++;
@@ -672,6 +697,7 @@ int hapi_batcher_submit(hapi_batcher *b, const char *key, int priority, hapi_tic
         j->key = k;
         j->priority = priority;
         j->origin = priority;
+        j->requests[priority] = 1;
         j->state = JOB_QUEUED;
         j->refs = 1;
         size_t s = slot_of(b, key);
@@ -685,7 +711,7 @@ int hapi_batcher_submit(hapi_batcher *b, const char *key, int priority, hapi_tic
         *ticket = (hapi_ticket *)j;
     }
     pthread_mutex_unlock(&b->lock);
-    return 0;
+    return rc;
 }
 
 int hapi_ticket_wait(hapi_batcher *b, hapi_ticket *t, const void **features, const void **tag,

@@ -398,7 +398,14 @@ typedef struct hapi_batch_result {
     int code;
     const char *message;    /* why it failed, when code < 0 */
     int priority;           /* its priority when it ran */
-    int origin;             /* the priority it was first asked for (warm-up counts its own) */
+    int origin;             /* the priority it was first asked for */
+    /*
+     * How many requests of each priority it answers: the first and every one
+     * that joined it (a warm-up counts its own by these, joined or not). A
+     * request that comes once the sample is delivered is not among them:
+     * hapi_batcher_submit() says so (HAPI_BATCHER_DELIVERED).
+     */
+    unsigned requests[HAPI_PRIORITY_COUNT];
 } hapi_batch_result;
 
 /*
@@ -458,8 +465,11 @@ void hapi_batcher_free(hapi_batcher *b);
  * joins it (and raises its priority if this one is higher) instead of
  * queueing it twice. With ticket non-NULL, *ticket is a claim on the result
  * to wait on and release; with NULL, the request is fire-and-forget.
- * Returns 0, -ENOMEM, -ECANCELED (shutting down).
+ * Returns 0, HAPI_BATCHER_DELIVERED (it joined a sample whose result the sink
+ * has had already: the ticket, if any, is as good, but no result will count
+ * this request), -ENOMEM, -ECANCELED (shutting down).
  */
+#define HAPI_BATCHER_DELIVERED 1
 int hapi_batcher_submit(hapi_batcher *b, const char *key, int priority, hapi_ticket **ticket);
 
 /*

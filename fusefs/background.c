@@ -43,6 +43,8 @@ struct hapi_background {
         uint64_t started_ns;
         uint64_t completed_base;   /* the serve layer's warm completions at the start */
         atomic_int stop, counted, walked;
+        atomic_int stopped;        /* by hapi_warm_stop(): the status says so until a start */
+        uint64_t stopped_ns;       /* when (under status_lock) */
         atomic_uint_fast64_t total;     /* images found (final once counted) */
         atomic_uint_fast64_t cached;    /* already in the cache */
         atomic_uint_fast64_t skipped;   /* vanished or unreadable during the walk */
@@ -177,6 +179,7 @@ int hapi_warm_start(hapi_background *bg, const char *path)
     atomic_store(&bg->warm.counted, 0);
     atomic_store(&bg->warm.walked, 0);
     atomic_store(&bg->warm.stop, 0);
+    atomic_store(&bg->warm.stopped, 0);
     hapi_serve_stats st;
     hapi_serve_stats_get(bg->cfg.serve, &st);
     bg->warm.completed_base = st.completed[HAPI_PRIORITY_WARM];
@@ -193,12 +196,16 @@ out:
     return rc;
 }
 
-char *hapi_warm_pause(hapi_background *bg)
+/*
+ * Stops the walker and joins it (warm.lock held). Returns 1 if it had not
+ * finished, with *root (if root is not NULL) a copy of what it was warming.
+ */
+static int halt(hapi_background *bg, char **root)
 {
-    char *root = NULL;
-    pthread_mutex_lock(&bg->warm.lock);
-    if (bg->warm.running && !warm_finished(bg)) {
-        root = strdup(bg->warm.root ? bg->warm.root : "");
+    int unfinished = bg->warm.running && !warm_finished(bg);
+    if (unfinished) {
+        if (root)
+            *root = strdup(bg->warm.root ? bg->warm.root : "");
         atomic_store(&bg->warm.stop, 1);
     }
     if (bg->warm.running) {
@@ -206,8 +213,33 @@ char *hapi_warm_pause(hapi_background *bg)
         pthread_join(bg->warm.thread, NULL);
         bg->warm.running = 0;
     }
+    return unfinished;
+}
+
+char *hapi_warm_pause(hapi_background *bg)
+{
+    char *root = NULL;
+    pthread_mutex_lock(&bg->warm.lock);
+    halt(bg, &root);
     pthread_mutex_unlock(&bg->warm.lock);
     return root;
+}
+
+int hapi_warm_stop(hapi_background *bg)
+{
+    pthread_mutex_lock(&bg->warm.lock);
+    int stopped = halt(bg, NULL);
+    if (stopped) {
+        pthread_mutex_lock(&bg->warm.status_lock);
+        bg->warm.stopped_ns = hapi_now_ns();
+        atomic_store(&bg->warm.stopped, 1);
+        pthread_mutex_unlock(&bg->warm.status_lock);
+        hapi_log(HAPI_LOG_INFO, "warm-up of '%s' stopped after %llu images queued",
+                 bg->warm.root ? bg->warm.root : "",
+                 (unsigned long long)atomic_load(&bg->warm.submitted));
+    }
+    pthread_mutex_unlock(&bg->warm.lock);
+    return stopped;
 }
 
 int hapi_warm_status_get(hapi_background *bg, hapi_warm_status *ws)
@@ -224,8 +256,11 @@ int hapi_warm_status_get(hapi_background *bg, hapi_warm_status *ws)
         ws->skipped = atomic_load(&bg->warm.skipped);
         ws->submitted = atomic_load(&bg->warm.submitted);
         ws->completed = warm_completed(bg);
-        ws->elapsed_s = (double)(hapi_now_ns() - bg->warm.started_ns) / 1e9;
-        ws->state = !atomic_load(&bg->warm.counted) ? HAPI_WARM_COUNTING
+        int stopped = atomic_load(&bg->warm.stopped);
+        ws->elapsed_s = (double)((stopped ? bg->warm.stopped_ns : hapi_now_ns()) -
+                                 bg->warm.started_ns) / 1e9;
+        ws->state = stopped                         ? HAPI_WARM_STOPPED
+                    : !atomic_load(&bg->warm.counted) ? HAPI_WARM_COUNTING
                     : warm_finished(bg)             ? HAPI_WARM_DONE
                                                     : HAPI_WARM_RUNNING;
     }

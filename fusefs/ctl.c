@@ -137,7 +137,7 @@ static json_t *render_config(hapi_ctl *c)
 
 static json_t *render_warm(hapi_ctl *c)
 {
-    static const char *const states[] = { "idle", "counting", "running", "done" };
+    static const char *const states[] = { "idle", "counting", "running", "done", "stopped" };
     hapi_warm_status ws;
     if (hapi_warm_status_get(c->cfg.background, &ws) < 0)
         return NULL;
@@ -147,7 +147,7 @@ static json_t *render_warm(hapi_ctl *c)
     double rate = ws.elapsed_s > 0 ? (double)ws.completed / ws.elapsed_s : 0;
     if (done > ws.total)
         done = ws.total;
-    double eta = ws.state == HAPI_WARM_DONE ? 0.0
+    double eta = ws.state >= HAPI_WARM_DONE ? 0.0
                  : rate > 0                 ? (double)(ws.total - done) / rate
                                             : -1;
     json_t *j = json_pack("{s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f}", "state",
@@ -408,7 +408,7 @@ static json_t *render_remote_sources(hapi_ctl *c)
 
 static json_t *render_remote_stats(hapi_ctl *c)
 {
-    static const char *const states[] = { "idle", "counting", "running", "done" };
+    static const char *const states[] = { "idle", "counting", "running", "done", "stopped" };
     hapi_remote_stats rs;
     hapi_remote_stats_get(c->cfg.remote, &rs);
     json_t *sources = render_remote_sources(c);
@@ -421,7 +421,7 @@ static json_t *render_remote_stats(hapi_ctl *c)
     }
     uint64_t done = rs.warm_cached + rs.warm_fetched + rs.warm_failed;
     double rate = rs.warm_elapsed_s > 0 ? (double)rs.warm_fetched / rs.warm_elapsed_s : 0;
-    double eta = rs.warm_state == HAPI_WARM_DONE ? 0.0
+    double eta = rs.warm_state >= HAPI_WARM_DONE ? 0.0
                  : rate > 0 && rs.warm_total > done ? (double)(rs.warm_total - done) / rate
                                                      : -1;
     json_t *warm = rs.warm_state == HAPI_WARM_IDLE
@@ -517,7 +517,8 @@ static hapi_ctl_text *render_remote_storage_file(hapi_ctl *c, const char *name)
 static const char ctl_help[] =
     "# write one command per line to this file:\n"
     "#   warm [PATH]   compute the features of PATH (default: everything) in the background;\n"
-    "#                 progress in .hapifs/stats under \"warm\"\n"
+    "#                 progress in .hapifs/stats under \"warm\" (a folder named stop: /stop)\n"
+    "#   warm stop     stop the warm-up in progress (what it queued, two batches, is computed)\n"
     "#   evict [all]   drop this mount's cached features (they are computed again when read)\n"
     "#   evict PATH    drop those of an image, or of every image beneath a directory\n"
     "#   split N|NAME|auto   serve the features of another split (auto: the policy's);\n"
@@ -531,7 +532,8 @@ static const char ctl_help[] =
 static const char remote_ctl_help[] =
     "# a remote (compute-side) mount; write one command per line to this file:\n"
     "#   warm [PATH]   fetch the packs of PATH (default: everything) into the local cache;\n"
-    "#                 progress in .hapifs/stats under \"warm\"\n"
+    "#                 progress in .hapifs/stats under \"warm\" (a folder named stop: /stop)\n"
+    "#   warm stop     stop the warm-up in progress (fetches already queued go on)\n"
     "#   evict [all]   drop the cached features of the sources' namespace\n"
     "#   evict PATH    drop those of a .feat, or of every .feat beneath a directory\n"
     "# split, batch and the policy's inputs belong to the storage side's mount\n"
@@ -683,8 +685,17 @@ static int command_errno(int rc, int otherwise)
 static int cmd_warm(hapi_ctl *c, int n, char **words, hapi_error *err)
 {
     char *path = NULL;
+    /* "warm stop" stops; a folder named stop is "warm /stop" (paths lose their leading '/') */
+    int stop = n == 2 && strcmp(words[1], "stop") == 0;
     if (!c)
-        return command_path_syntax(n == 2 ? words[1] : "", err);
+        return stop ? 0 : command_path_syntax(n == 2 ? words[1] : "", err);
+    if (stop) {
+        int stopped = c->cfg.remote ? hapi_remote_warm_stop(c->cfg.remote)
+                                    : hapi_warm_stop(c->cfg.background);
+        if (!stopped)
+            hapi_log(HAPI_LOG_INFO, "warm stop: no warm-up was running");
+        return 0;
+    }
     int rc = command_path(c, n == 2 ? words[1] : "", &path, err);
     if (rc < 0)
         return rc;
@@ -793,7 +804,7 @@ static const struct command {
     const char *usage;
     int (*run)(hapi_ctl *c, int n, char **words, hapi_error *err);
 } commands[] = {
-    { "warm", 0, 1, "warm [PATH]", cmd_warm },
+    { "warm", 0, 1, "warm [PATH]|stop", cmd_warm },
     { "evict", 0, 1, "evict [all|PATH]", cmd_evict },
     { "split", 1, 1, "split N|NAME|auto", cmd_split },
     { "batch", 1, 1, "batch N|auto", cmd_batch },

@@ -17,10 +17,27 @@
  * derived from the source's inode so that they are stable across remounts
  * (an NFS re-export needs that), in three disjoint ranges:
  *   1                      the root (FUSE_ROOT_ID)
- *   ino << 1 | is_feat     a source file or directory on the root's device, ino < 2^61
- *   2^62 | hash << 1 | f   anything else (another device, a huge inode number),
- *                          and a directory's pack and index (hash of its inode and kind)
+ *   ino << 1               a source file or directory on the root's device, ino < 2^61
+ *   2^62 | hash << 1 | f   anything else (another device, a huge inode number), a .feat
+ *                          (f = 1), a directory's pack and index
  *   2^63 | n               the control directory and its files
+ *
+ * A .feat and a pack are named by their bytes, not only by their place: a
+ * .feat's id is a hash of its image's inode, identity (size, times) and the
+ * split; a pack's of its directory's inode and its snapshot's key (names,
+ * identities, namespace). The kernel keeps a file's pages and size per node
+ * (keep_cache for a .feat), and an open file keeps the bytes it was opened
+ * with, so one node must never stand for two contents: then a reader that
+ * still reads an old split, or an old snapshot, fills pages that a new open
+ * would read, and a size the kernel holds from one snapshot truncates the
+ * reads of another. So a changed image or split is a new node at the next
+ * lookup; an open through a name the kernel has not looked up again (its
+ * entry is trusted for ENTRY_TIMEOUT) finds the node's bytes are no longer
+ * the source's and fails with ESTALE, which the kernel's open(2) answers by
+ * looking the name up again and opening what it finds (LOOKUP_REVAL) — once.
+ * If the thread that looked the node up opens it and it has changed already
+ * (the source changes between a lookup and its open), the open is served
+ * with direct_io: the bytes of now, and the node's pages left alone.
  */
 #define CTL_BASE (1ull << 63)
 #define CTL_DIR_ID (CTL_BASE | 1)
@@ -51,11 +68,25 @@ enum hapi_node_kind {
  * source, or a hard link, changes it); for a .feat node it is the source
  * image's path. Paths are relative to the source root, "" for the root.
  */
+/*
+ * What a .feat or pack node's bytes are (see "Node ids"), as the lookup or
+ * listing that returned it saw them; open compares it with the source now.
+ */
+struct node_content {
+    int split;                 /* FEAT: the split */
+    hapi_source_id id;         /* FEAT: the image's identity */
+    uint64_t pack_key;         /* PACK: the snapshot's key (hapi_pack_info) */
+    struct stat attr;          /* the attributes the kernel was given */
+    uint64_t parent;           /* the directory's node id the kernel has it in */
+    pid_t looked_up_by;        /* the thread of the lookup (or listing) that returned it last */
+};
+
 struct node {
     uint64_t id;
     uint64_t nlookup;
     int kind;
     char *path;
+    struct node_content content; /* FEAT and PACK */
     struct node *next;
 };
 
@@ -97,43 +128,70 @@ static void node_table_free(struct node_table *t)
     free(t);
 }
 
+/* The name the kernel knows a .feat or pack node by, in its directory. */
+static char *node_name(const struct node *nd)
+{
+    if (nd->kind == HAPI_NODE_PACK)
+        return strdup(HAPI_PACK_NAME);
+    const char *slash = strrchr(nd->path, '/');
+    char *name = NULL;
+    return asprintf(&name, "%s.feat", slash ? slash + 1 : nd->path) < 0 ? NULL : name;
+}
+
+struct stale {
+    uint64_t id, parent;
+    char *name;  /* NULL: invalidate the inode (a remote .feat, an index) */
+};
+
 /*
- * tune.c's split-change callback: tells the kernel to forget the attributes
- * and pages of every .feat it may hold, so that the next open sees the new
- * size and contents.
+ * tune.c's (and remote.c's) split-change callback, so that the next open
+ * sees the new size and contents. A .feat and a pack are named by their
+ * bytes: the kernel is told to forget their names (the next lookup finds the
+ * new node; their pages stay right for the nodes they belong to, and files
+ * open on them keep reading them). A remote .feat and a pack index are named
+ * by their place: the kernel forgets their attributes and pages.
  */
 static void invalidate_feats(void *arg)
 {
     hapi_fs *fs = arg;
     struct node_table *t = fs->nodes;
-    uint64_t *ids = NULL;
+    struct stale *todo = NULL;
     size_t n = 0, cap = 0;
     if (!fs->se)
         return;
     pthread_mutex_lock(&t->lock);
     for (size_t i = 0; i < t->nbuckets; i++)
         for (struct node *nd = t->buckets[i]; nd; nd = nd->next) {
-            if (nd->kind != HAPI_NODE_FEAT && nd->kind != HAPI_NODE_PACK &&
-                nd->kind != HAPI_NODE_PACK_INDEX && nd->kind != HAPI_NODE_REMOTE_FEAT)
+            int by_name = nd->kind == HAPI_NODE_FEAT || nd->kind == HAPI_NODE_PACK;
+            if (!by_name && nd->kind != HAPI_NODE_PACK_INDEX &&
+                nd->kind != HAPI_NODE_REMOTE_FEAT)
                 continue;
             if (n == cap) {
-                uint64_t *bigger = realloc(ids, (cap = cap ? cap * 2 : 256) * sizeof(*ids));
+                struct stale *bigger = realloc(todo, (cap = cap ? cap * 2 : 256) * sizeof(*todo));
                 if (!bigger)
                     break;
-                ids = bigger;
+                todo = bigger;
             }
-            ids[n++] = nd->id;
+            todo[n] = (struct stale){ nd->id, nd->content.parent, NULL };
+            if (by_name && !(todo[n].name = node_name(nd)))
+                continue;
+            n++;
         }
     pthread_mutex_unlock(&t->lock);
     /* Outside the lock: the kernel may look things up again meanwhile. */
     size_t failed = 0;
-    for (size_t i = 0; i < n; i++)
-        if (fuse_lowlevel_notify_inval_inode(fs->se, ids[i], 0, 0) < 0)
-            failed++;
+    for (size_t i = 0; i < n; i++) {
+        int rc = todo[i].name ? fuse_lowlevel_notify_inval_entry(fs->se, todo[i].parent,
+                                                                 todo[i].name,
+                                                                 strlen(todo[i].name))
+                              : fuse_lowlevel_notify_inval_inode(fs->se, todo[i].id, 0, 0);
+        failed += rc < 0;
+        free(todo[i].name);
+    }
     if (failed)
-        hapi_log(HAPI_LOG_DEBUG, "%zu of %zu .feat inodes were not in the kernel's cache", failed,
-                 n);
-    free(ids);
+        hapi_log(HAPI_LOG_DEBUG, "%zu of %zu .feat names or inodes were not in the kernel's cache",
+                 failed, n);
+    free(todo);
 }
 
 static size_t node_bucket(const struct node_table *t, uint64_t id)
@@ -141,8 +199,12 @@ static size_t node_bucket(const struct node_table *t, uint64_t id)
     return (size_t)(XXH3_64bits(&id, sizeof(id)) & (t->nbuckets - 1));
 }
 
-/* Counts one more lookup of id, creating the node or updating its path. Returns 0 or -ENOMEM. */
-static int node_ref(struct node_table *t, uint64_t id, int kind, const char *path)
+/*
+ * Counts one more lookup of id, creating the node or updating its path and,
+ * for a .feat or pack, what it was looked up as (content). Returns 0 or -ENOMEM.
+ */
+static int node_ref(struct node_table *t, uint64_t id, int kind, const char *path,
+                    const struct node_content *content)
 {
     char *copy = strdup(path);
     if (!copy)
@@ -168,6 +230,8 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
     n->kind = kind;
     free(n->path);
     n->path = copy;
+    if (content)
+        n->content = *content;
     pthread_mutex_unlock(&t->lock);
     return 0;
 }
@@ -191,8 +255,12 @@ static void node_unref(struct node_table *t, uint64_t id, uint64_t count)
     pthread_mutex_unlock(&t->lock);
 }
 
-/* Copies id's kind and path (malloc'd into *path). Returns 0, -ENOENT (stale id) or -ENOMEM. */
-static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path)
+/*
+ * Copies id's kind and path (malloc'd into *path) and, if content is not
+ * NULL, what a .feat or pack node is. Returns 0, -ENOENT (stale id) or -ENOMEM.
+ */
+static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path,
+                    struct node_content *content)
 {
     if (id == FUSE_ROOT_ID) {
         *kind = HAPI_NODE_DIR;
@@ -206,6 +274,8 @@ static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path)
         if (n->id == id) {
             *kind = n->kind;
             *path = strdup(n->path);
+            if (content)
+                *content = n->content;
             rc = *path ? 0 : -ENOMEM;
             break;
         }
@@ -216,19 +286,35 @@ static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path)
 
 /* ------------------------------------------------------- the source tree */
 
-static uint64_t node_id_for(const hapi_fs *fs, const struct stat *st, int feat)
+/* The id of a source file or directory. */
+static uint64_t node_id_for(const hapi_fs *fs, const struct stat *st)
 {
     if (st->st_dev == hapi_source_dev(fs->source) && st->st_ino < (1ull << 61))
-        return (uint64_t)st->st_ino << 1 | (uint64_t)!!feat;
+        return (uint64_t)st->st_ino << 1;
     uint64_t key[2] = { (uint64_t)st->st_dev, (uint64_t)st->st_ino };
     uint64_t h = XXH3_64bits(key, sizeof(key)) & ((1ull << 61) - 1);
-    return HASHED_BASE | h << 1 | (uint64_t)!!feat;
+    return HASHED_BASE | h << 1;
 }
 
-/* The id of directory st's pack (kind HAPI_NODE_PACK) or index (HAPI_NODE_PACK_INDEX). */
-static uint64_t pack_node_id(const struct stat *st, int kind)
+/* The id of the .feat of image src at split: named by its bytes (see "Node ids"). */
+static uint64_t feat_node_id(const struct stat *src, int split)
 {
-    uint64_t key[3] = { (uint64_t)st->st_dev, (uint64_t)st->st_ino, (uint64_t)kind };
+    hapi_source_id id;
+    hapi_source_identity_of(src, &id);
+    uint64_t key[6] = { (uint64_t)src->st_dev, id.ino,          id.size,
+                        (uint64_t)id.mtime_ns, (uint64_t)id.ctime_ns, (uint64_t)split };
+    uint64_t h = XXH3_64bits(key, sizeof(key)) & ((1ull << 61) - 1);
+    return HASHED_BASE | h << 1 | 1;
+}
+
+/*
+ * The id of directory st's pack (kind HAPI_NODE_PACK, named by its
+ * snapshot's key) or index (HAPI_NODE_PACK_INDEX, key 0: read with
+ * direct_io, made at each open).
+ */
+static uint64_t pack_node_id(const struct stat *st, int kind, uint64_t pack_key)
+{
+    uint64_t key[4] = { (uint64_t)st->st_dev, (uint64_t)st->st_ino, (uint64_t)kind, pack_key };
     uint64_t h = XXH3_64bits(key, sizeof(key)) & ((1ull << 61) - 1);
     return HASHED_BASE | h << 1;
 }
@@ -275,42 +361,52 @@ static int remote_attr(hapi_fs *fs, const char *path, int *kind, struct stat *st
 }
 
 /*
- * Attributes of x.jpg.feat: exact size without computing anything (the
- * current split's; waits while the policy is still choosing it); times of the source.
+ * The node of image src's .feat at view v: its id, its attributes (exact
+ * size without computing anything, times of the source) and what it is.
  */
-static void feat_attr(hapi_fs *fs, const struct stat *src, uint64_t id, struct stat *st)
+static void feat_node(const hapi_view *v, const struct stat *src, uint64_t parent, pid_t by,
+                      struct stat *st, struct node_content *c)
 {
-    hapi_view *v = hapi_views_get(fs->views);
-    uint64_t size = v ? v->feat_size : 0;
-    hapi_view_put(v);
     *st = *src;
-    st->st_ino = id;
+    st->st_ino = feat_node_id(src, v->split);
     st->st_mode = S_IFREG | (src->st_mode & 0444);
     st->st_nlink = 1;
-    st->st_size = (off_t)size;
-    st->st_blocks = (blkcnt_t)((size + 511) / 512);
+    st->st_size = (off_t)v->feat_size;
+    st->st_blocks = (blkcnt_t)((v->feat_size + 511) / 512);
+    memset(c, 0, sizeof(*c));
+    c->split = v->split;
+    hapi_source_identity_of(src, &c->id);
+    c->attr = *st;
+    c->parent = parent;
+    c->looked_up_by = by;
 }
 
 /*
  * Attributes of a directory's pack or index: exact size of the pack (no
  * computation; the index shows a bound, and is read with direct I/O like
- * a control file), readable as the directory is, times of the latest image.
+ * a control file), readable as the directory is, times of the latest image;
+ * its id (st_ino) and what it is (c, for a pack).
  */
 static int pack_attr(hapi_fs *fs, const char *dir, const struct stat *dir_st, int kind,
-                     uint64_t id, struct stat *st)
+                     uint64_t parent, pid_t by, struct stat *st, struct node_content *c)
 {
     hapi_pack_info info;
     int rc = hapi_pack_info_get(fs->packs, dir, &info);
     if (rc < 0)
         return rc;
     *st = *dir_st;
-    st->st_ino = id;
+    st->st_ino = pack_node_id(dir_st, kind, kind == HAPI_NODE_PACK ? info.key : 0);
     st->st_mode = S_IFREG | (dir_st->st_mode & 0444);
     st->st_nlink = 1;
     st->st_size = (off_t)(kind == HAPI_NODE_PACK ? info.size : info.index_bound);
     st->st_blocks = (blkcnt_t)((st->st_size + 511) / 512);
     st->st_mtim = info.mtime;
     st->st_ctim = info.ctime;
+    memset(c, 0, sizeof(*c));
+    c->pack_key = info.key;
+    c->attr = *st;
+    c->parent = parent;
+    c->looked_up_by = by;
     return 0;
 }
 
@@ -417,9 +513,13 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
                  fs->opt->mountpoint, fs->opt->model);
 }
 
-/* Resolves name in directory parent_path; fills e and returns 0 or a negative errno. */
+/*
+ * Resolves name in directory parent_path for thread by; fills e, and c for a
+ * .feat or pack (*has_content set); returns 0 or a negative errno.
+ */
 static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const char *name,
-                   struct fuse_entry_param *e, int *kind, char **path)
+                   pid_t by, struct fuse_entry_param *e, int *kind, char **path,
+                   struct node_content *c, int *has_content)
 {
     struct stat src;
     int rc;
@@ -428,6 +528,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
     e->attr_timeout = ATTR_TIMEOUT;
     e->entry_timeout = ENTRY_TIMEOUT;
     *path = NULL;
+    *has_content = 0;
 
     if (parent == FUSE_ROOT_ID && strcmp(name, ".hapifs") == 0) {
         *kind = HAPI_NODE_CTL_DIR;
@@ -455,10 +556,11 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
         /* Not listed, reachable by name; it shadows a source file of that name. */
         if ((rc = hapi_source_stat(fs->source, parent_path, &src)) < 0)
             return rc;
-        e->ino = pack_node_id(&src, pack);
-        if ((rc = pack_attr(fs, parent_path, &src, pack, e->ino, &e->attr)) < 0)
+        if ((rc = pack_attr(fs, parent_path, &src, pack, parent, by, &e->attr, c)) < 0)
             return rc;
+        e->ino = e->attr.st_ino;
         *kind = pack;
+        *has_content = pack == HAPI_NODE_PACK;
         return (*path = strdup(parent_path)) ? 0 : -ENOMEM;
     }
 
@@ -471,9 +573,17 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
             return -ENOMEM;
         rc = hapi_source_stat(fs->source, image, &src);
         if (rc == 0 && S_ISREG(src.st_mode)) {
+            /* The current split's size (waits while the policy is still choosing it). */
+            hapi_view *v = hapi_views_get(fs->views);
+            if (!v) {
+                free(image);
+                return -ENODEV;
+            }
             *kind = HAPI_NODE_FEAT;
-            e->ino = node_id_for(fs, &src, 1);
-            feat_attr(fs, &src, e->ino, &e->attr);
+            feat_node(v, &src, parent, by, &e->attr, c);
+            hapi_view_put(v);
+            e->ino = e->attr.st_ino;
+            *has_content = 1;
             *path = image;
             return 0;
         }
@@ -497,7 +607,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
         rc = -ENOENT; /* hidden images, devices, sockets, fifos */
         goto fail;
     }
-    e->ino = node_id_for(fs, &src, 0);
+    e->ino = node_id_for(fs, &src);
     source_attr(fs, &src, e->ino, &e->attr);
     *path = child;
     return 0;
@@ -525,15 +635,18 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         fuse_reply_entry(req, &e);
         return;
     }
-    if ((rc = node_get(fs, parent, &kind, &parent_path)) < 0)
+    if ((rc = node_get(fs, parent, &kind, &parent_path, NULL)) < 0)
         goto out;
     if (kind != HAPI_NODE_DIR) {
         rc = -ENOTDIR;
         goto out;
     }
-    if ((rc = resolve(fs, parent, parent_path, name, &e, &kind, &path)) < 0)
+    struct node_content c;
+    int has_content;
+    if ((rc = resolve(fs, parent, parent_path, name, fuse_req_ctx(req)->pid, &e, &kind, &path,
+                      &c, &has_content)) < 0)
         goto out;
-    if (path && (rc = node_ref(fs->nodes, e.ino, kind, path)) < 0)
+    if (path && (rc = node_ref(fs->nodes, e.ino, kind, path, has_content ? &c : NULL)) < 0)
         goto out;
     fuse_reply_entry(req, &e);
 out:
@@ -560,6 +673,20 @@ static void op_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_dat
     fuse_reply_none(req);
 }
 
+/*
+ * Attributes of a .feat or pack node: its size and times are those of its
+ * bytes, as the lookup that made the node gave them (they never change); its
+ * owner and mode are its source's now (src: the image, or the pack's
+ * directory), so that a chmod applies within ATTR_TIMEOUT.
+ */
+static void content_attr(const struct node_content *c, const struct stat *src, struct stat *st)
+{
+    *st = c->attr;
+    st->st_mode = S_IFREG | (src->st_mode & 0444);
+    st->st_uid = src->st_uid;
+    st->st_gid = src->st_gid;
+}
+
 static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     hapi_fs *fs = fuse_req_userdata(req);
@@ -584,7 +711,7 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         return;
     }
     if (fs->remote) {
-        if ((rc = node_get(fs, ino, &kind, &path)) == 0 &&
+        if ((rc = node_get(fs, ino, &kind, &path, NULL)) == 0 &&
             (rc = remote_attr(fs, path, &kind, &st)) == 0)
             st.st_ino = ino;
         if (rc < 0)
@@ -594,7 +721,8 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         free(path);
         return;
     }
-    if ((rc = node_get(fs, ino, &kind, &path)) < 0 ||
+    struct node_content c;
+    if ((rc = node_get(fs, ino, &kind, &path, &c)) < 0 ||
         (rc = hapi_source_stat(fs->source, path, &src)) < 0) {
         if (rc == -ENOENT && path && kind == HAPI_NODE_FEAT)
             hapi_serve_collect(fs->serve, path);
@@ -602,10 +730,10 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         free(path);
         return;
     }
-    if (kind == HAPI_NODE_FEAT)
-        feat_attr(fs, &src, ino, &st);
-    else if (kind == HAPI_NODE_PACK || kind == HAPI_NODE_PACK_INDEX)
-        rc = pack_attr(fs, path, &src, kind, ino, &st);
+    if (kind == HAPI_NODE_FEAT || kind == HAPI_NODE_PACK)
+        content_attr(&c, &src, &st);
+    else if (kind == HAPI_NODE_PACK_INDEX)
+        rc = pack_attr(fs, path, &src, kind, 0, 0, &st, &c);
     else
         source_attr(fs, &src, ino, &st);
     if (rc < 0)
@@ -621,16 +749,19 @@ struct dir_entry {
     int kind;           /* enum hapi_node_kind */
     char *path;         /* the node's source path; NULL for "." and ".." */
     struct stat attr;   /* as the mount shows it; st_ino is the node id */
+    int split;          /* a .feat's: what its node is (struct node_content) */
+    hapi_source_id id;
 };
 
 struct dir_handle {
     size_t count, cap;
+    uint64_t self;      /* the directory's node id */
     struct dir_entry *entries;
 };
 
-/* Adds name + suffix; path (may be NULL) is copied. */
+/* Adds name + suffix; path (may be NULL) is copied; c (may be NULL) is a .feat's content. */
 static int dir_add(struct dir_handle *d, const char *name, const char *suffix, int kind,
-                   const char *path, const struct stat *attr)
+                   const char *path, const struct stat *attr, const struct node_content *c)
 {
     if (d->count == d->cap) {
         size_t cap = d->cap ? d->cap * 2 : 64;
@@ -647,7 +778,8 @@ static int dir_add(struct dir_handle *d, const char *name, const char *suffix, i
         free(n);
         return -ENOMEM;
     }
-    d->entries[d->count++] = (struct dir_entry){ n, kind, p, *attr };
+    d->entries[d->count++] = (struct dir_entry){ n, kind, p, *attr, c ? c->split : 0,
+                                                 c ? c->id : (hapi_source_id){ 0 } };
     return 0;
 }
 
@@ -655,7 +787,7 @@ static int dir_add(struct dir_handle *d, const char *name, const char *suffix, i
 static int dir_add_bare(struct dir_handle *d, const char *name, uint64_t ino, mode_t type)
 {
     struct stat st = { .st_ino = ino, .st_mode = type };
-    return dir_add(d, name, "", -1, NULL, &st);
+    return dir_add(d, name, "", -1, NULL, &st, NULL);
 }
 
 static void dir_free(struct dir_handle *d)
@@ -673,6 +805,7 @@ static void dir_free(struct dir_handle *d)
 struct list_walk {
     hapi_fs *fs;
     struct dir_handle *d;
+    hapi_view *view;    /* the split the listing's .feat are of: taken at the first image */
 };
 
 /* One entry of a source directory as the mount shows it (a symlink as what it leads to). */
@@ -684,18 +817,22 @@ static int list_one(const hapi_source_entry *e, void *arg)
     if (!strchr(e->path, '/') && strcmp(e->name, ".hapifs") == 0)
         return 0; /* shadowed by the control directory */
     if (S_ISDIR(e->st->st_mode)) {
-        source_attr(fs, e->st, node_id_for(fs, e->st, 0), &st);
-        return dir_add(w->d, e->name, "", HAPI_NODE_DIR, e->path, &st);
+        source_attr(fs, e->st, node_id_for(fs, e->st), &st);
+        return dir_add(w->d, e->name, "", HAPI_NODE_DIR, e->path, &st, NULL);
     }
     if (!e->is_image) {
-        source_attr(fs, e->st, node_id_for(fs, e->st, 0), &st);
-        return dir_add(w->d, e->name, "", HAPI_NODE_FILE, e->path, &st);
+        source_attr(fs, e->st, node_id_for(fs, e->st), &st);
+        return dir_add(w->d, e->name, "", HAPI_NODE_FILE, e->path, &st, NULL);
     }
-    feat_attr(fs, e->st, node_id_for(fs, e->st, 1), &st);
-    int rc = dir_add(w->d, e->name, ".feat", HAPI_NODE_FEAT, e->path, &st);
+    /* Every .feat of one listing at one split (waits while the policy is still choosing it). */
+    if (!w->view && !(w->view = hapi_views_get(fs->views)))
+        return -ENODEV;
+    struct node_content c;
+    feat_node(w->view, e->st, w->d->self, 0, &st, &c);
+    int rc = dir_add(w->d, e->name, ".feat", HAPI_NODE_FEAT, e->path, &st, &c);
     if (rc == 0 && fs->opt->show_raw) {
-        source_attr(fs, e->st, node_id_for(fs, e->st, 0), &st);
-        rc = dir_add(w->d, e->name, "", HAPI_NODE_FILE, e->path, &st);
+        source_attr(fs, e->st, node_id_for(fs, e->st), &st);
+        rc = dir_add(w->d, e->name, "", HAPI_NODE_FILE, e->path, &st, NULL);
     }
     return rc;
 }
@@ -715,7 +852,7 @@ static int remote_list_one(void *arg, const char *name, int kind, const struct s
     struct stat attr = *st;
     int node_kind = remote_node_kind(kind);
     attr.st_ino = remote_node_id(path, node_kind);
-    int rc = dir_add(w->d, name, "", node_kind, path, &attr);
+    int rc = dir_add(w->d, name, "", node_kind, path, &attr, NULL);
     free(path);
     return rc;
 }
@@ -724,6 +861,7 @@ static int remote_list_one(void *arg, const char *name, int kind, const struct s
 static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct dir_handle *d)
 {
     struct stat st;
+    d->self = self;
     if (fs->remote) {
         struct remote_list w = { d, path };
         int rc = dir_add_bare(d, ".", self, S_IFDIR);
@@ -738,10 +876,11 @@ static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct 
         rc = dir_add_bare(d, ".", self, S_IFDIR);
     if (rc == 0)
         rc = dir_add_bare(d, "..", FUSE_ROOT_ID, S_IFDIR);
-    struct list_walk w = { fs, d };
+    struct list_walk w = { fs, d, NULL };
     if (rc == 0)
         rc = hapi_source_walk(fs->source, path, HAPI_WALK_STAT | HAPI_WALK_ALL, NULL, list_one,
                               &w);
+    hapi_view_put(w.view);
     return rc;
 }
 
@@ -763,12 +902,12 @@ static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         for (int i = 0; rc == 0 && hapi_ctl_files[i]; i++) {
             struct stat st;
             ctl_file_attr(fs, i, &st);
-            rc = dir_add(d, hapi_ctl_files[i], "", HAPI_NODE_CTL_FILE, NULL, &st);
+            rc = dir_add(d, hapi_ctl_files[i], "", HAPI_NODE_CTL_FILE, NULL, &st, NULL);
         }
         if (rc < 0)
             goto fail;
     } else {
-        if ((rc = node_get(fs, ino, &kind, &path)) < 0)
+        if ((rc = node_get(fs, ino, &kind, &path, NULL)) < 0)
             goto fail;
         if (kind != HAPI_NODE_DIR) {
             rc = -ENOTDIR;
@@ -824,7 +963,12 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
             e.attr_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : ATTR_TIMEOUT;
             e.entry_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : ENTRY_TIMEOUT;
             if (de->path) {
-                if (node_ref(fs->nodes, e.ino, de->kind, de->path) < 0)
+                struct node_content c = {
+                    .split = de->split, .id = de->id, .attr = de->attr, .parent = d->self,
+                    .looked_up_by = fuse_req_ctx(req)->pid,
+                };
+                if (node_ref(fs->nodes, e.ino, de->kind, de->path,
+                             de->kind == HAPI_NODE_FEAT ? &c : NULL) < 0)
                     break;
                 counted = 1;
             }
@@ -915,6 +1059,24 @@ static const hapi_cred *req_who(fuse_req_t req, hapi_cred *c)
     return c;
 }
 
+/*
+ * An open of a .feat or pack node whose bytes are no longer what the source
+ * has (c: what the node is; see "Node ids"). Returns -ESTALE, so that
+ * open(2) looks the name up again and opens the new node; or, for the
+ * thread whose lookup returned this node (the source changed between its
+ * lookup and its open, or again before open(2) tried once more), 0 with
+ * direct_io set: the bytes of now, read past the kernel's pages and size of
+ * this node, which stay right for it.
+ */
+static int other_bytes(fuse_req_t req, const struct node_content *c, struct fuse_file_info *fi)
+{
+    if (c->looked_up_by != fuse_req_ctx(req)->pid)
+        return -ESTALE;
+    fi->direct_io = 1;
+    fi->keep_cache = 0;
+    return 0;
+}
+
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     hapi_fs *fs = fuse_req_userdata(req);
@@ -978,7 +1140,8 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         rc = -EROFS;
         goto fail;
     }
-    if ((rc = node_get(fs, ino, &kind, &path)) < 0)
+    struct node_content c;
+    if ((rc = node_get(fs, ino, &kind, &path, &c)) < 0)
         goto fail;
     if (kind == HAPI_NODE_DIR) {
         rc = -EISDIR;
@@ -1008,11 +1171,17 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         }
         h->path = path;
         path = NULL;
-        /* Features are immutable for a given source identity and namespace. */
-        fi->keep_cache = 1;
+        if (c.split == h->view->split && memcmp(&c.id, &h->id, sizeof(h->id)) == 0) {
+            /* Features are immutable for a given source identity and namespace. */
+            fi->keep_cache = 1;
+        } else if ((rc = other_bytes(req, &c, fi)) < 0) {
+            goto fail;
+        }
     } else if (kind == HAPI_NODE_PACK) {
-        /* A snapshot of the directory now; no keep_cache: an image may change in place. */
+        /* A snapshot of the directory now; no keep_cache: a new open reads its rows anew. */
         if ((rc = hapi_pack_open(fs->packs, path, req_who(req, &cred), &h->pack)) < 0)
+            goto fail;
+        if (hapi_pack_key(h->pack) != c.pack_key && (rc = other_bytes(req, &c, fi)) < 0)
             goto fail;
     } else if (kind == HAPI_NODE_PACK_INDEX) {
         char *text = NULL;

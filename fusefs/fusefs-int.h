@@ -148,11 +148,12 @@ char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, vo
  *   background warm.lock  starting, pausing and joining the warm-up walker
  *   tune.lock             the profile and the policy's inputs
  *   views.lock            the current view (leaf but for view refcounts)
+ *   remote.c's warm_control  starting and stopping its warm-up (held through the join)
  *   the batcher's and the cache's own locks (extractor/, cache/)
  *   leaves, never held while taking another: background prefetch.lock,
  *   keeper.lock and warm.status_lock, remote.c's index_lock, fetch_lock, warm_lock and a remote
- *   source's lock, a pack's lock, the packs' failure lock, fs's node table
- *   lock, a ctl handle's lock, the error ring's lock, the log's lock.
+ *   source's lock, a pack's lock, the packs' failure and partial-row locks, fs's node
+ *   table lock, a ctl handle's lock, the error ring's lock, the log's lock.
  * Joining the warm-up walker is allowed while holding warm.lock and, in a
  * split change, tune.switch_lock: the walker takes neither, nor any lock
  * above them. The split-change callback runs with tune.switch_lock held (and
@@ -373,7 +374,8 @@ typedef struct hapi_serve_stats {
     uint64_t bad;             /* lookups that found damaged entries */
     uint64_t collected;       /* entries of deleted sources removed */
     uint64_t passthrough_bytes; /* asked of source files shown as they are */
-    uint64_t completed[HAPI_PRIORITY_COUNT]; /* results (computed or failed) by origin */
+    uint64_t completed[HAPI_PRIORITY_COUNT]; /* requests answered (computed or failed), by
+                                                the priority they were made at */
     uint64_t origin_computed[HAPI_PRIORITY_COUNT]; /* computed, by who asked first */
 } hapi_serve_stats;
 
@@ -511,6 +513,7 @@ typedef struct hapi_pack_info {
     uint64_t size;             /* bytes of the pack (header + count rows) */
     uint64_t index_bound;      /* the index is never longer than this */
     struct timespec mtime, ctime; /* the latest of the directory's and its images' */
+    uint64_t key;              /* a hash of what its bytes are: namespace, names, identities */
 } hapi_pack_info;
 
 /*
@@ -529,6 +532,11 @@ int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info);
 int hapi_pack_open(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_pack **out);
 /* The pack's size in bytes. */
 uint64_t hapi_pack_size(const hapi_pack *k);
+/*
+ * The key of its snapshot (as hapi_pack_info's): two opens with one key read
+ * the same bytes (but for rows of images that change while being read).
+ */
+uint64_t hapi_pack_key(const hapi_pack *k);
 /*
  * Fills buf with bytes [off, off + size) of the pack, computing the rows it
  * covers (and asking for the next ones ahead). Waits only for the rows it
@@ -646,6 +654,12 @@ void hapi_remote_feat_close(hapi_remote_feat *f);
 /* Starts fetching every pack under path ("" all) with a row not cached. Returns 0, -EBUSY, -errno. */
 int hapi_remote_warm_start(hapi_remote *r, const char *path);
 /*
+ * Stops a running warm-up: its walker is told to stop and joined; fetches
+ * already started or queued (fetch_threads at most) go on. Returns 1 if one
+ * was stopped, 0 if none was running.
+ */
+int hapi_remote_warm_stop(hapi_remote *r);
+/*
  * Removes the cached features under path (a directory, a .feat or its
  * image's name; "" every namespace the sources serve). Returns the count or
  * < 0 with err.
@@ -716,12 +730,22 @@ void hapi_background_set_tree_size(hapi_background *bg, uint64_t images, int ok)
 /* Starts warming path (relative; "" for all) in the background. Returns 0, -EBUSY, -errno. */
 int hapi_warm_start(hapi_background *bg, const char *path);
 /*
+ * Stops an unfinished warm-up for good (ctl "warm stop"): the walker is told
+ * to stop and joined; what it has queued already (two batches at most) is
+ * still computed. Its status says HAPI_WARM_STOPPED until the next start.
+ * Returns 1 if a warm-up was stopped, 0 if none was running.
+ */
+int hapi_warm_stop(hapi_background *bg);
+/*
  * Stops an unfinished warm-up and returns what it was warming (malloc'd, to
  * hand to hapi_warm_start() again), or NULL if none was running.
  */
 char *hapi_warm_pause(hapi_background *bg);
 
-enum hapi_warm_state { HAPI_WARM_IDLE, HAPI_WARM_COUNTING, HAPI_WARM_RUNNING, HAPI_WARM_DONE };
+enum hapi_warm_state {
+    HAPI_WARM_IDLE, HAPI_WARM_COUNTING, HAPI_WARM_RUNNING, HAPI_WARM_DONE,
+    HAPI_WARM_STOPPED       /* by hapi_warm_stop() or hapi_remote_warm_stop() */
+};
 
 /* A warm-up's progress; path is a copy (malloc'd, NULL when idle): free it. */
 typedef struct hapi_warm_status {

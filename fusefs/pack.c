@@ -24,12 +24,40 @@ struct pack_failure {
     int code;
 };
 
+/*
+ * Rows that a read covered only in part, kept whole for the reads that cover
+ * the rest. The kernel reads a pack in requests split at page boundaries,
+ * which fall inside rows (and two readers of one pack share its pages); if a
+ * row's image changed between two requests, each part computed anew could
+ * be of another version, and the row a mix of two. So a row computed for a
+ * part is kept, keyed by the snapshot's key (hapi_pack_key) and its index,
+ * and every other part of it is copied from what is kept. Bounded in count
+ * and bytes; the least recently used goes. (A row whose pages the kernel
+ * evicts and reads again later is computed again: under memory pressure
+ * alone, and then of the image as it is.)
+ */
+#define PACK_PARTIAL_ROWS 64
+#define PACK_PARTIAL_BYTES (32u << 20)
+
+struct partial_row {
+    uint64_t key;              /* the snapshot's; 0 = empty */
+    size_t row;
+    int code;                  /* 0, or why the row could not be computed (NaN) */
+    char *data;                /* the row's bytes (NULL when failed) */
+    size_t size;
+    uint64_t used;             /* a tick: the least recently used goes first */
+};
+
 struct hapi_packs {
     hapi_source *source;
     hapi_views *views;
     hapi_serve *serve;
     pthread_mutex_t failure_lock;
     struct pack_failure failures[PACK_FAILURES];
+    pthread_mutex_t partial_lock;  /* a leaf */
+    struct partial_row partial[PACK_PARTIAL_ROWS];
+    size_t partial_bytes;
+    uint64_t partial_tick;
     struct {
         atomic_uint_fast64_t opens, reads, bytes, rows, rows_failed, index_reads;
     } stats;
@@ -42,6 +70,7 @@ struct snapshot {
     char **paths;
     hapi_source_id *ids;
     struct timespec mtime, ctime;
+    uint64_t key;              /* of the view's namespace, the names and the identities */
     const hapi_cred *who;      /* NULL, or who must be able to read every image */
     int denied;                /* who cannot read one of them */
 };
@@ -67,6 +96,7 @@ int hapi_packs_new(hapi_source *source, hapi_views *views, hapi_serve *serve, ha
     p->views = views;
     p->serve = serve;
     pthread_mutex_init(&p->failure_lock, NULL);
+    pthread_mutex_init(&p->partial_lock, NULL);
     *out = p;
     return 0;
 }
@@ -75,7 +105,10 @@ void hapi_packs_free(hapi_packs *p)
 {
     if (!p)
         return;
+    for (size_t i = 0; i < PACK_PARTIAL_ROWS; i++)
+        free(p->partial[i].data);
     pthread_mutex_destroy(&p->failure_lock);
+    pthread_mutex_destroy(&p->partial_lock);
     free(p);
 }
 
@@ -247,6 +280,17 @@ static int take(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_view 
     int rc = snapshot_take(p, dir, who, sn);
     if (rc == 0 && (rc = pack_header(*v, sn->count, header)) < 0)
         snapshot_free(sn);
+    if (rc >= 0) {
+        XXH3_state_t key;
+        XXH3_64bits_reset(&key);
+        XXH3_64bits_update(&key, &(*v)->ns, sizeof((*v)->ns));
+        XXH3_64bits_update(&key, &sn->count, sizeof(sn->count));
+        for (size_t i = 0; i < sn->count; i++) {
+            XXH3_64bits_update(&key, sn->names[i], strlen(sn->names[i]) + 1);
+            XXH3_64bits_update(&key, &sn->ids[i], sizeof(sn->ids[i]));
+        }
+        sn->key = XXH3_64bits_digest(&key);
+    }
     if (rc < 0) {
         hapi_view_put(*v);
         *v = NULL;
@@ -267,6 +311,7 @@ int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info)
     info->index_bound = index_bound(&sn);
     info->mtime = sn.mtime;
     info->ctime = sn.ctime;
+    info->key = sn.key;
     snapshot_free(&sn);
     hapi_view_put(v);
     return 0;
@@ -297,6 +342,11 @@ int hapi_pack_open(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_pa
 uint64_t hapi_pack_size(const hapi_pack *k)
 {
     return k->size;
+}
+
+uint64_t hapi_pack_key(const hapi_pack *k)
+{
+    return k->snap.key;
 }
 
 void hapi_pack_close(hapi_pack *k)
@@ -346,6 +396,91 @@ static void fill_nan(const hapi_view *v, char *dst, size_t from, size_t to)
         dst[i - from] = (char)nan[i % width];
 }
 
+/* ----------------------------------------------------------- partial rows */
+
+/* The kept row (key, row), or NULL. Under partial_lock. */
+static struct partial_row *partial_find(hapi_packs *p, uint64_t key, size_t row)
+{
+    for (size_t i = 0; i < PACK_PARTIAL_ROWS; i++)
+        if (p->partial[i].key == key && p->partial[i].row == row && p->partial[i].used)
+            return &p->partial[i];
+    return NULL;
+}
+
+/* Copies bytes [from, to) of kept row e to dst (NaN for a failed row). Under partial_lock. */
+static void partial_copy_out(hapi_packs *p, const hapi_view *v, struct partial_row *e, char *dst,
+                             size_t from, size_t to)
+{
+    e->used = ++p->partial_tick;
+    if (e->code)
+        fill_nan(v, dst, from, to);
+    else
+        memcpy(dst, e->data + from, to - from);
+}
+
+/* Copies bytes [from, to) of row (key, row) to dst if it is kept. Returns 1 if it was. */
+static int partial_get(hapi_packs *p, const hapi_view *v, uint64_t key, size_t row, char *dst,
+                       size_t from, size_t to)
+{
+    pthread_mutex_lock(&p->partial_lock);
+    struct partial_row *e = partial_find(p, key, row);
+    if (e)
+        partial_copy_out(p, v, e, dst, from, to);
+    pthread_mutex_unlock(&p->partial_lock);
+    return e != NULL;
+}
+
+/*
+ * Keeps row (key, row), computed whole into data (malloc'd, sample_bytes;
+ * taken over) or failed with code, unless a read of another part kept it
+ * first; then copies bytes [from, to) of what is kept to dst.
+ */
+static void partial_put(hapi_packs *p, const hapi_view *v, uint64_t key, size_t row, char *data,
+                        int code, char *dst, size_t from, size_t to)
+{
+    size_t size = code ? 0 : v->sample_bytes;
+    if (code) {
+        free(data);
+        data = NULL;
+    }
+    pthread_mutex_lock(&p->partial_lock);
+    struct partial_row *e = partial_find(p, key, row);
+    if (!e && size <= PACK_PARTIAL_BYTES) {
+        /* Room: the least recently used go until the bytes fit, and a slot is free. */
+        for (;;) {
+            struct partial_row *oldest = NULL, *empty = NULL;
+            for (size_t i = 0; i < PACK_PARTIAL_ROWS; i++) {
+                struct partial_row *x = &p->partial[i];
+                if (!x->used)
+                    empty = empty ? empty : x;
+                else if (!oldest || x->used < oldest->used)
+                    oldest = x;
+            }
+            if (empty && p->partial_bytes + size <= PACK_PARTIAL_BYTES) {
+                e = empty;
+                break;
+            }
+            p->partial_bytes -= oldest->size;
+            free(oldest->data);
+            memset(oldest, 0, sizeof(*oldest));
+        }
+        *e = (struct partial_row){ key, row, code, data, size, 0 };
+        p->partial_bytes += size;
+        data = NULL;
+    }
+    if (e) {
+        partial_copy_out(p, v, e, dst, from, to);
+    } else if (code) {
+        fill_nan(v, dst, from, to);
+    } else {
+        memcpy(dst, data + from, to - from); /* too large to keep */
+    }
+    pthread_mutex_unlock(&p->partial_lock);
+    free(data);
+}
+
+/* --------------------------------------------------------------- reading */
+
 ssize_t hapi_pack_read(hapi_pack *k, char *buf, size_t size, off_t off)
 {
     hapi_packs *p = k->packs;
@@ -380,39 +515,74 @@ ssize_t hapi_pack_read(hapi_pack *k, char *buf, size_t size, off_t off)
         k->ahead = a1;
     pthread_mutex_unlock(&k->lock);
 
-    size_t nparts = (r1 - r0) + (a1 - a0);
-    hapi_serve_part *parts = calloc(nparts, sizeof(*parts));
-    if (!parts)
-        return -ENOMEM;
-    for (size_t r = r0; r < r1; r++) {
-        hapi_serve_part *pt = &parts[r - r0];
+    /*
+     * The rows the read covers: a row it covers in part (the first, the last)
+     * comes from the partial rows if another read has kept it, else is
+     * computed whole (into whole[]) and kept.
+     */
+    uint64_t key = k->snap.key;
+    size_t nrows = r1 - r0, nparts = 0;
+    hapi_serve_part *parts = calloc(nrows + (a1 - a0), sizeof(*parts));
+    size_t *part_row = calloc(nrows, sizeof(*part_row));
+    char *whole[2] = { NULL, NULL };
+    int rc = parts && part_row ? 0 : -ENOMEM;
+    for (size_t r = r0; r < r1 && rc == 0; r++) {
         uint64_t row = r * sb;
-        uint64_t from = dpos > row ? dpos - row : 0;
-        uint64_t to = dend < row + sb ? dend - row : sb;
+        size_t from = (size_t)(dpos > row ? dpos - row : 0);
+        size_t to = (size_t)(dend < row + sb ? dend - row : sb);
+        char *dst = buf + n + (row + from - dpos);
+        int in_part = from > 0 || to < sb;
+        if (in_part && partial_get(p, v, key, r, dst, from, to))
+            continue;
+        hapi_serve_part *pt = &parts[nparts];
+        part_row[nparts++] = r;
         pt->path = k->snap.paths[r];
         pt->id = &k->snap.ids[r];
-        pt->dst = buf + n + (row + from - dpos);
+        pt->dst = dst;
         pt->from = from;
         pt->to = to;
-    }
-    for (size_t r = a0; r < a1; r++) {
-        parts[r1 - r0 + r - a0].path = k->snap.paths[r];
-        parts[r1 - r0 + r - a0].id = &k->snap.ids[r];
-    }
-    int rc = hapi_serve_read_parts(p->serve, v, parts, nparts);
-    if (rc == 0) {
-        for (size_t r = r0; r < r1; r++) {
-            hapi_serve_part *pt = &parts[r - r0];
-            if (pt->code == 0)
-                continue;
-            /* The row of an image that cannot be computed is NaN; the index says why. */
-            fill_nan(v, pt->dst, pt->from, pt->to);
-            failure_note(p, v, pt->path, pt->id, pt->code);
-            atomic_fetch_add(&p->stats.rows_failed, 1);
+        if (in_part) {
+            char **w = &whole[r == r0 ? 0 : 1];
+            if (!(*w = malloc(sb)))
+                rc = -ENOMEM;
+            pt->dst = *w;
+            pt->from = 0;
+            pt->to = sb;
         }
-        atomic_fetch_add(&p->stats.rows, r1 - r0);
     }
+    size_t demand = nparts;
+    for (size_t r = a0; r < a1 && rc == 0; r++) {
+        parts[nparts].path = k->snap.paths[r];
+        parts[nparts++].id = &k->snap.ids[r];
+    }
+    if (rc == 0)
+        rc = hapi_serve_read_parts(p->serve, v, parts, nparts);
+    if (rc == 0) {
+        for (size_t i = 0; i < demand; i++) {
+            hapi_serve_part *pt = &parts[i];
+            size_t r = part_row[i];
+            if (pt->code) {
+                /* The row of an image that cannot be computed is NaN; the index says why. */
+                failure_note(p, v, pt->path, pt->id, pt->code);
+                atomic_fetch_add(&p->stats.rows_failed, 1);
+            }
+            char **w = r == r0 && whole[0] ? &whole[0] : r == r1 - 1 && whole[1] ? &whole[1] : NULL;
+            if (w) {
+                uint64_t row = r * sb;
+                size_t from = (size_t)(dpos > row ? dpos - row : 0);
+                size_t to = (size_t)(dend < row + sb ? dend - row : sb);
+                partial_put(p, v, key, r, *w, pt->code, buf + n + (row + from - dpos), from, to);
+                *w = NULL;
+            } else if (pt->code) {
+                fill_nan(v, pt->dst, pt->from, pt->to);
+            }
+        }
+        atomic_fetch_add(&p->stats.rows, nrows);
+    }
+    free(whole[0]);
+    free(whole[1]);
     free(parts);
+    free(part_row);
     if (rc < 0)
         return rc;
     n += (size_t)(dend - dpos);

@@ -31,7 +31,9 @@
  *
  * Locks (leaves in the daemon's order, never held together): index_lock
  * (the index slots), fetch_lock (fetches, their waiters, the queue), a
- * source's lock (its root handle), warm_lock.
+ * source's lock (its root handle), warm_lock. Above them warm_control, held
+ * by a warm-up's start and stop through the join of its walker (which never
+ * takes it), so that one walker is started or joined at a time.
  */
 
 #define FETCH_CHUNK (1u << 20)   /* bytes per read of a pack: large sequential reads */
@@ -151,6 +153,7 @@ struct hapi_remote {
     size_t nthreads;
     pthread_t *threads;
 
+    pthread_mutex_t warm_control; /* starting, stopping and joining the walker */
     pthread_mutex_t warm_lock;
     pthread_t warm_thread;
     int warm_running;             /* a thread to join */
@@ -1597,30 +1600,60 @@ static void *warm_thread(void *arg)
     }
     pthread_mutex_unlock(&r->fetch_lock);
     pthread_mutex_lock(&r->warm_lock);
-    r->warm.state = HAPI_WARM_DONE;
-    r->warm.t1_ns = hapi_now_ns();
+    if (r->warm.state != HAPI_WARM_STOPPED) {
+        r->warm.state = HAPI_WARM_DONE;
+        r->warm.t1_ns = hapi_now_ns();
+    }
     pthread_mutex_unlock(&r->warm_lock);
     return NULL;
 }
 
+int hapi_remote_warm_stop(hapi_remote *r)
+{
+    pthread_mutex_lock(&r->warm_control);
+    pthread_mutex_lock(&r->warm_lock);
+    int stopped = r->warm.state == HAPI_WARM_RUNNING;
+    if (stopped) {
+        r->warm.state = HAPI_WARM_STOPPED; /* before the walker can say done */
+        r->warm.t1_ns = hapi_now_ns();
+        atomic_store(&r->warm_stop, 1);
+    }
+    pthread_mutex_unlock(&r->warm_lock);
+    if (r->warm_running) {
+        /* It may wait for queue room or for its fetches, 50 ms at a time. */
+        pthread_mutex_lock(&r->fetch_lock);
+        pthread_cond_broadcast(&r->queue_cond);
+        pthread_mutex_unlock(&r->fetch_lock);
+        pthread_join(r->warm_thread, NULL);
+        r->warm_running = 0;
+    }
+    pthread_mutex_unlock(&r->warm_control);
+    if (stopped)
+        hapi_log(HAPI_LOG_INFO, "remote warm-up stopped");
+    return stopped;
+}
+
 int hapi_remote_warm_start(hapi_remote *r, const char *path)
 {
+    int rc = 0;
+    pthread_mutex_lock(&r->warm_control);
     pthread_mutex_lock(&r->warm_lock);
-    if (r->warm.state == HAPI_WARM_RUNNING) {
-        pthread_mutex_unlock(&r->warm_lock);
-        return -EBUSY;
+    int busy = r->warm.state == HAPI_WARM_RUNNING;
+    pthread_mutex_unlock(&r->warm_lock);
+    if (busy) {
+        rc = -EBUSY;
+        goto out;
     }
     if (r->warm_running) {
-        pthread_mutex_unlock(&r->warm_lock);
         pthread_join(r->warm_thread, NULL); /* a finished one: it takes warm_lock */
-        pthread_mutex_lock(&r->warm_lock);
         r->warm_running = 0;
     }
     char *copy = strdup(path);
     if (!copy) {
-        pthread_mutex_unlock(&r->warm_lock);
-        return -ENOMEM;
+        rc = -ENOMEM;
+        goto out;
     }
+    pthread_mutex_lock(&r->warm_lock);
     free(r->warm.path);
     r->warm.path = copy;
     r->warm.total = r->warm.cached = r->warm.fetched = r->warm.failed = r->warm.dirs = 0;
@@ -1628,12 +1661,14 @@ int hapi_remote_warm_start(hapi_remote *r, const char *path)
     r->warm.t1_ns = 0;
     r->warm.state = HAPI_WARM_RUNNING;
     atomic_store(&r->warm_stop, 0);
-    int rc = -pthread_create(&r->warm_thread, NULL, warm_thread, r);
+    rc = -pthread_create(&r->warm_thread, NULL, warm_thread, r);
     if (rc == 0)
         r->warm_running = 1;
     else
         r->warm.state = HAPI_WARM_IDLE;
     pthread_mutex_unlock(&r->warm_lock);
+out:
+    pthread_mutex_unlock(&r->warm_control);
     return rc;
 }
 
@@ -1776,6 +1811,7 @@ int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_erro
     pthread_cond_init(&r->index_cond, NULL);
     pthread_mutex_init(&r->fetch_lock, NULL);
     pthread_cond_init(&r->queue_cond, NULL);
+    pthread_mutex_init(&r->warm_control, NULL);
     pthread_mutex_init(&r->warm_lock, NULL);
     r->sources = calloc(cfg->nroots, sizeof(*r->sources));
     if (!r->sources) {
@@ -1885,6 +1921,7 @@ void hapi_remote_close(hapi_remote *r)
     pthread_cond_destroy(&r->index_cond);
     pthread_mutex_destroy(&r->fetch_lock);
     pthread_cond_destroy(&r->queue_cond);
+    pthread_mutex_destroy(&r->warm_control);
     pthread_mutex_destroy(&r->warm_lock);
     free(r);
 }

@@ -83,7 +83,9 @@ static void store_results(void *ctx, const hapi_batch_result *results, size_t n)
 
     for (size_t i = 0; i < n; i++) {
         const hapi_batch_result *r = &results[i];
-        atomic_fetch_add(&s->stats.completed[r->origin], 1);
+        for (int p = 0; p < HAPI_PRIORITY_COUNT; p++)
+            if (r->requests[p])
+                atomic_fetch_add(&s->stats.completed[p], r->requests[p]);
         if (r->code >= 0)
             atomic_fetch_add(&s->stats.origin_computed[r->origin], 1);
         if (r->code < 0 && r->origin == HAPI_PRIORITY_PREFETCH &&
@@ -205,6 +207,30 @@ static int lookup(hapi_serve *s, hapi_view *v, const char *path, const hapi_sour
     return 0;
 }
 
+/* How many times a read asks again for a result loaded before it was opened. */
+#define STALE_ROUNDS 3
+
+/*
+ * Whether a computed result (tag: the identity of the bytes it was computed
+ * from; zero when they could not be read) may answer a read of path opened
+ * at identity want: it is of want, or of what the source is now (it changed
+ * after the open: the reader gets it as it is). Not when the read joined a
+ * request whose bytes were read before the source changed to want: the
+ * reader never saw that version, and its bytes would stay in the kernel's
+ * pages of want's node (fs.c names a .feat by its identity).
+ */
+static int result_fits(hapi_serve *s, const char *path, const hapi_source_id *want,
+                       const void *tag)
+{
+    static const hapi_source_id none;
+    hapi_source_id got, now;
+    memcpy(&got, tag, sizeof(got)); /* the tag buffer need not be aligned */
+    if (memcmp(&got, want, sizeof(got)) == 0 || memcmp(&got, &none, sizeof(got)) == 0)
+        return 1;
+    return hapi_source_identity(s->cfg.source, path, &now) == 0 &&
+           memcmp(&got, &now, sizeof(now)) == 0;
+}
+
 ssize_t hapi_serve_read(hapi_serve *s, hapi_view *v, const char *path, const hapi_source_id *id,
                         char *buf, size_t size, off_t off)
 {
@@ -221,16 +247,29 @@ ssize_t hapi_serve_read(hapi_serve *s, hapi_view *v, const char *path, const hap
     if (!lookup(s, v, path, id, dst, dpos, dend)) {
         /* A miss: the batcher computes it once, however many readers wait for it. */
         atomic_fetch_add(&s->stats.misses, 1);
-        hapi_ticket *t = NULL;
-        const void *features;
-        int rc = hapi_batcher_submit(v->batcher, path, HAPI_PRIORITY_DEMAND, &t);
-        if (rc == 0 && s->on_miss)
-            s->on_miss(s->on_miss_arg, v, path); /* after the read's own request: it goes first */
-        if (rc == 0)
-            rc = hapi_ticket_wait(v->batcher, t, &features, NULL, NULL); /* the sink logged why */
-        if (rc == 0)
-            memcpy(dst, (const char *)features + dpos, dend - dpos);
-        hapi_ticket_release(v->batcher, t);
+        int rc;
+        for (int round = 1;; round++) {
+            hapi_ticket *t = NULL;
+            const void *features, *tag;
+            rc = hapi_batcher_submit(v->batcher, path, HAPI_PRIORITY_DEMAND, &t);
+            if (rc >= 0 && round == 1 && s->on_miss)
+                s->on_miss(s->on_miss_arg, v, path); /* after the read's own request */
+            if (rc >= 0) /* on failure, the sink logged why */
+                rc = hapi_ticket_wait(v->batcher, t, &features, &tag, NULL);
+            int fits = !t || result_fits(s, path, id, tag);
+            if (rc == 0 && fits)
+                memcpy(dst, (const char *)features + dpos, dend - dpos);
+            hapi_ticket_release(v->batcher, t);
+            if (fits)
+                break;
+            atomic_fetch_add(&s->stats.stale, 1); /* older than the open: ask again */
+            if (round == STALE_ROUNDS) {
+                hapi_log(HAPI_LOG_WARNING, "%s: kept changing while its features were computed",
+                         path);
+                rc = -EAGAIN;
+                break;
+            }
+        }
         if (rc < 0)
             return rc;
     }
@@ -274,19 +313,39 @@ int hapi_serve_read_parts(hapi_serve *s, hapi_view *v, hapi_serve_part *parts, s
         } else if (!probe(s, v, p->path, p->id)) {
             p->code = hapi_batcher_submit(v->batcher, p->path, HAPI_PRIORITY_DEMAND, NULL);
         }
+        if (p->code == HAPI_BATCHER_DELIVERED)
+            p->code = 0; /* its ticket is as good */
         if (p->code == -ECANCELED)
             rc = -ECANCELED;
     }
-    for (size_t i = 0; i < n; i++) {
-        hapi_serve_part *p = &parts[i];
-        if (!tickets[i])
-            continue;
-        const void *features;
-        if (rc == 0)
-            p->code = hapi_ticket_wait(v->batcher, tickets[i], &features, NULL, NULL);
-        if (rc == 0 && p->code == 0)
-            memcpy(p->dst, (const char *)features + p->from, p->to - p->from);
-        hapi_ticket_release(v->batcher, tickets[i]);
+    /* A result loaded before the snapshot's identity (a request joined) is asked for again. */
+    for (int round = 1, again = 1; again; round++) {
+        again = 0;
+        for (size_t i = 0; i < n; i++) {
+            hapi_serve_part *p = &parts[i];
+            if (!tickets[i])
+                continue;
+            const void *features, *tag;
+            int fits = 1;
+            if (rc == 0) {
+                p->code = hapi_ticket_wait(v->batcher, tickets[i], &features, &tag, NULL);
+                fits = result_fits(s, p->path, p->id, tag);
+            }
+            if (rc == 0 && p->code == 0 && fits)
+                memcpy(p->dst, (const char *)features + p->from, p->to - p->from);
+            hapi_ticket_release(v->batcher, tickets[i]);
+            tickets[i] = NULL;
+            if (fits)
+                continue;
+            atomic_fetch_add(&s->stats.stale, 1);
+            p->code = round == STALE_ROUNDS
+                          ? -EAGAIN
+                          : hapi_batcher_submit(v->batcher, p->path, HAPI_PRIORITY_DEMAND,
+                                                &tickets[i]);
+            if (p->code == HAPI_BATCHER_DELIVERED)
+                p->code = 0;
+            again |= tickets[i] != NULL;
+        }
     }
     if (tickets != stack)
         free(tickets);
@@ -312,7 +371,8 @@ int hapi_serve_queue(hapi_serve *s, hapi_view *v, const char *path, int priority
         rc = -ECANCELED;
     if (rc == 0)
         rc = hapi_batcher_submit(v->batcher, path, priority, NULL);
-    return rc;
+    /* A result delivered already is in the cache, or its failure recorded. */
+    return rc == HAPI_BATCHER_DELIVERED ? HAPI_QUEUE_CACHED : rc;
 }
 
 void hapi_serve_note_passthrough(hapi_serve *s, size_t bytes)

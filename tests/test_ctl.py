@@ -3,6 +3,7 @@ import errno
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -189,3 +190,91 @@ def test_control_files_show_a_bound_not_a_rendering(tree, mounter, models):
             json.loads(text)
     sizes = {e.name: e.stat().st_size for e in os.scandir(ctl_dir)}  # readdirplus attributes
     assert sizes["stats"] == 4 << 20 and sizes["model"] == os.stat(m.options["model"]).st_size
+
+
+def write_ctl(m, command):
+    """Writes one command to .hapifs/ctl; returns what a read of the same open file says."""
+    fd = os.open(m.path / ".hapifs" / "ctl", os.O_RDWR)
+    try:
+        os.write(fd, (command + "\n").encode())
+        return os.pread(fd, 4096, 0).decode()
+    finally:
+        os.close(fd)
+
+
+def wait_for(predicate, timeout=60):
+    end = time.time() + timeout
+    while time.time() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def test_warm_stop(tmp_path, mounter, models):
+    """warm stop ends a warm-up in progress: its walk stops, stats say stopped, and the images
+    it had not queued are not computed; a later warm starts afresh. With nothing running it
+    is not an error; a folder named stop is warmed as /stop."""
+    src = tmp_path / "src"
+    paths = make_tree(src, classes=2, per_class=80, size=(64, 80))
+    stop_dir = make_tree(src / "stop", classes=1, per_class=3, size=(64, 80))
+    m = mounter(src, model=models(), batch=1, prefetch="off")
+    m.ctl("config")  # the split is chosen
+    assert write_ctl(m, "warm stop") == "ok\n"
+    assert m.ctl("stats")["warm"]["state"] == "idle"
+
+    assert write_ctl(m, "warm") == "ok\n"
+    assert write_ctl(m, "warm stop") == "ok\n"
+    warm = m.ctl("stats")["warm"]
+    assert warm["state"] == "stopped" and warm["path"] == "", warm
+    # what was queued (two batches of 1) and in flight finishes; nothing more is computed
+    def settled():
+        a = m.ctl("stats")
+        time.sleep(0.5)  # the batch in inference is not in in_flight: see that nothing moves
+        b = m.ctl("stats")
+        idle = not any(b["batcher"]["queued"].values()) and not b["batcher"]["in_flight"]
+        return b if idle and a["feat"]["computed"] == b["feat"]["computed"] else None
+    first = wait_for(settled)
+    time.sleep(1.0)
+    later = m.ctl("stats")
+    assert later["feat"]["computed"] == first["feat"]["computed"] < len(paths) // 4, later["feat"]
+    assert later["warm"]["state"] == "stopped" and later["warm"]["eta_s"] == 0
+    elapsed = later["warm"]["elapsed_s"]
+    time.sleep(0.2)
+    assert m.ctl("stats")["warm"]["elapsed_s"] == elapsed  # its clock stopped too
+
+    # a new warm-up of one folder runs to the end
+    assert write_ctl(m, "warm class1") == "ok\n"
+    wait_for(lambda: m.ctl("stats")["warm"]["state"] == "done")
+    warm = m.ctl("stats")["warm"]
+    assert warm["path"] == "class1" and warm["total"] == len(paths) // 2
+    assert warm["done"] == warm["total"]
+
+    # "stop" as a folder's name
+    assert write_ctl(m, "warm /stop") == "ok\n"
+    wait_for(lambda: m.ctl("stats")["warm"]["state"] == "done")
+    warm = m.ctl("stats")["warm"]
+    assert warm["path"] == "stop" and warm["total"] == len(stop_dir)
+
+
+def test_hapifs_ctl_warm_says_when_the_warm_up_is_stopped(tmp_path, mounter, models):
+    src = tmp_path / "src"
+    paths = make_tree(src, classes=2, per_class=80, size=(64, 80))
+    m = mounter(src, model=models(), batch=1, prefetch="off")
+    m.ctl("config")
+    if not CTL.exists():
+        pytest.skip(f"{CTL} is not built (set HAPI_BUILD_ROOT)")
+    p = subprocess.Popen([str(CTL), "warm", str(m.path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: m.ctl("stats")["warm"]["state"] in ("counting", "running"))
+        assert write_ctl(m, "warm stop") == "ok\n"
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 3, (out, err)
+    assert "hapifs-ctl: warm: the warm-up was stopped" in err
+    assert out.startswith("warm       stopped '/': ") and "took" in out
+    assert m.ctl("stats")["feat"]["computed"] < len(paths)

@@ -342,3 +342,28 @@ def test_mount_helper_and_fstab_for_a_remote_mount(tmp_path, storage):
         pid = daemon_pid(mnt)
         subprocess.run(["umount", str(mnt)], check=True)
         assert wait_gone(pid)
+
+
+def test_warm_stop(tmp_path, storage, mounter):
+    """warm stop on a remote mount ends the walk: stats say stopped, and the folders it had not
+    reached are not fetched."""
+    src, st, paths = storage(classes=60, per_class=2, batch=1)
+    r = remote(mounter, tmp_path, [st.path], fetch_threads=1)
+    ctl_write(r, "warm stop")  # nothing running: not an error
+    assert r.ctl("stats")["warm"]["state"] == "idle"
+    ctl_write(r, "warm")
+    ctl_write(r, "warm stop")
+    stats = r.ctl("stats")
+    assert stats["warm"]["state"] == "stopped", stats["warm"]
+    time.sleep(2)  # the fetch in progress and the one queued finish
+    packs = r.ctl("stats")["remote"]["packs"]
+    time.sleep(1)
+    later = r.ctl("stats")
+    assert later["remote"]["packs"] == packs < 30, later["remote"]
+    assert later["warm"]["state"] == "stopped"
+    ctl_write(r, "warm class7")  # a new warm-up runs to the end
+    end = time.time() + 60
+    while r.ctl("stats")["warm"]["state"] != "done" and time.time() < end:
+        time.sleep(0.05)
+    warm = r.ctl("stats")["warm"]
+    assert warm["state"] == "done" and warm["path"] == "class7" and warm["total"] == 2

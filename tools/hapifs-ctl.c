@@ -206,12 +206,12 @@ static void print_warm_line(json_t *w)
     printf("%-10s %s", "warm", state);
     if (strcmp(state, "idle") != 0) {
         double total = num(w, "total"), done = num(w, "done");
+        int over = strcmp(state, "done") == 0 || strcmp(state, "stopped") == 0;
         printf(" '/%s': %.0f/%.0f (%.0f%%), computed %.0f, cached %.0f, skipped %.0f, %.1f/s, "
                "%s %s", str(w, "path"), done, total, total > 0 ? 100 * done / total : 100.0,
                num(w, "computed"), num(w, "cached"), num(w, "skipped"), num(w, "rate_per_s"),
-               strcmp(state, "done") ? "ETA" : "took",
-               human_time(strcmp(state, "done") ? num(w, "eta_s") : num(w, "elapsed_s"), a,
-                          sizeof(a)));
+               over ? "took" : "ETA",
+               human_time(over ? num(w, "elapsed_s") : num(w, "eta_s"), a, sizeof(a)));
     }
     putchar('\n');
 }
@@ -420,7 +420,9 @@ static int cmd_warm(const char *mnt, const char *path)
         if (!stats)
             return EXIT_NOT_MOUNT;
         json_t *w = get(stats, "warm");
-        int finished = strcmp(str(w, "state"), "done") == 0;
+        /* done, or stopped by a "warm stop" written to ctl meanwhile */
+        int stopped = strcmp(str(w, "state"), "stopped") == 0;
+        int finished = stopped || strcmp(str(w, "state"), "done") == 0;
         /* Away from a terminal a line per second at most, and only when something moved. */
         if (tty || finished || (num(w, "done") != last_done && time(NULL) != last_line)) {
             draw_progress(w, tty);
@@ -437,7 +439,9 @@ static int cmd_warm(const char *mnt, const char *path)
                 print_warm_line(w);
             }
             json_decref(stats);
-            return 0;
+            if (stopped)
+                say("warm: the warm-up was stopped (warm stop) before it was done");
+            return stopped ? EXIT_REFUSED : 0;
         }
         json_decref(stats);
         nanosleep(&(struct timespec){ .tv_nsec = 250 * 1000 * 1000 }, NULL);

@@ -1,0 +1,140 @@
+"""What a reader sees while the source, the split and a directory change under a real mount.
+
+A .feat and a pack are named (node ids) by their bytes: an image's identity and the split, a
+directory's snapshot. These tests failed before that: the kernel kept one file's pages and size
+for every version of it, so an open after a change could read another version's bytes.
+"""
+import os
+import time
+
+import numpy as np
+
+from conftest import reference_features
+from test_throughput import make_tree
+
+PACK = ".hapifs-pack.npy"
+
+
+def ctl(m, command):
+    with open(m.path / ".hapifs" / "ctl", "w") as f:
+        f.write(command + "\n")
+
+
+def read_fd(fd):
+    out = b""
+    while True:
+        b = os.pread(fd, 1 << 20, len(out))
+        if not b:
+            return out
+        out += b
+
+
+def npy(data):
+    import io
+    return np.load(io.BytesIO(data))
+
+
+def test_a_pack_opened_after_its_directory_changed_is_whole(tmp_path, mounter, models):
+    """The kernel holds the pack's size from a stat; an image is added; the pack opened at once
+    is the new snapshot, all of it (it was cut at the old size)."""
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=6, size=(48, 64))
+    m = mounter(src, model=models(), prefetch="off")
+    d = m.path / "class0"
+    old = os.stat(d / PACK).st_size
+    make_tree(src, classes=1, per_class=7, size=(48, 64), seed=9)  # rewrites 000..005, adds 006
+    data = (d / PACK).read_bytes()
+    rows = npy(data)
+    assert rows.shape[0] == 7 and len(data) > old
+    for i, name in enumerate(sorted(os.listdir(src / "class0"))):
+        assert np.array_equal(rows[i], np.load(d / (name + ".feat"))), name
+
+
+def test_an_open_pack_keeps_its_snapshot_while_it_is_opened_again(tmp_path, mounter, models):
+    """A pack open before a change reads its own rows to the end, though the same name was
+    opened and read again meanwhile (they shared the kernel's pages)."""
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=8, size=(48, 64))
+    m = mounter(src, model=models(), prefetch="off", split="layer3")
+    d = m.path / "class0"
+    before = {n: np.load(d / (n + ".feat")) for n in sorted(os.listdir(src / "class0"))}
+    fd = os.open(d / PACK, os.O_RDONLY)
+    try:
+        head = os.pread(fd, 4096, 0)  # the header and the first rows
+        (src / "class0" / "000.jpg").unlink()  # the first row's image goes
+        time.sleep(1.1)  # so that the kernel looks the name up again
+        now = npy((d / PACK).read_bytes())
+        assert now.shape[0] == 7
+        first = read_fd(fd)
+    finally:
+        os.close(fd)
+    assert first[:4096] == head
+    rows = npy(first)
+    assert rows.shape[0] == 8
+    for i, name in enumerate(sorted(before)):
+        if name != "000.jpg":
+            assert np.array_equal(rows[i], before[name]), name
+            assert np.array_equal(now[i - 1], before[name]), name
+
+
+def test_a_file_open_before_a_split_change_keeps_its_split(tmp_path, mounter, models):
+    """One open before a split change and read after it, one open after: each reads its own
+    split, whole, whatever order they read in (an open after read the old one's pages)."""
+    src = tmp_path / "src"
+    paths = make_tree(src, classes=1, per_class=2, size=(48, 64))
+    m = mounter(src, model=models(), prefetch="off", split="pool")
+    f = m.path / (paths[0] + ".feat")
+    pool = f.read_bytes()
+    old = os.open(f, os.O_RDONLY)
+    try:
+        ctl(m, "split layer3")
+        layer3 = npy(f.read_bytes())  # a new open: the new split
+        assert layer3.shape == (256, 4, 4)
+        assert read_fd(old) == pool  # the old open reads its own, whole
+        again = f.read_bytes()  # a new open after that: still the new split
+    finally:
+        os.close(old)
+    assert np.array_equal(npy(again), layer3)
+    assert os.stat(f).st_size == len(again)
+
+
+def rewrite_in_place(img, color):
+    """The same inode, other pixels."""
+    import io
+    from PIL import Image
+    b = io.BytesIO()
+    Image.new("RGB", (80, 80), color).save(b, "JPEG")
+    with open(img, "r+b") as w:
+        w.truncate(0)
+        w.write(b.getvalue())
+
+
+def test_a_file_changed_in_place_is_seen_at_the_next_open(tmp_path, mounter, models):
+    """An image rewritten in place (same inode): an open after the change reads the new
+    features, even when an open of the old version read its cached bytes after the kernel had
+    the new attributes (the kernel kept those pages for every later open); and at once, with no
+    wait for the kernel's timeouts."""
+    from PIL import Image
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    img = src / "a" / "x.jpg"
+    Image.new("RGB", (80, 80), (200, 10, 10)).save(img)
+    m = mounter(src, model=models(), dtype="fp32")
+    f = m.path / "a" / "x.jpg.feat"
+    red = f.read_bytes()
+    tol = dict(rtol=1e-3, atol=1e-3 * np.abs(npy(red)).max())
+    old = os.open(f, os.O_RDONLY)  # opened at the red version, read later
+    try:
+        rewrite_in_place(img, (10, 10, 200))
+        blue = reference_features(models(), img, 6)
+        time.sleep(1.2)
+        os.stat(f)  # the kernel has the new attributes now
+        late = read_fd(old)  # the red features, still cached
+        after = npy(f.read_bytes())
+    finally:
+        os.close(old)
+    assert late == red
+    np.testing.assert_allclose(after, blue, **tol)
+    rewrite_in_place(img, (10, 200, 10))
+    at_once = npy(f.read_bytes())
+    np.testing.assert_allclose(at_once, reference_features(models(), img, 6), **tol)
