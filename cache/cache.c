@@ -1578,17 +1578,50 @@ out:
     return rc;
 }
 
+/*
+ * What a deletion the operator asked for does when it finds the map full
+ * (write_lock held), as evict() does: the reusable pages are spent, the last
+ * transaction's freed ones are locked until another commits, and lookups
+ * held for long pin the rest. A write of a few pages unlocks the first
+ * (once); then it waits for lookups to end, up to FULL_WAIT_MS in all.
+ * Returns true to try again, false when there is no room even so.
+ */
+struct full_state {
+    bool unlocked;
+    int waits;
+    uint64_t from;
+};
+
+static bool full_again(hapi_cache *c, struct full_state *f)
+{
+    if (!f->unlocked) {
+        f->unlocked = true;
+        bool full;
+        hapi_error ignored = { 0 };
+        if (persist_evictions(c, &full, &ignored) == 0 && !full)
+            return true;
+    }
+    if (f->waits == 0)
+        f->from = hapi_now_ns();
+    if (hapi_now_ns() - f->from >= FULL_WAIT_MS * 1000000ULL)
+        return false;
+    full_wait(f->waits++);
+    return true;
+}
+
 int hapi_cache_evict_path(hapi_cache *c, const hapi_cache_namespace *ns, const char *path,
                           hapi_error *err)
 {
     uint8_t keybuf[HAPI_CACHE__KEY_MAX];
     MDB_txn *txn;
+    struct full_state full = { 0 };
     int rc;
 
     if (!c || !ns || !path)
         return hapi_error_set(err, HAPI_EINVAL, "cache evict: missing argument");
     MDB_val k = { .mv_size = hapi_cache__key_make(ns, path, keybuf), .mv_data = keybuf };
     pthread_mutex_lock(&c->write_lock);
+again:
     if ((rc = write_begin(c, &txn, err)) != 0)
         goto out;
     rc = mdb_del(txn, c->features_dbi, &k, NULL);
@@ -1603,6 +1636,8 @@ int hapi_cache_evict_path(hapi_cache *c, const hapi_cache_namespace *ns, const c
         rc = mdb_txn_commit(txn);
     else
         mdb_txn_abort(txn);
+    if (rc == MDB_MAP_FULL && full_again(c, &full))
+        goto again;
     if (rc) {
         rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc),
                             "cache %s: evict %s: %s", c->dir, path, mdb_strerror(rc));
@@ -1614,9 +1649,9 @@ out:
     return rc;
 }
 
-/* Removes up to REMOVE_BATCH entries of ns in txn; *removed counts them, *done says the range is empty. */
+/* Removes up to batch entries of ns in txn; *removed counts them, *done says the range is empty. */
 static int remove_range(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns,
-                        uint64_t *removed, bool *done)
+                        unsigned batch, uint64_t *removed, bool *done)
 {
     MDB_cursor *cur;
     MDB_val k, v;
@@ -1625,7 +1660,7 @@ static int remove_range(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace 
     if (rc)
         return rc;
     *done = false;
-    while (n < REMOVE_BATCH) {
+    while (n < batch) {
         uint8_t key[HAPI_CACHE__KEY_MAX];
         /* The namespace's first remaining entry: a fresh seek each time, simple and O(log n). */
         k = (MDB_val){ .mv_size = HAPI_CACHE_NAMESPACE_SIZE, .mv_data = (void *)ns->bytes };
@@ -1657,6 +1692,8 @@ int hapi_cache_evict_all(hapi_cache *c, const hapi_cache_namespace *ns, hapi_err
     MDB_txn *txn;
     uint64_t total = 0;
     bool done = false;
+    unsigned batch = REMOVE_BATCH;
+    struct full_state full = { 0 };
     int rc = 0;
 
     if (!c)
@@ -1679,12 +1716,22 @@ int hapi_cache_evict_all(hapi_cache *c, const hapi_cache_namespace *ns, hapi_err
                 rc = mdb_drop(txn, c->stamps_dbi, 0);
             done = true;
         } else {
-            rc = remove_range(c, txn, ns, &n, &done);
+            rc = remove_range(c, txn, ns, batch, &n, &done);
         }
         if (rc == 0)
             rc = mdb_txn_commit(txn);
         else
             mdb_txn_abort(txn);
+        /* A full map: fewer deletions a transaction, then as hapi_cache_evict_path(). */
+        if (rc == MDB_MAP_FULL && ns && batch > 1) {
+            batch /= 2;
+            done = false;
+            continue;
+        }
+        if (rc == MDB_MAP_FULL && full_again(c, &full)) {
+            done = false;
+            continue;
+        }
         if (rc) {
             rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc),
                                 "cache %s: evicting %s: %s", c->dir,
@@ -1692,6 +1739,7 @@ int hapi_cache_evict_all(hapi_cache *c, const hapi_cache_namespace *ns, hapi_err
             goto out;
         }
         total += n;
+        full = (struct full_state){ 0 };
     }
     rc = total > INT32_MAX ? INT32_MAX : (int)total;
 out:

@@ -183,7 +183,9 @@ int hapi_cache_flush_access(hapi_cache *c, hapi_error *err);
  * Removes the entry of path in ns, if any: for a source that was deleted or
  * renamed. Returns 1 (removed), 0 (there was none), HAPI_EINVAL, HAPI_ECACHE,
  * HAPI_ECORRUPT (err says why). Thread-safe (serialized with puts). Values
- * already held stay valid until released.
+ * already held stay valid until released. A deletion needs free pages too: in
+ * a map full of pages that held lookups pin, it waits for them (up to 500 ms,
+ * as a put does) before it fails with HAPI_ECACHE.
  */
 int hapi_cache_evict_path(hapi_cache *c, const hapi_cache_namespace *ns, const char *path,
                           hapi_error *err);
@@ -195,7 +197,8 @@ int hapi_cache_evict_path(hapi_cache *c, const hapi_cache_namespace *ns, const c
  * never inconsistent. Returns the number of entries removed (>= 0, capped at
  * INT32_MAX), or HAPI_EINVAL, HAPI_ECACHE, HAPI_ECORRUPT (err says why).
  * Thread-safe (serialized with puts). Values already held stay valid until
- * released. Removals are not counted as evictions.
+ * released. Removals are not counted as evictions. A full map is waited for as
+ * by hapi_cache_evict_path().
  */
 int hapi_cache_evict_all(hapi_cache *c, const hapi_cache_namespace *ns, hapi_error *err);
 

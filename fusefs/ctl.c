@@ -266,7 +266,7 @@ static json_t *render_stats(hapi_ctl *c)
     double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
     return json_pack(
         "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, "
-        "s:{s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o}",
+        "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o}",
         "uptime_s", uptime,
         "split_changes", (json_int_t)ts.split_changes,
         "feat",
@@ -285,6 +285,8 @@ static json_t *render_stats(hapi_ctl *c)
           "rows", (json_int_t)ps.rows,
           "rows_failed", (json_int_t)ps.rows_failed,
           "index_reads", (json_int_t)ps.index_reads,
+          "rows_split", (json_int_t)ps.rows_split,
+          "rows_split_dropped", (json_int_t)ps.rows_split_dropped,
         "batcher", render_batcher(c),
         "warm", render_warm(c),
         "prefetch", render_prefetch(c),

@@ -1178,11 +1178,20 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
             goto fail;
         }
     } else if (kind == HAPI_NODE_PACK) {
-        /* A snapshot of the directory now; no keep_cache: a new open reads its rows anew. */
+        /* A snapshot of the directory now. */
         if ((rc = hapi_pack_open(fs->packs, path, req_who(req, &cred), &h->pack)) < 0)
             goto fail;
-        if (hapi_pack_key(h->pack) != c.pack_key && (rc = other_bytes(req, &c, fi)) < 0)
+        if (hapi_pack_key(h->pack) == c.pack_key) {
+            /*
+             * keep_cache: the pages the kernel has of this node are its snapshot's rows, and
+             * they must stay: a row whose image changed since may be computed again of the
+             * new version, and dropping pages at each open would let another reader of this
+             * node get half a row from before and half from after.
+             */
+            fi->keep_cache = 1;
+        } else if ((rc = other_bytes(req, &c, fi)) < 0) {
             goto fail;
+        }
     } else if (kind == HAPI_NODE_PACK_INDEX) {
         char *text = NULL;
         size_t len = 0;

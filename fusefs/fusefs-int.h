@@ -555,6 +555,8 @@ int hapi_pack_index(hapi_packs *p, const char *dir, char **text, size_t *len);
 
 typedef struct hapi_pack_stats {
     uint64_t opens, reads, bytes, rows, rows_failed, index_reads;
+    uint64_t rows_split;         /* rows a read covered in part, kept for the other parts */
+    uint64_t rows_split_dropped; /* ... dropped (no room) before every part was read */
 } hapi_pack_stats;
 void hapi_pack_stats_get(hapi_packs *p, hapi_pack_stats *st);
 

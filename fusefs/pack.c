@@ -27,25 +27,29 @@ struct pack_failure {
 /*
  * Rows that a read covered only in part, kept whole for the reads that cover
  * the rest. The kernel reads a pack in requests split at page boundaries,
- * which fall inside rows (and two readers of one pack share its pages); if a
+ * which fall inside rows (and readers of one pack share its pages); if a
  * row's image changed between two requests, each part computed anew could
  * be of another version, and the row a mix of two. So a row computed for a
- * part is kept, keyed by the snapshot's key (hapi_pack_key) and its index,
- * and every other part of it is copied from what is kept. Bounded in count
- * and bytes; the least recently used goes. (A row whose pages the kernel
- * evicts and reads again later is computed again: under memory pressure
- * alone, and then of the image as it is.)
+ * part is kept, keyed by the snapshot's key (hapi_pack_key) and its index;
+ * every other part of it is copied from what is kept, and it goes once as
+ * many bytes as the row has were read from it. Bounded in count and bytes
+ * (the least recently used goes first, counted in rows_split_dropped: a
+ * part read after that is computed anew), which forty readers of packs at
+ * once do not reach. (A row whose pages the kernel evicts and reads again
+ * is read again from here while kept, else computed again: then of the
+ * image as it is.)
  */
-#define PACK_PARTIAL_ROWS 64
-#define PACK_PARTIAL_BYTES (32u << 20)
+#define PACK_PARTIAL_ROWS 1024
+#define PACK_PARTIAL_BYTES (64u << 20)
 
 struct partial_row {
-    uint64_t key;              /* the snapshot's; 0 = empty */
+    uint64_t key;              /* the snapshot's */
     size_t row;
     int code;                  /* 0, or why the row could not be computed (NaN) */
     char *data;                /* the row's bytes (NULL when failed) */
-    size_t size;
-    uint64_t used;             /* a tick: the least recently used goes first */
+    size_t size;               /* bytes held (0 when failed) */
+    size_t served;             /* bytes read from it so far: it goes at the row's size */
+    uint64_t used;             /* a tick: the least recently used goes first; 0 = empty */
 };
 
 struct hapi_packs {
@@ -60,6 +64,7 @@ struct hapi_packs {
     uint64_t partial_tick;
     struct {
         atomic_uint_fast64_t opens, reads, bytes, rows, rows_failed, index_reads;
+        atomic_uint_fast64_t rows_split, rows_split_dropped;
     } stats;
 };
 
@@ -402,12 +407,22 @@ static void fill_nan(const hapi_view *v, char *dst, size_t from, size_t to)
 static struct partial_row *partial_find(hapi_packs *p, uint64_t key, size_t row)
 {
     for (size_t i = 0; i < PACK_PARTIAL_ROWS; i++)
-        if (p->partial[i].key == key && p->partial[i].row == row && p->partial[i].used)
+        if (p->partial[i].used && p->partial[i].key == key && p->partial[i].row == row)
             return &p->partial[i];
     return NULL;
 }
 
-/* Copies bytes [from, to) of kept row e to dst (NaN for a failed row). Under partial_lock. */
+static void partial_drop(hapi_packs *p, struct partial_row *e)
+{
+    p->partial_bytes -= e->size;
+    free(e->data);
+    memset(e, 0, sizeof(*e));
+}
+
+/*
+ * Copies bytes [from, to) of kept row e to dst (NaN for a failed row); drops
+ * it once every byte of the row has been read. Under partial_lock.
+ */
 static void partial_copy_out(hapi_packs *p, const hapi_view *v, struct partial_row *e, char *dst,
                              size_t from, size_t to)
 {
@@ -416,6 +431,9 @@ static void partial_copy_out(hapi_packs *p, const hapi_view *v, struct partial_r
         fill_nan(v, dst, from, to);
     else
         memcpy(dst, e->data + from, to - from);
+    e->served += to - from;
+    if (e->served >= v->sample_bytes)
+        partial_drop(p, e);
 }
 
 /* Copies bytes [from, to) of row (key, row) to dst if it is kept. Returns 1 if it was. */
@@ -460,13 +478,13 @@ static void partial_put(hapi_packs *p, const hapi_view *v, uint64_t key, size_t 
                 e = empty;
                 break;
             }
-            p->partial_bytes -= oldest->size;
-            free(oldest->data);
-            memset(oldest, 0, sizeof(*oldest));
+            atomic_fetch_add(&p->stats.rows_split_dropped, 1);
+            partial_drop(p, oldest);
         }
-        *e = (struct partial_row){ key, row, code, data, size, 0 };
+        *e = (struct partial_row){ key, row, code, data, size, 0, 0 };
         p->partial_bytes += size;
         data = NULL;
+        atomic_fetch_add(&p->stats.rows_split, 1);
     }
     if (e) {
         partial_copy_out(p, v, e, dst, from, to);
@@ -681,4 +699,6 @@ void hapi_pack_stats_get(hapi_packs *p, hapi_pack_stats *st)
     st->rows = atomic_load(&p->stats.rows);
     st->rows_failed = atomic_load(&p->stats.rows_failed);
     st->index_reads = atomic_load(&p->stats.index_reads);
+    st->rows_split = atomic_load(&p->stats.rows_split);
+    st->rows_split_dropped = atomic_load(&p->stats.rows_split_dropped);
 }

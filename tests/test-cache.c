@@ -1131,6 +1131,62 @@ static void put_many(hapi_cache *c, const hapi_cache_namespace *ns, const char *
     }
 }
 
+struct release_later {
+    hapi_cache *c;
+    hapi_cache_value *v;
+};
+
+static void *release_after_100ms(void *arg)
+{
+    struct release_later *r = arg;
+    usleep(100 * 1000);
+    hapi_cache_release(r->c, r->v);
+    return NULL;
+}
+
+/*
+ * The operator's evictions in a map full of pages that a held lookup pins:
+ * a deletion needs free pages too. They wait for the lookup to end, as a put
+ * does, rather than fail (the soak saw "evict DIR" fail with EIO).
+ */
+START_TEST(evict_in_a_full_map_waits_for_room)
+{
+    hapi_cache *c = open_ok(tmp, 1 << 20);
+    hapi_cache_namespace ns = make_ns(3);
+    static uint8_t buf[8192];
+    char path[32];
+    hapi_error err = { 0 };
+    int full = 0;
+    hapi_cache_value held;
+    for (int round = 0; round < 2; round++) {
+        /* a lookup held from the start pins every page freed after it */
+        fill(buf, sizeof(buf), "held.jpg", 0);
+        hapi_cache_item it = { .path = "held.jpg", .id = ID, .data = buf, .size = sizeof(buf) };
+        ck_assert_int_eq(hapi_cache_put(c, &ns, &it, 1, &err), 0);
+        ck_assert_int_eq(hapi_cache_get(c, &ns, "held.jpg", &ID, &held), 1);
+        for (int i = 0; i < 400 && !full; i++) {
+            snprintf(path, sizeof(path), "r%d/%d.jpg", round, i);
+            fill(buf, sizeof(buf), path, 0);
+            it = (hapi_cache_item){ .path = path, .id = ID, .data = buf, .size = sizeof(buf) };
+            full = hapi_cache_put(c, &ns, &it, 1, &err) == HAPI_ECACHE;
+        }
+        ck_assert_msg(full, "the map never filled up");
+        /* the lookup ends 100 ms later; an eviction in between waits for it */
+        struct release_later r = { c, &held };
+        pthread_t th;
+        pthread_create(&th, NULL, release_after_100ms, &r);
+        int rc = round == 0 ? hapi_cache_evict_path(c, &ns, "held.jpg", &err)
+                            : hapi_cache_evict_all(c, &ns, &err);
+        pthread_join(th, NULL);
+        ck_assert_msg(rc >= 1, "round %d: %d %s", round, rc, err.message);
+        expect_miss(c, &ns, "held.jpg", ID);
+        full = 0;
+    }
+    check_index(c);
+    hapi_cache_close(c);
+}
+END_TEST
+
 START_TEST(evict_path_and_all)
 {
     hapi_cache *c = open_ok(tmp, 0);
@@ -1714,6 +1770,7 @@ static Suite *cache_suite(void)
     ADD_TCASE(s, lru_order);
     ADD_TCASE(s, access_log_edge_cases);
     ADD_TCASE(s, evict_path_and_all);
+    ADD_TCASE(s, evict_in_a_full_map_waits_for_room);
     ADD_TCASE(s, counters);
     ADD_TCASE(s, upgrade_from_v1);
     ADD_TCASE(s, reset_garbage_store);

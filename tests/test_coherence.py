@@ -138,3 +138,35 @@ def test_a_file_changed_in_place_is_seen_at_the_next_open(tmp_path, mounter, mod
     rewrite_in_place(img, (10, 200, 10))
     at_once = npy(f.read_bytes())
     np.testing.assert_allclose(at_once, reference_features(models(), img, 6), **tol)
+
+
+def test_a_row_two_readers_share_is_of_one_version(tmp_path, mounter, models):
+    """Two readers of one pack snapshot: the first has read half a row when the second opens the
+    pack, then the row's image changes and leaves the cache; both read the row whole, of the
+    version they opened (an open dropped the kernel's pages, and the other half was computed of
+    the new version)."""
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=4, size=(48, 64))
+    m = mounter(src, model=models(), prefetch="off", split="layer2")
+    d = m.path / "class0"
+    names = sorted(os.listdir(src / "class0"))
+    before = np.load(d / (names[1] + ".feat"))
+    size = os.stat(d / PACK).st_size
+    row = before.nbytes
+    header = size - len(names) * row
+    a = os.open(d / PACK, os.O_RDONLY)
+    b = None
+    try:
+        os.posix_fadvise(a, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: half of row 1 only
+        half = os.pread(a, header + row + row // 2, 0)
+        b = os.open(d / PACK, os.O_RDONLY)  # the same snapshot
+        rewrite_in_place(src / "class0" / names[1], (10, 200, 10))
+        ctl(m, f"evict class0/{names[1]}")
+        rows_b = npy(read_fd(b))
+        rows_a = npy(half + read_fd(a)[len(half):])
+    finally:
+        os.close(a)
+        if b is not None:
+            os.close(b)
+    assert np.array_equal(rows_a[1], before)
+    assert np.array_equal(rows_b[1], before)
