@@ -753,7 +753,29 @@ struct dir_entry {
     hapi_source_id id;
 };
 
+/* Links a handle the kernel is about to hold into fs (see struct hapi_fs_handle). */
+static void handle_link(hapi_fs *fs, struct hapi_fs_handle *l, int dir)
+{
+    l->dir = dir;
+    pthread_mutex_lock(&fs->handles_lock);
+    l->next = fs->handles.next;
+    l->prev = &fs->handles;
+    l->next->prev = l;
+    fs->handles.next = l;
+    pthread_mutex_unlock(&fs->handles_lock);
+}
+
+static void handle_unlink(hapi_fs *fs, struct hapi_fs_handle *l)
+{
+    pthread_mutex_lock(&fs->handles_lock);
+    l->prev->next = l->next;
+    l->next->prev = l->prev;
+    l->prev = l->next = NULL;
+    pthread_mutex_unlock(&fs->handles_lock);
+}
+
 struct dir_handle {
+    struct hapi_fs_handle link; /* first: see handle_link() */
     size_t count, cap;
     uint64_t self;      /* the directory's node id */
     struct dir_entry *entries;
@@ -917,6 +939,7 @@ static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
             goto fail;
     }
     free(path);
+    handle_link(fs, &d->link, 1);
     fi->fh = (uint64_t)(uintptr_t)d;
     fi->cache_readdir = 0;
     fuse_reply_open(req, fi);
@@ -1001,13 +1024,16 @@ static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t of
 
 static void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
+    struct dir_handle *d = (struct dir_handle *)(uintptr_t)fi->fh;
     (void)ino;
-    dir_free((struct dir_handle *)(uintptr_t)fi->fh);
+    handle_unlink(fuse_req_userdata(req), &d->link);
+    dir_free(d);
     fuse_reply_err(req, 0);
 }
 
 /* An open file: a passthrough fd, a .feat's source, a pack, or a control file's content. */
 struct open_file {
+    struct hapi_fs_handle link; /* first: see handle_link() */
     int kind;
     int fd;
     hapi_pack *pack;       /* PACK: the directory's snapshot */
@@ -1038,6 +1064,30 @@ static void open_file_free(struct open_file *h)
     hapi_remote_feat_close(h->remote_feat);
     pthread_mutex_destroy(&h->lock);
     free(h);
+}
+
+/* Frees the handles the kernel never released; no request runs any more. */
+static void handles_free_all(hapi_fs *fs)
+{
+    size_t files = 0, dirs = 0;
+    if (!fs->handles.next)
+        return;
+    while (fs->handles.next != &fs->handles) {
+        struct hapi_fs_handle *l = fs->handles.next;
+        handle_unlink(fs, l);
+        if (l->dir) {
+            dir_free((struct dir_handle *)l);
+            dirs++;
+        } else {
+            open_file_free((struct open_file *)l);
+            files++;
+        }
+    }
+    if (files || dirs)
+        hapi_log(HAPI_LOG_INFO, "stopped with %zu files and %zu directories still open", files,
+                 dirs);
+    pthread_mutex_destroy(&fs->handles_lock);
+    fs->handles.next = fs->handles.prev = NULL;
 }
 
 /*
@@ -1213,6 +1263,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     }
 done:
     free(path);
+    handle_link(fs, &h->link, 0);
     fi->fh = (uint64_t)(uintptr_t)h;
     fuse_reply_open(req, fi);
     return;
@@ -1307,8 +1358,10 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 
 static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
+    struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
     (void)ino;
-    open_file_free((struct open_file *)(uintptr_t)fi->fh);
+    handle_unlink(fuse_req_userdata(req), &h->link);
+    open_file_free(h);
     fuse_reply_err(req, 0);
 }
 
@@ -1550,6 +1603,8 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     int rc;
 
     memset(fs, 0, sizeof(*fs));
+    pthread_mutex_init(&fs->handles_lock, NULL);
+    fs->handles.next = fs->handles.prev = &fs->handles;
     if (opt->remote) {
         fs->opt = opt;
         fs->model_fd = -1;
@@ -1645,6 +1700,7 @@ void hapi_fs_destroy(hapi_fs *fs)
 {
     if (!fs->opt)
         return; /* never set up, or destroyed already */
+    handles_free_all(fs); /* they hold views, packs, the remote's files */
     hapi_ctl_free(fs->ctl);
     hapi_remote_close(fs->remote);
     hapi_tune_stop(fs->tune);

@@ -918,6 +918,17 @@ int hapi_ctl_check(const char *text, size_t len, int remote, hapi_error *err);
 /* ---------------------------------------------------------------- fs.c */
 
 /* The mounted filesystem: one per daemon, the userdata of every operation. */
+/*
+ * An open file or directory, linked into its hapi_fs from open until
+ * release: a handle the kernel never released (the daemon is stopped or
+ * unmounted lazily while a file is open) is freed at destroy, before the
+ * layers it holds references into.
+ */
+struct hapi_fs_handle {
+    struct hapi_fs_handle *prev, *next;
+    int dir; /* a struct dir_handle, else a struct open_file */
+};
+
 typedef struct hapi_fs {
     hapi_fs_options *opt;
     int model_fd;                /* the model file loaded (read-only), -1 if unreadable */
@@ -934,6 +945,8 @@ typedef struct hapi_fs {
     hapi_remote *remote;         /* -o remote: every layer above but ctl is NULL */
     hapi_node *node_share;       /* the node's shared budget and cores; NULL: none */
     struct node_table *nodes;
+    pthread_mutex_t handles_lock;
+    struct hapi_fs_handle handles; /* the list's head; next NULL before init */
     struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
     uint64_t started_ns;
     time_t started_realtime;
