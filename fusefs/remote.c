@@ -47,6 +47,8 @@
 struct root {
     atomic_int refs;
     hapi_source *source;
+    dev_t dev;                    /* what the source's path named when opened */
+    ino_t ino;
 };
 
 struct remote_source {
@@ -190,12 +192,27 @@ static void root_put(struct root *rt)
     }
 }
 
-/* The source's root with a reference, opening it again if it was lost. NULL (-errno in *rc) if unreachable. */
+/*
+ * The source's root with a reference, opening it again if it was lost or if
+ * its path now names another directory. NULL (-errno in *rc) if unreachable.
+ *
+ * The path is looked at each time: a storage mount restarted over the same
+ * mountpoint (unmounted lazily, then mounted again) leaves the directory
+ * under it in view meanwhile, and a root opened then would be that empty
+ * directory for good (every name in it ENOENT, never a transport error).
+ * One stat(2) of the mountpoint per use, which sshfs answers from its cache.
+ */
 static struct root *root_get(hapi_remote *r, int src, int *rc)
 {
     struct remote_source *s = &r->sources[src];
+    struct stat now;
+    int seen = stat(s->path, &now) == 0;
     pthread_mutex_lock(&s->lock);
-    struct root *rt = s->root;
+    struct root *rt = s->root, *old = NULL;
+    if (rt && (!seen || now.st_dev != rt->dev || now.st_ino != rt->ino)) {
+        old = rt; /* another directory now, or none: open it again (or fail) */
+        s->root = rt = NULL;
+    }
     if (!rt) {
         hapi_error err = { 0 };
         hapi_source *so = NULL;
@@ -205,14 +222,20 @@ static struct root *root_get(hapi_remote *r, int src, int *rc)
             *rc = -ENOMEM;
         }
         if (rt) {
+            struct stat st;
             atomic_init(&rt->refs, 1);
             rt->source = so;
+            if (fstat(hapi_source_root_fd(so), &st) == 0) {
+                rt->dev = st.st_dev;
+                rt->ino = st.st_ino;
+            }
             s->root = rt;
         }
     }
     if (rt)
         atomic_fetch_add(&rt->refs, 1);
     pthread_mutex_unlock(&s->lock);
+    root_put(old);
     return rt;
 }
 

@@ -270,12 +270,16 @@ def test_a_dead_source_gives_eio_and_recovers(tmp_path, storage, mounter, models
         (r.path / (paths[3] + ".feat")).read_bytes()
     assert e.value.errno == errno.EIO
     assert any(s["last_error"] for s in r.ctl("stats")["remote"]["sources"])
-    # the storage node comes back: reads recover
+    # the storage node is restarted over the same mountpoint: while it is unmounted, the
+    # remote sees the empty directory under it (and must not keep it as the source's root)
     subprocess.run(["fusermount3", "-u", "-z", str(st.path)], check=False)
+    with pytest.raises(OSError):
+        (r.path / (paths[4] + ".feat")).read_bytes()
     back = Mount(src, st.path, dict(st.options))
     try:
         back.ctl("config")
-        assert (r.path / (paths[3] + ".feat")).read_bytes() == (back.path / (paths[3] + ".feat")).read_bytes()
+        for p in paths[3:]:
+            assert (r.path / (p + ".feat")).read_bytes() == (back.path / (p + ".feat")).read_bytes()
     finally:
         back.unmount()
 
