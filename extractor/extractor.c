@@ -2,9 +2,12 @@
 #include "extractor.h"
 
 #include <ctype.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <libgen.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -330,4 +333,31 @@ int hapi_extractor_compute(hapi_extractor *ex, hapi_decoder *dec, const void *da
         rc = hapi_model_run(ex->model, ex->split, input, 1, ex->dtype, out, ex->sample_bytes, err);
     free(input);
     return rc;
+}
+
+/* ------------------------------------------------------------------ BLAS */
+
+static char blas_name[64] = "unknown";
+static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
+
+static void blas_find(void)
+{
+    Dl_info info;
+    void *sym = dlsym(RTLD_DEFAULT, "sgemm_"); /* Fortran BLAS, which libtorch calls */
+    char real[PATH_MAX];
+    if (!sym || !dladdr(sym, &info) || !info.dli_fname || !realpath(info.dli_fname, real))
+        return;
+    /* .../x86_64-linux-gnu/openblas-pthread/libblas.so.3: the alternative's directory */
+    const char *dir = basename(dirname(real));
+    if (strcmp(dir, "blas") == 0)
+        dir = "reference";
+    else if (strcmp(dir, "x86_64-linux-gnu") == 0 || strcmp(dir, "lib") == 0)
+        dir = basename(real); /* a library put in place by hand */
+    snprintf(blas_name, sizeof(blas_name), "%s", dir);
+}
+
+const char *hapi_model_blas(void)
+{
+    pthread_once(&blas_once, blas_find);
+    return blas_name;
 }

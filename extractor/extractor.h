@@ -187,6 +187,15 @@ int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info) HAPI
 void hapi_model_set_threads(int n);
 
 /*
+ * The BLAS that libtorch's linear layers call, named by the directory of the
+ * libblas.so.3 this process loaded (Debian's alternatives): "reference" (the
+ * netlib reference implementation, Debian's "blas"), "openblas-pthread",
+ * "openblas-openmp", "blis-openmp", ...; "unknown" when none can be found.
+ * Timing depends on it: profiles are kept per BLAS. A static string.
+ */
+const char *hapi_model_blas(void);
+
+/*
  * Runs stages [0, split) (1 <= split <= num_stages) on batch samples of the
  * probed input shape (CHW fp32, contiguous, batch-major) and writes the
  * output of stage split - 1 to output as dtype (enum hapi_dtype; fp16 is

@@ -38,7 +38,7 @@ typedef struct hapi_profile_stage {
 typedef struct hapi_profile {
     int version;
     char model_digest[33];          /* hex */
-    char device[32];
+    char device[64];
     int threads;                    /* libtorch intra-op threads it ran with */
     int cores;                      /* online CPUs of the node */
     int nbatches;

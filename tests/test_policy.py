@@ -53,6 +53,12 @@ def test_split_auto_is_explained_and_the_profile_stored(tree, mounter, models, t
     assert profile["decode_samples"] > 0 and profile["decode_ms"] > 0
     stored = list(cache.glob("profile-*.json"))
     assert len(stored) == 1
+    # timing depends on the BLAS (Debian's libblas.so.3 alternative): the profile names it
+    blas = os.path.basename(os.path.dirname(os.path.realpath(
+        "/usr/lib/x86_64-linux-gnu/libblas.so.3")))
+    blas = "reference" if blas == "blas" else blas
+    assert config["runtime"]["blas"] == blas
+    assert f"-cpu-{blas}-t" in stored[0].name
     # a remount reads it instead of profiling again; profile=redo measures again
     m.unmount()
     again = mounter(src, model=models(), cache=str(cache))

@@ -1,6 +1,7 @@
 """The throughput engine through a real mount: single flight, batching, fast mode, memory budget, warm-up, ctl."""
 import errno
 import os
+import re
 import random
 import threading
 import time
@@ -147,8 +148,8 @@ def test_bf16_parity_and_namespace(tmp_path, models, mounter):
         bf.unmount()
         fp.unmount()
     profiles = sorted(p.name for p in (tmp_path / "cache").glob("profile-*.json"))
-    assert any("-cpu-bf16-" in n for n in profiles), profiles
-    assert any("-cpu-t" in n for n in profiles), profiles
+    assert any(re.search(r"-cpu-bf16-[\w-]+-t\d+\.json$", n) for n in profiles), profiles
+    assert any(re.search(r"-cpu-(?!bf16-)[\w-]+-t\d+\.json$", n) for n in profiles), profiles
 
 
 @pytest.mark.parametrize("opts,why", [
