@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-const char *const hapi_ctl_files[] = { "config", "stats", "errors", "profile", "policy",
-                                       HAPI_CTL_MODEL, HAPI_CTL_WRITABLE, NULL };
+const char *const hapi_ctl_files[] = { "config", "stats", "metrics", "errors", "profile",
+                                       "policy", HAPI_CTL_MODEL, HAPI_CTL_WRITABLE, NULL };
 
 struct hapi_ctl {
     hapi_ctl_config cfg;
@@ -602,12 +602,12 @@ hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name, const hapi_cred *w
     if (c->cfg.remote) {
         if (strcmp(name, "profile") == 0 || strcmp(name, "policy") == 0)
             return render_remote_storage_file(c, name);
-        j = strcmp(name, "config") == 0  ? render_remote_config(c)
-            : strcmp(name, "stats") == 0 ? render_remote_stats(c)
-                                         : NULL;
+        j = strcmp(name, "config") == 0 ? render_remote_config(c)
+            : strcmp(name, "stats") == 0 || strcmp(name, "metrics") == 0 ? render_remote_stats(c)
+                                                                         : NULL;
     } else if (strcmp(name, "config") == 0)
         j = render_config(c);
-    else if (strcmp(name, "stats") == 0)
+    else if (strcmp(name, "stats") == 0 || strcmp(name, "metrics") == 0)
         j = render_stats(c);
     else if (strcmp(name, "profile") == 0)
         j = render_profile(c);
@@ -615,8 +615,15 @@ hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name, const hapi_cred *w
         j = render_policy(c);
     if (!j)
         return NULL;
-    if (who && strcmp(name, "stats") == 0)
+    if (who && (strcmp(name, "stats") == 0 || strcmp(name, "metrics") == 0))
         redact_stats(c, j, who);
+    if (strcmp(name, "metrics") == 0) {
+        char *text = NULL;
+        size_t len = 0;
+        hapi_metrics_render(j, c->cfg.opt->mountpoint, &text, &len);
+        json_decref(j);
+        return text_of(text);
+    }
     char *text = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
     json_decref(j);
     return text_of(text);

@@ -868,6 +868,14 @@ typedef struct hapi_ctl_config {
     uint64_t started_ns;
 } hapi_ctl_config;
 
+/*
+ * .hapifs/metrics: stats (the JSON of .hapifs/stats) in the Prometheus text
+ * exposition format, every sample labelled with mountpoint (metrics.c says
+ * how names are made). *text is malloc'd. Returns 0 or -ENOMEM.
+ */
+typedef struct json_t json_t;
+int hapi_metrics_render(json_t *stats, const char *mountpoint, char **text, size_t *len);
+
 typedef struct hapi_ctl hapi_ctl;
 /* Makes the control layer over borrowed layers. Returns 0 or -ENOMEM. */
 int hapi_ctl_new(const hapi_ctl_config *cfg, hapi_ctl **out);

@@ -2,8 +2,10 @@
 import errno
 import json
 import os
+import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -280,3 +282,72 @@ def test_hapifs_ctl_warm_says_when_the_warm_up_is_stopped(tmp_path, mounter, mod
     assert "hapifs-ctl: warm: the warm-up was stopped" in err
     assert out.startswith("warm       stopped '/': ") and "took" in out
     assert m.ctl("stats")["feat"]["computed"] < len(paths)
+
+
+def parse_metrics(text):
+    """The Prometheus text format, strictly: {name: (type, help, [(labels, value)])}."""
+    families, current = {}, None
+    name_re = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+    label_re = r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"'
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line.startswith("# HELP "):
+            name, help_ = line[7:].split(" ", 1)
+            assert name not in families, f"{name}: a second family of this name"
+            families[name] = [None, help_, []]
+            current = name
+        elif line.startswith("# TYPE "):
+            name, type_ = line[7:].split(" ")
+            assert name == current and type_ in ("counter", "gauge"), line
+            families[name][0] = type_
+        else:
+            m = re.fullmatch(rf"({name_re})\{{(.*)\}} (\S+)", line)
+            assert m, f"not a sample line: {line!r}"
+            assert m.group(1) == current, f"{line!r}: not in its family's block"
+            labels = dict(re.findall(label_re, m.group(2)))
+            assert ",".join(f'{k}="{v}"' for k, v in labels.items()) == m.group(2), line
+            families[current][2].append((labels, float(m.group(3))))
+    for name, (type_, _, samples) in families.items():
+        assert type_ and samples, name
+        assert name.startswith("hapifs_")
+        assert (type_ == "counter") == name.endswith("_total"), f"{name} is a {type_}"
+    return families
+
+
+def test_metrics_are_the_stats_for_prometheus(tree, mounter, models):
+    """.hapifs/metrics: every number of stats, in the text exposition format, named in the man page."""
+    src, paths = tree
+    m = mounter(src, model=models(), prefetch="off")
+    for p in paths[:5]:
+        (m.path / (p + ".feat")).read_bytes()
+    stats = m.ctl("stats")
+    fams = parse_metrics((m.path / ".hapifs" / "metrics").read_text())
+    for _, _, samples in fams.values():
+        for labels, _ in samples:
+            assert labels["mountpoint"] == str(m.path)
+
+    def value(name, **labels):
+        got = [v for lab, v in fams[name][2] if all(lab.get(k) == x for k, x in labels.items())]
+        assert len(got) == 1, (name, labels, fams.get(name))
+        return got[0]
+    assert value("hapifs_feat_computed_total") == stats["feat"]["computed"] == 5
+    assert value("hapifs_feat_reads_total") == stats["feat"]["reads"]
+    assert value("hapifs_cache_namespace_entries") == 5
+    assert value("hapifs_batcher_samples_total") == stats["batcher"]["samples"]
+    assert value("hapifs_batcher_mem_budget") == stats["batcher"]["mem_budget"]
+    assert value("hapifs_cache_hit_latency_seconds") == pytest.approx(
+        stats["cache"]["hit_latency_us"] / 1e6, rel=1e-6, abs=1e-9)
+    assert value("hapifs_warm_state", state="idle") == 1
+    assert fams["hapifs_uptime_seconds"][0] == "gauge"
+    # every number of stats is there: one sample per numeric leaf, one per state
+    def leaves(j):
+        if isinstance(j, dict):
+            return sum(leaves(v) for k, v in j.items() if k not in ("path", "file", "mode"))
+        return 1 if isinstance(j, (int, float, str)) else 0
+    assert sum(len(s) for _, _, s in fams.values()) == leaves(stats)
+    # the man page names every family
+    page = (Path(__file__).resolve().parent.parent / "tools" / "hapifs.8.scd").read_text()
+    page = page.replace("\\_", "_")  # scdoc's escaped underscores
+    missing = [n for n in fams if not re.search(rf"\b{n}\b", page)]
+    assert not missing, f"not in hapifs(8): {missing}"

@@ -295,6 +295,14 @@ def test_warm_and_evict_through_hapifs_ctl(tmp_path, storage, mounter):
     assert stats["feat"]["fetched"] == len(paths) and stats["remote"]["packs"] == 3
     assert feats(r.path, paths) == feats(st.path, paths)
     assert r.ctl("stats")["feat"]["misses"] == 0
+    # the metrics of a remote mount: per source, labelled with its path
+    from test_ctl import parse_metrics
+    fams = parse_metrics((r.path / ".hapifs" / "metrics").read_text())
+    (labels, value), = fams["hapifs_remote_source_packs_total"][2]
+    assert labels == {"mountpoint": str(r.path), "source": str(st.path)} and value == 3
+    assert fams["hapifs_remote_source_state"][2] == [
+        ({"mountpoint": str(r.path), "source": str(st.path), "state": "ok"}, 1.0)]
+    assert fams["hapifs_feat_fetched_total"][2][0][1] == len(paths)
     # status prints on a remote mount too
     out = subprocess.run([str(ctl), "status", str(r.path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
