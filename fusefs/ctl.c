@@ -255,6 +255,16 @@ static json_t *render_node(hapi_ctl *c)
                      "own_waits", (json_int_t)n.own_waits);
 }
 
+/* The FUSE requests answered, by type: what each file costs in round trips to the daemon. */
+static json_t *render_requests(hapi_ctl *c)
+{
+    json_t *j = json_object();
+    for (int i = 0; j && c->cfg.requests && i < HAPI_REQ_COUNT; i++)
+        json_object_set_new(j, hapi_fs_request_names[i],
+                            json_integer((json_int_t)atomic_load(&c->cfg.requests->n[i])));
+    return j;
+}
+
 static json_t *render_stats(hapi_ctl *c)
 {
     hapi_serve_stats s;
@@ -266,7 +276,7 @@ static json_t *render_stats(hapi_ctl *c)
     double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
     return json_pack(
         "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, "
-        "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o}",
+        "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o, s:o}",
         "uptime_s", uptime,
         "split_changes", (json_int_t)ts.split_changes,
         "feat",
@@ -293,7 +303,8 @@ static json_t *render_stats(hapi_ctl *c)
         "cache", render_cache(c, &s),
         "passthrough",
           "bytes", (json_int_t)s.passthrough_bytes,
-        "node", render_node(c));
+        "node", render_node(c),
+        "requests", render_requests(c));
 }
 
 static json_t *render_profile(hapi_ctl *c)
@@ -438,7 +449,7 @@ static json_t *render_remote_stats(hapi_ctl *c)
                                    "elapsed_s", rs.warm_elapsed_s, "eta_s", eta);
     double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
     return json_pack("{s:f, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, "
-                     "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:o}, s:o, s:o}",
+                     "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:o}, s:o, s:o, s:o}",
                      "uptime_s", uptime,
                      "feat",
                        "reads", (json_int_t)rs.reads,
@@ -458,7 +469,8 @@ static json_t *render_remote_stats(hapi_ctl *c)
                        "waits", (json_int_t)rs.waits,
                        "sources", sources,
                      "warm", warm,
-                     "cache", render_remote_cache(c));
+                     "cache", render_remote_cache(c),
+                     "requests", render_requests(c));
 }
 
 /*

@@ -492,6 +492,16 @@ int hapi_fs_errno(int code)
 
 /* ----------------------------------------------------------- operations */
 
+const char *const hapi_fs_request_names[HAPI_REQ_COUNT] = {
+    "lookup", "forget", "getattr", "opendir", "readdir", "releasedir", "open", "read",
+    "release", "statfs", "other",
+};
+
+/* Counts a request of type t (stats: requests). */
+#define COUNT(req, t) \
+    atomic_fetch_add_explicit(&((hapi_fs *)fuse_req_userdata(req))->requests.n[t], 1, \
+                              memory_order_relaxed)
+
 static void op_init(void *userdata, struct fuse_conn_info *conn)
 {
     hapi_fs *fs = userdata;
@@ -618,6 +628,7 @@ fail:
 
 static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
+    COUNT(req, HAPI_REQ_LOOKUP);
     hapi_fs *fs = fuse_req_userdata(req);
     struct fuse_entry_param e;
     char *parent_path = NULL, *path = NULL;
@@ -658,6 +669,7 @@ out:
 
 static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
 {
+    COUNT(req, HAPI_REQ_FORGET);
     hapi_fs *fs = fuse_req_userdata(req);
     if (ino != FUSE_ROOT_ID && !(ino & CTL_BASE))
         node_unref(fs->nodes, ino, nlookup);
@@ -666,6 +678,7 @@ static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
 
 static void op_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_data *forgets)
 {
+    COUNT(req, HAPI_REQ_FORGET);
     hapi_fs *fs = fuse_req_userdata(req);
     for (size_t i = 0; i < count; i++)
         if (forgets[i].ino != FUSE_ROOT_ID && !(forgets[i].ino & CTL_BASE))
@@ -689,6 +702,7 @@ static void content_attr(const struct node_content *c, const struct stat *src, s
 
 static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_GETATTR);
     hapi_fs *fs = fuse_req_userdata(req);
     struct stat st, src;
     char *path = NULL;
@@ -908,6 +922,7 @@ static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct 
 
 static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_OPENDIR);
     hapi_fs *fs = fuse_req_userdata(req);
     struct dir_handle *d = calloc(1, sizeof(*d));
     char *path = NULL;
@@ -1011,6 +1026,7 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
 static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                        struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_READDIR);
     (void)ino;
     do_readdir(req, size, off, fi, 0);
 }
@@ -1018,12 +1034,14 @@ static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                            struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_READDIR);
     (void)ino;
     do_readdir(req, size, off, fi, 1);
 }
 
 static void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_RELEASEDIR);
     struct dir_handle *d = (struct dir_handle *)(uintptr_t)fi->fh;
     (void)ino;
     handle_unlink(fuse_req_userdata(req), &d->link);
@@ -1129,6 +1147,7 @@ static int other_bytes(fuse_req_t req, const struct node_content *c, struct fuse
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_OPEN);
     hapi_fs *fs = fuse_req_userdata(req);
     struct open_file *h = NULL;
     char *path = NULL;
@@ -1315,6 +1334,7 @@ static void read_pack(fuse_req_t req, struct open_file *h, size_t size, off_t of
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
                     struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_READ);
     hapi_fs *fs = fuse_req_userdata(req);
     struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
     (void)ino;
@@ -1358,6 +1378,7 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 
 static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_RELEASE);
     struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
     (void)ino;
     handle_unlink(fuse_req_userdata(req), &h->link);
@@ -1367,6 +1388,7 @@ static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
 
 static void op_statfs(fuse_req_t req, fuse_ino_t ino)
 {
+    COUNT(req, HAPI_REQ_STATFS);
     hapi_fs *fs = fuse_req_userdata(req);
     struct statvfs sv;
     (void)ino;
@@ -1388,6 +1410,7 @@ static void op_statfs(fuse_req_t req, fuse_ino_t ino)
 static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set,
                        struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     hapi_fs *fs = fuse_req_userdata(req);
     (void)attr, (void)fi;
     int i = (ino & CTL_BASE) ? ctl_file_index(ino) : -1;
@@ -1423,6 +1446,7 @@ static void set_outcome(struct open_file *h, int rc, const char *reason)
 static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
                      struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     hapi_fs *fs = fuse_req_userdata(req);
     struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
     hapi_error err = { 0 };
@@ -1446,30 +1470,35 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
 static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode,
                       struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     (void)parent, (void)name, (void)mode, (void)fi;
     fuse_reply_err(req, EROFS);
 }
 
 static void op_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode, dev_t rdev)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     (void)parent, (void)name, (void)mode, (void)rdev;
     fuse_reply_err(req, EROFS);
 }
 
 static void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     (void)parent, (void)name, (void)mode;
     fuse_reply_err(req, EROFS);
 }
 
 static void op_remove(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     (void)parent, (void)name;
     fuse_reply_err(req, EROFS);
 }
 
 static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, const char *name)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     (void)link, (void)parent, (void)name;
     fuse_reply_err(req, EROFS);
 }
@@ -1477,12 +1506,14 @@ static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, cons
 static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
                       const char *newname, unsigned int flags)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     (void)parent, (void)name, (void)newparent, (void)newname, (void)flags;
     fuse_reply_err(req, EROFS);
 }
 
 static void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char *newname)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     (void)ino, (void)newparent, (void)newname;
     fuse_reply_err(req, EROFS);
 }
@@ -1490,12 +1521,14 @@ static void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const 
 static void op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value,
                         size_t size, int flags)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     (void)ino, (void)name, (void)value, (void)size, (void)flags;
     fuse_reply_err(req, EROFS);
 }
 
 static void op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     (void)ino, (void)name;
     fuse_reply_err(req, EROFS);
 }
@@ -1503,6 +1536,7 @@ static void op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
 static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset, off_t length,
                          struct fuse_file_info *fi)
 {
+    COUNT(req, HAPI_REQ_OTHER);
     (void)ino, (void)mode, (void)offset, (void)length, (void)fi;
     fuse_reply_err(req, EROFS);
 }
@@ -1563,7 +1597,8 @@ static int init_remote(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     rc = hapi_remote_open_storage_file(fs->remote, "model");
     fs->model_fd = rc >= 0 ? rc : -1;
     hapi_ctl_config ccfg = {
-        .opt = opt, .cache = fs->cache, .remote = fs->remote, .errors = fs->errors,
+        .opt = opt, .requests = &fs->requests, .cache = fs->cache, .remote = fs->remote,
+        .errors = fs->errors,
         .started_ns = fs->started_ns,
     };
     if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0)
@@ -1676,7 +1711,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     if ((rc = hapi_tune_start(&tcfg, &fs->tune, err)) < 0)
         goto fail;
     hapi_ctl_config ccfg = {
-        .opt = opt, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
+        .opt = opt, .requests = &fs->requests, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .packs = fs->packs, .background = fs->background,
         .tune = fs->tune, .errors = fs->errors, .node = fs->node_share,
         .started_ns = fs->started_ns,

@@ -852,8 +852,20 @@ extern const char *const hapi_ctl_files[];
 /* The size a control file shows: its content (made at open) is never longer. */
 #define HAPI_CTL_SIZE_MAX (4u << 20)
 
+/* The FUSE requests a mount has answered, by type (stats: requests). */
+enum hapi_fs_request {
+    HAPI_REQ_LOOKUP, HAPI_REQ_FORGET, HAPI_REQ_GETATTR, HAPI_REQ_OPENDIR, HAPI_REQ_READDIR,
+    HAPI_REQ_RELEASEDIR, HAPI_REQ_OPEN, HAPI_REQ_READ, HAPI_REQ_RELEASE, HAPI_REQ_STATFS,
+    HAPI_REQ_OTHER, HAPI_REQ_COUNT
+};
+extern const char *const hapi_fs_request_names[HAPI_REQ_COUNT];
+typedef struct hapi_fs_requests {
+    atomic_uint_fast64_t n[HAPI_REQ_COUNT];
+} hapi_fs_requests;
+
 typedef struct hapi_ctl_config {
     const hapi_fs_options *opt;
+    const hapi_fs_requests *requests;
     hapi_source *source;
     hapi_extractor *ex;
     hapi_cache *cache;
@@ -953,6 +965,7 @@ typedef struct hapi_fs {
     hapi_remote *remote;         /* -o remote: every layer above but ctl is NULL */
     hapi_node *node_share;       /* the node's shared budget and cores; NULL: none */
     struct node_table *nodes;
+    hapi_fs_requests requests;
     pthread_mutex_t handles_lock;
     struct hapi_fs_handle handles; /* the list's head; next NULL before init */
     struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */

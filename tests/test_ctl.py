@@ -339,6 +339,11 @@ def test_metrics_are_the_stats_for_prometheus(tree, mounter, models):
     assert value("hapifs_cache_hit_latency_seconds") == pytest.approx(
         stats["cache"]["hit_latency_us"] / 1e6, rel=1e-6, abs=1e-9)
     assert value("hapifs_warm_state", state="idle") == 1
+    # what each file cost in requests: a lookup, an open and a read at least (its release
+    # is sent after close(2) returns)
+    for t in ("lookup", "open", "read"):
+        assert stats["requests"][t] >= 5, stats["requests"]
+    assert value("hapifs_requests_open_total") >= stats["requests"]["open"]
     assert fams["hapifs_uptime_seconds"][0] == "gauge"
     # every number of stats is there: one sample per numeric leaf, one per state
     def leaves(j):
