@@ -69,6 +69,20 @@ def test_split_auto_is_explained_and_the_profile_stored(tree, mounter, models, t
     redo = mounter(src, model=models(), cache=str(cache), profile="redo")
     redo.ctl("config")
     assert redo.ctl("profile")["state"] == "measured"
+    redo.unmount()
+    # another BLAS (the reference one, chosen for this daemon alone) is measured again
+    ref = "/usr/lib/x86_64-linux-gnu/blas"
+    if blas != "reference" and os.path.exists(ref + "/libblas.so.3"):
+        os.environ["LD_LIBRARY_PATH"] = ref
+        try:
+            other = mounter(src, model=models(), cache=str(cache))
+        finally:
+            del os.environ["LD_LIBRARY_PATH"]
+        other.ctl("config")
+        assert other.ctl("config")["runtime"]["blas"] == "reference"
+        assert other.ctl("profile")["state"] == "measured"
+        assert len(list(cache.glob("profile-*-cpu-reference-t*.json"))) == 1
+        assert len(list(cache.glob("profile-*.json"))) == 2
 
 
 def test_the_link_moves_the_split(tree, mounter, models):
