@@ -48,8 +48,8 @@ def test_listing_hides_images_and_control_dir(kinds_tree, models, mounter):
     listed = walk(m.path)
     assert listed == sorted([p + ".feat" for p in made] + ["labels.csv"])
     assert ".hapifs" not in os.listdir(m.path)
-    assert sorted(os.listdir(m.path / ".hapifs")) == ["config", "ctl", "errors", "model", "policy",
-                                                      "profile", "stats"]
+    assert sorted(os.listdir(m.path / ".hapifs")) == ["config", "ctl", "errors", "metrics", "model",
+                                                      "policy", "profile", "stats"]
     assert (m.path / "labels.csv").read_text() == "name,label\na,1\n"
     # a raw image is hidden, not just unlisted
     with pytest.raises(FileNotFoundError):
