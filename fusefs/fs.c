@@ -102,7 +102,7 @@ static struct node_table *node_table_new(void)
     struct node_table *t = calloc(1, sizeof(*t));
     if (!t)
         return NULL;
-    t->nbuckets = 1 << 16;
+    t->nbuckets = 256; /* grows with the nodes: node_table_grow() */
     t->buckets = calloc(t->nbuckets, sizeof(*t->buckets));
     if (!t->buckets) {
         free(t);
@@ -200,6 +200,32 @@ static size_t node_bucket(const struct node_table *t, uint64_t id)
 }
 
 /*
+ * Four times the buckets once there are two nodes a bucket (under t->lock): a
+ * tree of 10^6 files the kernel keeps in its cache is 10^6 nodes, and chains
+ * of 15 would make every lookup and read walk them. Stays as it is when out
+ * of memory (only slower).
+ */
+static void node_table_grow(struct node_table *t)
+{
+    if (t->count <= 2 * t->nbuckets || t->nbuckets > (SIZE_MAX >> 3) / sizeof(*t->buckets))
+        return;
+    size_t old_n = t->nbuckets;
+    struct node **old = t->buckets, **fresh = calloc(old_n * 4, sizeof(*fresh));
+    if (!fresh)
+        return;
+    t->buckets = fresh;
+    t->nbuckets = old_n * 4;
+    for (size_t i = 0; i < old_n; i++)
+        for (struct node *n = old[i], *next; n; n = next) {
+            next = n->next;
+            size_t b = node_bucket(t, n->id);
+            n->next = fresh[b];
+            fresh[b] = n;
+        }
+    free(old);
+}
+
+/*
  * Counts one more lookup of id, creating the node or updating its path and,
  * for a .feat or pack, what it was looked up as (content). Returns 0 or -ENOMEM.
  */
@@ -225,6 +251,7 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
         n->next = t->buckets[b];
         t->buckets[b] = n;
         t->count++;
+        node_table_grow(t);
     }
     n->nlookup++;
     n->kind = kind;
