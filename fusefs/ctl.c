@@ -129,7 +129,8 @@ static json_t *render_config(hapi_ctl *c)
           "client_speed", ts.client_speed, "epochs", ts.epochs,
         "runtime",
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
-          "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch, "batch_auto", ts.batch_auto,
+          "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch,
+          "batch_auto", ts.batch_auto,
           "batch_wait_ms", o->batch_wait_us / 1000,
           "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget,
           "prefetch", o->prefetch == HAPI_PREFETCH_DIR ? "dir" : "off");
@@ -604,6 +605,9 @@ static void redact_stats(hapi_ctl *c, json_t *j, const hapi_cred *who)
 hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name, const hapi_cred *who)
 {
     json_t *j = NULL;
+    /* metrics is stats in another format: the same numbers, the same redaction */
+    int metrics = strcmp(name, "metrics") == 0;
+    int stats = metrics || strcmp(name, "stats") == 0;
     if (strcmp(name, "errors") == 0) {
         struct shown_to t = { c, who };
         return text_of(hapi_error_ring_json(c->cfg.errors, who ? shown : NULL, &t));
@@ -615,11 +619,11 @@ hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name, const hapi_cred *w
         if (strcmp(name, "profile") == 0 || strcmp(name, "policy") == 0)
             return render_remote_storage_file(c, name);
         j = strcmp(name, "config") == 0 ? render_remote_config(c)
-            : strcmp(name, "stats") == 0 || strcmp(name, "metrics") == 0 ? render_remote_stats(c)
-                                                                         : NULL;
+            : stats                      ? render_remote_stats(c)
+                                         : NULL;
     } else if (strcmp(name, "config") == 0)
         j = render_config(c);
-    else if (strcmp(name, "stats") == 0 || strcmp(name, "metrics") == 0)
+    else if (stats)
         j = render_stats(c);
     else if (strcmp(name, "profile") == 0)
         j = render_profile(c);
@@ -627,12 +631,11 @@ hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name, const hapi_cred *w
         j = render_policy(c);
     if (!j)
         return NULL;
-    if (who && (strcmp(name, "stats") == 0 || strcmp(name, "metrics") == 0))
+    if (who && stats)
         redact_stats(c, j, who);
-    if (strcmp(name, "metrics") == 0) {
+    if (metrics) {
         char *text = NULL;
-        size_t len = 0;
-        hapi_metrics_render(j, c->cfg.opt->mountpoint, &text, &len);
+        hapi_metrics_render(j, c->cfg.opt->mountpoint, &text);
         json_decref(j);
         return text_of(text);
     }

@@ -1738,7 +1738,8 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     if ((rc = hapi_tune_start(&tcfg, &fs->tune, err)) < 0)
         goto fail;
     hapi_ctl_config ccfg = {
-        .opt = opt, .requests = &fs->requests, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
+        .opt = opt, .requests = &fs->requests, .source = fs->source, .ex = fs->ex,
+        .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .packs = fs->packs, .background = fs->background,
         .tune = fs->tune, .errors = fs->errors, .node = fs->node_share,
         .started_ns = fs->started_ns,

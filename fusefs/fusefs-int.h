@@ -883,10 +883,10 @@ typedef struct hapi_ctl_config {
 /*
  * .hapifs/metrics: stats (the JSON of .hapifs/stats) in the Prometheus text
  * exposition format, every sample labelled with mountpoint (metrics.c says
- * how names are made). *text is malloc'd. Returns 0 or -ENOMEM.
+ * how names are made). *text is malloc'd, NUL-terminated. Returns 0 or -ENOMEM.
  */
 typedef struct json_t json_t;
-int hapi_metrics_render(json_t *stats, const char *mountpoint, char **text, size_t *len);
+int hapi_metrics_render(json_t *stats, const char *mountpoint, char **text);
 
 typedef struct hapi_ctl hapi_ctl;
 /* Makes the control layer over borrowed layers. Returns 0 or -ENOMEM. */

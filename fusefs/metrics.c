@@ -103,6 +103,16 @@ static char *label_escape(const char *v)
     return o;
 }
 
+/* labels with key="value" added, value escaped; malloc'd, NULL when out of memory. */
+static char *label_add(const char *labels, const char *key, const char *value)
+{
+    char *esc = label_escape(value), *l = NULL;
+    if (esc && asprintf(&l, "%s%s%s=\"%s\"", labels, *labels ? "," : "", key, esc) < 0)
+        l = NULL;
+    free(esc);
+    return l;
+}
+
 /* A sample of stats path (its name made from name_path: see the top). */
 static void add(struct out *o, const char *path, const char *name_path, const char *prefix,
                 const char *labels, double value, int state_sample)
@@ -138,8 +148,8 @@ static void add(struct out *o, const char *path, const char *name_path, const ch
     };
     for (size_t i = 0; i < sizeof(units) / sizeof(*units); i++)
         if (ends_with(base, units[i].from)) {
-            snprintf(base + len - strlen(units[i].from), sizeof(base) - (len - strlen(units[i].from)),
-                     "%s", units[i].to);
+            size_t stem = len - strlen(units[i].from);
+            snprintf(base + stem, sizeof(base) - stem, "%s", units[i].to);
             value *= units[i].scale;
             break;
         }
@@ -174,14 +184,11 @@ static void walk_sources(struct out *o, json_t *a, const char *labels)
     for (size_t i = 0; i < json_array_size(a); i++) {
         json_t *e = json_array_get(a, i);
         const char *src = json_string_value(json_object_get(e, "path"));
-        char *esc = label_escape(src ? src : "");
-        char *l = NULL;
-        if (!esc || asprintf(&l, "%s%ssource=\"%s\"", labels, *labels ? "," : "", esc) < 0) {
-            free(esc);
+        char *l = label_add(labels, "source", src ? src : "");
+        if (!l) {
             o->failed = 1;
             return;
         }
-        free(esc);
         walk(o, e, "remote.sources[]", "", "remote_source_", l);
         free(l);
     }
@@ -210,14 +217,12 @@ static void walk(struct out *o, json_t *j, const char *path, const char *name_pa
         } else if (json_is_boolean(v)) {
             add(o, sub, name, prefix, labels, json_is_true(v), 1);
         } else if (json_is_string(v) && strcmp(key, "state") == 0) {
-            char *esc = label_escape(json_string_value(v)), *l = NULL;
-            if (!esc || asprintf(&l, "%s%sstate=\"%s\"", labels, *labels ? "," : "", esc) < 0) {
-                free(esc);
+            char *l = label_add(labels, "state", json_string_value(v));
+            if (!l) {
                 o->failed = 1;
                 return;
             }
             add(o, sub, name, prefix, l, 1, 1);
-            free(esc);
             free(l);
         }
     }
@@ -255,12 +260,11 @@ static void emit(char **text, size_t *len, size_t *cap, int *failed, const char 
     }
 }
 
-int hapi_metrics_render(json_t *stats, const char *mountpoint, char **text, size_t *len)
+int hapi_metrics_render(json_t *stats, const char *mountpoint, char **text)
 {
     struct out o = { 0 };
     char *mp = label_escape(mountpoint ? mountpoint : "");
     *text = NULL;
-    *len = 0;
     if (!mp)
         return -ENOMEM;
     walk(&o, stats, "", "", "", "");
@@ -302,6 +306,5 @@ int hapi_metrics_render(json_t *stats, const char *mountpoint, char **text, size
         return -ENOMEM;
     }
     *text = t;
-    *len = used;
     return 0;
 }
