@@ -107,7 +107,7 @@ static json_t *render_config(hapi_ctl *c)
     return json_pack(
         "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s, s:o}, s:o, "
         "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
-        "s:{s:s, s:f, s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
+        "s:{s:s, s:f, s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
         "source", o->source,
         "mountpoint", o->mountpoint,
@@ -129,7 +129,7 @@ static json_t *render_config(hapi_ctl *c)
           "client_speed", ts.client_speed, "epochs", ts.epochs,
         "runtime",
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
-          "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch,
+          "watch", o->watch, "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch,
           "batch_auto", ts.batch_auto,
           "batch_wait_ms", o->batch_wait_us / 1000,
           "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget,
@@ -266,6 +266,21 @@ static json_t *render_requests(hapi_ctl *c)
     return j;
 }
 
+/*
+ * What watch.c sees of the source: the directories watched (their names and
+ * listings are trusted by the kernel for the long timeout), the changes told
+ * to the kernel, and why a directory is not watched.
+ */
+static json_t *render_watch(hapi_ctl *c)
+{
+    hapi_watch_stats w = { 0 };
+    if (c->cfg.watch)
+        hapi_watch_stats_get(c->cfg.watch, &w);
+    return json_pack("{s:I, s:I, s:I, s:I, s:I}", "dirs", (json_int_t)w.dirs,
+                     "events", (json_int_t)w.events, "overflows", (json_int_t)w.overflows,
+                     "refused", (json_int_t)w.refused, "remote", (json_int_t)w.remote);
+}
+
 static json_t *render_stats(hapi_ctl *c)
 {
     hapi_serve_stats s;
@@ -277,7 +292,7 @@ static json_t *render_stats(hapi_ctl *c)
     double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
     return json_pack(
         "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, "
-        "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o, s:o}",
+        "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o, s:o, s:o}",
         "uptime_s", uptime,
         "split_changes", (json_int_t)ts.split_changes,
         "feat",
@@ -305,7 +320,8 @@ static json_t *render_stats(hapi_ctl *c)
         "passthrough",
           "bytes", (json_int_t)s.passthrough_bytes,
         "node", render_node(c),
-        "requests", render_requests(c));
+        "requests", render_requests(c),
+        "watch", render_watch(c));
 }
 
 static json_t *render_profile(hapi_ctl *c)

@@ -185,6 +185,7 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         exit_code = rc == 0 ? 0 : 1;
         hapi_log(HAPI_LOG_INFO, "unmounting %s", opt.mountpoint);
     }
+    hapi_fs_stop_watching(&fs); /* its thread notifies the kernel through se */
     fs.se = NULL; /* nothing may notify the kernel any more */
     fuse_session_unmount(se);
     fuse_remove_signal_handlers(se);

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/statvfs.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -44,9 +45,18 @@
 #define CTL_FILE_ID(i) (CTL_BASE | (2 + (uint64_t)(i)))
 #define HASHED_BASE (1ull << 62)
 
-/* How long the kernel may trust names and attributes we return. */
+/*
+ * How long the kernel may trust names and attributes we return. In a
+ * directory that watch.c watches, a change is told to the kernel as it
+ * happens (on_change), so names and attributes there are trusted for
+ * WATCHED_TIMEOUT: a bound for a change inotify does not report (a write
+ * through mmap, or through a hard link in a directory not watched). Elsewhere
+ * (a network filesystem, watch=0, no inotify watches left, a remote mount):
+ * 1 s.
+ */
 #define ENTRY_TIMEOUT 1.0
 #define ATTR_TIMEOUT 1.0
+#define WATCHED_TIMEOUT 300.0
 
 /* What a node id names. */
 enum hapi_node_kind {
@@ -87,14 +97,21 @@ struct node {
     int kind;
     char *path;
     struct node_content content; /* FEAT and PACK */
+    uint64_t parent;             /* the directory's node id the kernel has it in (0: none) */
+    double timeout;              /* the entry and attribute timeout it was given last */
+    int wd;                      /* DIR: its inotify watch, NO_WATCH or CANNOT_WATCH */
+    uint64_t changes;            /* DIR: changes seen in it (on_change) */
     struct node *next;
 };
+#define NO_WATCH (-1)      /* not watched yet (or any more): the next lookup tries */
+#define CANNOT_WATCH (-2)  /* a network filesystem, or no watches left */
 
 struct node_table {
     pthread_mutex_t lock;
     struct node **buckets;
     size_t nbuckets;
     size_t count;
+    hapi_watch *watch;  /* where a directory node's watch goes when it does; NULL: none */
 };
 
 static struct node_table *node_table_new(void)
@@ -163,7 +180,9 @@ static void invalidate_feats(void *arg)
     for (size_t i = 0; i < t->nbuckets; i++)
         for (struct node *nd = t->buckets[i]; nd; nd = nd->next) {
             int by_name = nd->kind == HAPI_NODE_FEAT || nd->kind == HAPI_NODE_PACK;
-            if (!by_name && nd->kind != HAPI_NODE_PACK_INDEX &&
+            /* a listing the kernel keeps (a watched directory) has the .feat's old ids */
+            int listing = nd->kind == HAPI_NODE_DIR && nd->wd >= 0;
+            if (!by_name && !listing && nd->kind != HAPI_NODE_PACK_INDEX &&
                 nd->kind != HAPI_NODE_REMOTE_FEAT)
                 continue;
             if (n == cap) {
@@ -226,11 +245,13 @@ static void node_table_grow(struct node_table *t)
 }
 
 /*
- * Counts one more lookup of id, creating the node or updating its path and,
- * for a .feat or pack, what it was looked up as (content). Returns 0 or -ENOMEM.
+ * Counts one more lookup of id in directory parent, with the timeout the
+ * kernel is given, creating the node or updating its path and, for a .feat or
+ * pack, what it was looked up as (content). Returns 1 for a directory that
+ * has no watch yet (the caller tries watch_dir()), 0, or -ENOMEM.
  */
 static int node_ref(struct node_table *t, uint64_t id, int kind, const char *path,
-                    const struct node_content *content)
+                    const struct node_content *content, uint64_t parent, double timeout)
 {
     char *copy = strdup(path);
     if (!copy)
@@ -248,6 +269,7 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
             return -ENOMEM;
         }
         n->id = id;
+        n->wd = NO_WATCH;
         n->next = t->buckets[b];
         t->buckets[b] = n;
         t->count++;
@@ -259,8 +281,11 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
     n->path = copy;
     if (content)
         n->content = *content;
+    n->parent = parent;
+    n->timeout = timeout;
+    int unwatched = kind == HAPI_NODE_DIR && t->watch && n->wd == NO_WATCH;
     pthread_mutex_unlock(&t->lock);
-    return 0;
+    return unwatched;
 }
 
 static void node_unref(struct node_table *t, uint64_t id, uint64_t count)
@@ -275,6 +300,8 @@ static void node_unref(struct node_table *t, uint64_t id, uint64_t count)
         if (n->nlookup == 0) {
             *link = n->next;
             t->count--;
+            if (n->wd >= 0 && t->watch)
+                hapi_watch_remove(t->watch, n->wd);
             free(n->path);
             free(n);
         }
@@ -309,6 +336,193 @@ static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path,
     }
     pthread_mutex_unlock(&t->lock);
     return rc;
+}
+
+static uint64_t node_id_for(const hapi_fs *fs, const struct stat *st);
+
+/*
+ * The timeout for names and attributes in directory dir: WATCHED_TIMEOUT if
+ * watch.c watches it, else ENTRY_TIMEOUT; *changes is how many changes have
+ * been seen in it, so that a lookup can tell whether one came while it looked
+ * (watched_timeout()).
+ */
+static double dir_timeout(hapi_fs *fs, uint64_t dir, uint64_t *changes)
+{
+    struct node_table *t = fs->nodes;
+    double timeout = ENTRY_TIMEOUT;
+    *changes = 0;
+    pthread_mutex_lock(&t->lock);
+    for (struct node *n = t->buckets[node_bucket(t, dir)]; n; n = n->next)
+        if (n->id == dir) {
+            if (n->wd >= 0)
+                timeout = WATCHED_TIMEOUT;
+            *changes = n->changes;
+            break;
+        }
+    pthread_mutex_unlock(&t->lock);
+    return timeout;
+}
+
+/* The timeout node id was given at its last lookup (ATTR_TIMEOUT if unknown). */
+static double node_timeout(hapi_fs *fs, uint64_t id)
+{
+    struct node_table *t = fs->nodes;
+    double timeout = ATTR_TIMEOUT;
+    pthread_mutex_lock(&t->lock);
+    for (struct node *n = t->buckets[node_bucket(t, id)]; n; n = n->next)
+        if (n->id == id) {
+            timeout = n->timeout > 0 ? n->timeout : ATTR_TIMEOUT;
+            break;
+        }
+    pthread_mutex_unlock(&t->lock);
+    return timeout;
+}
+
+/*
+ * The timeout for what a lookup or listing in dir found, given dir_timeout()'s
+ * before it looked: ENTRY_TIMEOUT if a change was seen in dir meanwhile (its
+ * notice to the kernel may have come before our reply, which would then be
+ * trusted with what it found before the change).
+ */
+static double watched_timeout(hapi_fs *fs, uint64_t dir, double timeout, uint64_t changes)
+{
+    uint64_t now;
+    double t2 = dir_timeout(fs, dir, &now);
+    return timeout == WATCHED_TIMEOUT && t2 == WATCHED_TIMEOUT && now == changes ? timeout
+                                                                                : ENTRY_TIMEOUT;
+}
+
+/* Watches directory node id (source path path), if it is not watched yet and can be. */
+static void watch_dir(hapi_fs *fs, uint64_t id, const char *path)
+{
+    struct node_table *t = fs->nodes;
+    int fd = hapi_source_open_beneath(fs->source, path, O_PATH | O_DIRECTORY);
+    int wd = fd >= 0 ? hapi_watch_add(t->watch, fd, id) : fd;
+    if (fd >= 0)
+        close(fd);
+    if (wd < 0 && wd != -EREMOTE && wd != -ENOSPC && wd != -ENOENT)
+        hapi_log(HAPI_LOG_DEBUG, "watch: %s: %s", *path ? path : ".", strerror(-wd));
+    pthread_mutex_lock(&t->lock);
+    struct node *n = t->buckets[node_bucket(t, id)];
+    while (n && n->id != id)
+        n = n->next;
+    if (n && n->wd == NO_WATCH) {
+        n->wd = wd >= 0 ? wd : CANNOT_WATCH;
+        wd = -1;
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (wd >= 0 && !n)
+        hapi_watch_remove(t->watch, wd); /* forgotten meanwhile */
+}
+
+struct forget_one {
+    uint64_t parent, id;
+    char *name; /* NULL: the inode only */
+};
+
+/* The name the kernel knows node nd by in its parent, or NULL (malloc'd). */
+static char *node_entry_name(const struct node *nd)
+{
+    if (nd->kind == HAPI_NODE_FEAT || nd->kind == HAPI_NODE_PACK)
+        return node_name(nd);
+    if (nd->kind == HAPI_NODE_PACK_INDEX)
+        return strdup(HAPI_PACK_INDEX_NAME);
+    const char *slash = strrchr(nd->path, '/');
+    return *nd->path ? strdup(slash ? slash + 1 : nd->path) : NULL;
+}
+
+/*
+ * Events were lost (watch.c's queue overflowed): the kernel forgets every
+ * name and every directory's attributes and listing, so that everything is
+ * looked up again.
+ */
+static void forget_everything(hapi_fs *fs)
+{
+    struct node_table *t = fs->nodes;
+    struct forget_one *todo = NULL;
+    size_t n = 0, cap = 0;
+    pthread_mutex_lock(&t->lock);
+    for (size_t i = 0; i < t->nbuckets; i++)
+        for (struct node *nd = t->buckets[i]; nd; nd = nd->next) {
+            if (nd->kind == HAPI_NODE_DIR)
+                nd->changes++;
+            if (n == cap) {
+                struct forget_one *bigger =
+                    realloc(todo, (cap = cap ? cap * 2 : 256) * sizeof(*todo));
+                if (!bigger)
+                    break;
+                todo = bigger;
+            }
+            todo[n++] = (struct forget_one){ nd->parent, nd->id,
+                                             nd->parent ? node_entry_name(nd) : NULL };
+        }
+    pthread_mutex_unlock(&t->lock);
+    for (size_t i = 0; i < n; i++) {
+        if (todo[i].name)
+            fuse_lowlevel_notify_inval_entry(fs->se, todo[i].parent, todo[i].name,
+                                             strlen(todo[i].name));
+        else
+            fuse_lowlevel_notify_inval_inode(fs->se, todo[i].id, 0, 0);
+        free(todo[i].name);
+    }
+    free(todo);
+}
+
+static void forget_name(hapi_fs *fs, uint64_t dir, const char *name)
+{
+    fuse_lowlevel_notify_inval_entry(fs->se, dir, name, strlen(name));
+}
+
+/*
+ * watch.c's callback: name changed in directory dir (see hapi_watch_fn). The
+ * kernel forgets the name, its .feat, the directory's pack and index (their
+ * next lookups find the new nodes: see "Node ids"), the attributes and pages
+ * of a file or directory changed in place, and the directory's attributes and
+ * listing. Runs on watch.c's thread, never in a request, so the kernel may
+ * send requests meanwhile. A notice for what the kernel does not hold fails
+ * (ENOENT), and is ignored.
+ */
+static void on_change(void *arg, uint64_t dir, const char *name, uint32_t mask)
+{
+    hapi_fs *fs = arg;
+    struct node_table *t = fs->nodes;
+    if (!name) {
+        if (fs->se)
+            forget_everything(fs);
+        return;
+    }
+    char *dir_path = NULL;
+    pthread_mutex_lock(&t->lock);
+    for (struct node *n = t->buckets[node_bucket(t, dir)]; n; n = n->next)
+        if (n->id == dir) {
+            n->changes++;
+            if (mask & IN_IGNORED)
+                n->wd = NO_WATCH; /* gone; a directory made again there is watched anew */
+            dir_path = strdup(n->path);
+            break;
+        }
+    pthread_mutex_unlock(&t->lock);
+    if (fs->se && *name) {
+        /* A directory changed in place keeps its name (and the names under it). */
+        if (!(mask & IN_ISDIR) || (mask & (IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO)))
+            forget_name(fs, dir, name);
+        char *feat = NULL;
+        if (!(mask & IN_ISDIR) && asprintf(&feat, "%s.feat", name) >= 0) {
+            forget_name(fs, dir, feat);
+            free(feat);
+        }
+        forget_name(fs, dir, HAPI_PACK_NAME);
+        forget_name(fs, dir, HAPI_PACK_INDEX_NAME);
+        struct stat st;
+        char *path = dir_path ? hapi_path_join(dir_path, name) : NULL;
+        if ((mask & (IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB)) && path &&
+            hapi_source_stat(fs->source, path, &st) == 0)
+            fuse_lowlevel_notify_inval_inode(fs->se, node_id_for(fs, &st), 0, 0);
+        free(path);
+    }
+    if (fs->se)
+        fuse_lowlevel_notify_inval_inode(fs->se, dir, 0, 0);
+    free(dir_path);
 }
 
 /* ------------------------------------------------------- the source tree */
@@ -681,11 +895,19 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     }
     struct node_content c;
     int has_content;
+    uint64_t changes;
+    double timeout = fs->nodes->watch ? dir_timeout(fs, parent, &changes) : ENTRY_TIMEOUT;
     if ((rc = resolve(fs, parent, parent_path, name, fuse_req_ctx(req)->pid, &e, &kind, &path,
                       &c, &has_content)) < 0)
         goto out;
-    if (path && (rc = node_ref(fs->nodes, e.ino, kind, path, has_content ? &c : NULL)) < 0)
+    if (path && timeout == WATCHED_TIMEOUT)
+        e.entry_timeout = e.attr_timeout = watched_timeout(fs, parent, timeout, changes);
+    if (path && (rc = node_ref(fs->nodes, e.ino, kind, path, has_content ? &c : NULL, parent,
+                               e.attr_timeout)) < 0)
         goto out;
+    if (rc == 1)
+        watch_dir(fs, e.ino, path);
+    rc = 0;
     fuse_reply_entry(req, &e);
 out:
     if (rc < 0)
@@ -780,7 +1002,7 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     if (rc < 0)
         fuse_reply_err(req, -rc);
     else
-        fuse_reply_attr(req, &st, ATTR_TIMEOUT);
+        fuse_reply_attr(req, &st, kind == HAPI_NODE_PACK_INDEX ? ATTR_TIMEOUT : node_timeout(fs, ino));
     free(path);
 }
 
@@ -820,6 +1042,9 @@ struct dir_handle {
     size_t count, cap;
     uint64_t self;      /* the directory's node id */
     struct dir_entry *entries;
+    char *path;         /* a source directory not listed yet (at its first readdir) */
+    double timeout;     /* dir_timeout() before the listing, and its changes */
+    uint64_t changes;
 };
 
 /* Adds name + suffix; path (may be NULL) is copied; c (may be NULL) is a .feat's content. */
@@ -862,6 +1087,7 @@ static void dir_free(struct dir_handle *d)
         free(d->entries[i].path);
     }
     free(d->entries);
+    free(d->path);
     free(d);
 }
 
@@ -977,13 +1203,24 @@ static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
             rc = -ENOTDIR;
             goto fail;
         }
-        if ((rc = list_source_dir(fs, path, ino, d)) < 0)
+        d->self = ino;
+        d->timeout = fs->nodes->watch ? dir_timeout(fs, ino, &d->changes) : ENTRY_TIMEOUT;
+        if (d->timeout == WATCHED_TIMEOUT) {
+            /*
+             * The kernel keeps the listing (on_change tells it when to forget it): listed at the
+             * first readdir, which does not come while the kernel's copy is whole.
+             */
+            fi->cache_readdir = 1;
+            fi->keep_cache = 1;
+            d->path = path;
+            path = NULL;
+        } else if ((rc = list_source_dir(fs, path, ino, d)) < 0) {
             goto fail;
+        }
     }
     free(path);
     handle_link(fs, &d->link, 1);
     fi->fh = (uint64_t)(uintptr_t)d;
-    fi->cache_readdir = 0;
     fuse_reply_open(req, fi);
     return;
 fail:
@@ -1003,6 +1240,19 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
 {
     hapi_fs *fs = fuse_req_userdata(req);
     struct dir_handle *d = (struct dir_handle *)(uintptr_t)fi->fh;
+    /* The kernel sends one readdir of a handle at a time (its file position lock). */
+    if (d->path) {
+        int rc = list_source_dir(fs, d->path, d->self, d);
+        free(d->path);
+        d->path = NULL;
+        if (rc < 0) {
+            fuse_reply_err(req, -rc);
+            return;
+        }
+    }
+    double timeout = d->timeout == WATCHED_TIMEOUT
+                         ? watched_timeout(fs, d->self, d->timeout, d->changes)
+                         : ENTRY_TIMEOUT;
     char *buf = malloc(size);
     if (!buf) {
         fuse_reply_err(req, ENOMEM);
@@ -1025,16 +1275,19 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
         int counted = 0;
         if (de->kind >= 0) {
             e.ino = de->attr.st_ino;
-            e.attr_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : ATTR_TIMEOUT;
-            e.entry_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : ENTRY_TIMEOUT;
+            e.attr_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : timeout;
+            e.entry_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : timeout;
             if (de->path) {
                 struct node_content c = {
                     .split = de->split, .id = de->id, .attr = de->attr, .parent = d->self,
                     .looked_up_by = fuse_req_ctx(req)->pid,
                 };
-                if (node_ref(fs->nodes, e.ino, de->kind, de->path,
-                             de->kind == HAPI_NODE_FEAT ? &c : NULL) < 0)
+                int rc = node_ref(fs->nodes, e.ino, de->kind, de->path,
+                                  de->kind == HAPI_NODE_FEAT ? &c : NULL, d->self, timeout);
+                if (rc < 0)
                     break;
+                if (rc == 1)
+                    watch_dir(fs, e.ino, de->path);
                 counted = 1;
             }
         }
@@ -1708,6 +1961,18 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         rc = hapi_error_set(err, -ENOMEM, "out of memory");
         goto fail;
     }
+    if (opt->watch) {
+        if ((rc = hapi_watch_new(on_change, fs, &fs->watch, err)) < 0)
+            goto fail;
+        fs->nodes->watch = fs->watch;
+    }
+    /* The root, in the table so that it has a watch like any directory; never forgotten. */
+    if ((rc = node_ref(fs->nodes, FUSE_ROOT_ID, HAPI_NODE_DIR, "", NULL, 0, ENTRY_TIMEOUT)) < 0) {
+        rc = hapi_error_set(err, rc, "out of memory");
+        goto fail;
+    }
+    if (rc == 1)
+        watch_dir(fs, FUSE_ROOT_ID, "");
     if ((rc = hapi_views_new(fs->ex, opt->dtype, opt->precision, &fs->views, err)) < 0)
         goto fail;
     hapi_serve_config scfg = {
@@ -1741,7 +2006,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .opt = opt, .requests = &fs->requests, .source = fs->source, .ex = fs->ex,
         .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .packs = fs->packs, .background = fs->background,
-        .tune = fs->tune, .errors = fs->errors, .node = fs->node_share,
+        .tune = fs->tune, .errors = fs->errors, .node = fs->node_share, .watch = fs->watch,
         .started_ns = fs->started_ns,
     };
     if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0) {
@@ -1759,10 +2024,19 @@ fail:
  * background the tree's size), then no view may come any more (a warm-up
  * waiting for the first goes), the background threads, and the rest.
  */
+void hapi_fs_stop_watching(hapi_fs *fs)
+{
+    hapi_watch_free(fs->watch);
+    fs->watch = NULL;
+    if (fs->nodes)
+        fs->nodes->watch = NULL;
+}
+
 void hapi_fs_destroy(hapi_fs *fs)
 {
     if (!fs->opt)
         return; /* never set up, or destroyed already */
+    hapi_fs_stop_watching(fs);
     handles_free_all(fs); /* they hold views, packs, the remote's files */
     hapi_ctl_free(fs->ctl);
     hapi_remote_close(fs->remote);

@@ -55,6 +55,7 @@ typedef struct hapi_fs_options {
     int epochs;            /* epochs a job is expected to read */
     int profile_redo;      /* measure the model even if a profile is stored */
     int show_raw;
+    int watch;             /* watch the source with inotify (watch.c) */
     int foreground;
     int debug;
     int fake;              /* mount helper called with -f: do nothing */
@@ -123,6 +124,8 @@ char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, vo
  *
  *   fs.c          FUSE operations and the node table; the only file that
  *                 replies to the kernel and maps codes to errno
+ *   watch.c       inotify on the source's directories the kernel holds;
+ *                 tells fs.c (a callback) what changed, on a thread of its own
  *   ctl.c         the .hapifs/ control files and the table of commands
  *   tune.c        profile, policy, live split and batch changes
  *   background.c  warm-up walker, directory prefetch, cache keeper
@@ -150,6 +153,8 @@ char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, vo
  *   views.lock            the current view (leaf but for view refcounts)
  *   remote.c's warm_control  starting and stopping its warm-up (held through the join)
  *   the batcher's and the cache's own locks (extractor/, cache/)
+ *   fs's node table lock, then the watch table's lock (hapi_watch_remove
+ *   is called when a directory's node goes)
  *   leaves, never held while taking another: background prefetch.lock,
  *   keeper.lock and warm.status_lock, remote.c's index_lock, fetch_lock, warm_lock and a remote
  *   source's lock, a pack's lock, the packs' failure and partial-row locks, fs's node
@@ -842,6 +847,41 @@ void hapi_tune_status_get(hapi_tune *t, hapi_tune_status *st);
 /* The profile as JSON text (malloc'd, the caller frees), or NULL if there is none. */
 char *hapi_tune_profile_json(hapi_tune *t);
 
+/* ------------------------------------------------------------- watch.c */
+
+/*
+ * Watches directories of the source with inotify and calls fn on its own
+ * thread for each change: (dir_id, name, mask) with dir_id the node id given
+ * to hapi_watch_add, name "" for the directory itself; dir_id 0 and name NULL
+ * when the kernel's queue overflowed (events were lost: anything may have
+ * changed). IN_IGNORED (the directory gone) comes last for its dir_id. fn
+ * must not call hapi_watch_free. Runs of the same event are passed once.
+ */
+typedef void (*hapi_watch_fn)(void *arg, uint64_t dir_id, const char *name, uint32_t mask);
+typedef struct hapi_watch hapi_watch;
+typedef struct hapi_watch_stats {
+    atomic_uint_fast64_t dirs;      /* directories watched now */
+    atomic_uint_fast64_t events;    /* events handled */
+    atomic_uint_fast64_t overflows; /* times the kernel's queue overflowed */
+    atomic_uint_fast64_t refused;   /* watches refused (fs.inotify.max_user_watches) */
+    atomic_uint_fast64_t remote;    /* directories not watched: a network or FUSE filesystem */
+} hapi_watch_stats;
+/* Starts the thread. Returns 0 or -errno with err; *out is NULL on failure. */
+int hapi_watch_new(hapi_watch_fn fn, void *arg, hapi_watch **out, hapi_error *err);
+/* Stops the thread (no fn call runs after) and frees w. Accepts NULL. */
+void hapi_watch_free(hapi_watch *w);
+/*
+ * Watches directory dirfd (any descriptor of it, borrowed; O_PATH will do)
+ * as node dir_id. Returns the watch descriptor (>= 0), -EREMOTE for a
+ * filesystem whose changes inotify cannot all see, or -errno (-ENOSPC: no
+ * watches left). A directory already watched gets the new dir_id.
+ */
+int hapi_watch_add(hapi_watch *w, int dirfd, uint64_t dir_id);
+/* Stops watching wd. Thread-safe; wd may be gone already. */
+void hapi_watch_remove(hapi_watch *w, int wd);
+/* A copy of the counters. */
+void hapi_watch_stats_get(hapi_watch *w, hapi_watch_stats *out);
+
 /* --------------------------------------------------------------- ctl.c */
 
 /* Names of the control files, NULL-terminated. */
@@ -877,6 +917,7 @@ typedef struct hapi_ctl_config {
     hapi_remote *remote;       /* a compute-side mount: the layers above remote are NULL */
     hapi_error_ring *errors;
     hapi_node *node;             /* the node's shared budget and cores; NULL: none */
+    hapi_watch *watch;           /* the source's watch; NULL: none (watch=0, remote) */
     uint64_t started_ns;
 } hapi_ctl_config;
 
@@ -965,6 +1006,7 @@ typedef struct hapi_fs {
     hapi_remote *remote;         /* -o remote: every layer above but ctl is NULL */
     hapi_node *node_share;       /* the node's shared budget and cores; NULL: none */
     struct node_table *nodes;
+    hapi_watch *watch;           /* inotify on the source (watch=1); NULL: none */
     hapi_fs_requests requests;
     pthread_mutex_t handles_lock;
     struct hapi_fs_handle handles; /* the list's head; next NULL before init */
@@ -984,6 +1026,11 @@ extern const struct fuse_lowlevel_ops hapi_fs_ops;
  * cleaned up.
  */
 int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err);
+/*
+ * Stops telling the kernel of changes in the source (before the session is
+ * unmounted: the watch thread notifies through it). Idempotent.
+ */
+void hapi_fs_stop_watching(hapi_fs *fs);
 /* Stops and frees the layers from the top. Accepts a zeroed or destroyed fs. */
 void hapi_fs_destroy(hapi_fs *fs);
 

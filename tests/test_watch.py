@@ -1,0 +1,149 @@
+"""Freshness with long timeouts: watch=1 lets the kernel keep names, attributes and listings for
+300 s, because the daemon tells it of every change in the source as it happens (inotify).
+
+Each test first shows that the kernel really keeps what it was given (no lookup reaches the
+daemon for a name read again after more than the 1 s of watch=0), then changes the source and
+shows that the very next open, listing or stat sees the change.
+"""
+import os
+import shutil
+import time
+
+import numpy as np
+from PIL import Image
+
+from conftest import reference_features
+from test_throughput import make_tree
+
+
+def requests(m):
+    return m.ctl("stats")["requests"]
+
+
+def lookups_during(m, fn):
+    """Lookups the daemon answered while fn ran (a read of .hapifs/stats costs one: a control
+    file's name is never kept, so that is taken off)."""
+    base = requests(m)["lookup"]
+    own = requests(m)["lookup"] - base
+    before = requests(m)["lookup"]
+    fn()
+    return requests(m)["lookup"] - before - own
+
+
+def watch(m):
+    return m.ctl("stats")["watch"]
+
+
+def wait_events(m, before, timeout=5.0):
+    """Waits until the daemon has handled an event more than `before`."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if watch(m)["events"] > before:
+            time.sleep(0.05)  # the rest of a burst of events
+            return
+        time.sleep(0.01)
+    raise AssertionError("the daemon saw no change in the source")
+
+
+def new_image(path, seed):
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(path)
+
+
+def test_names_are_kept_and_a_changed_image_is_seen_at_once(tmp_path, mounter, models):
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=3, size=(48, 64))
+    model = models()
+    m = mounter(src, model=model, prefetch="off", dtype="fp32", split=6)
+    feat = m.path / "class0" / "001.jpg.feat"
+    old = np.load(feat)
+    assert watch(m)["dirs"] >= 2  # the root and class0
+    time.sleep(1.3)  # past the 1 s of watch=0
+    assert lookups_during(m, lambda: np.array_equal(np.load(feat), old)) == 0, \
+        "the kernel looked the names up again"
+
+    # Replaced by another image: a new name at once, and its features.
+    before = watch(m)["events"]
+    new_image(src / "class0" / "tmp.jpg", seed=5)
+    os.replace(src / "class0" / "tmp.jpg", src / "class0" / "001.jpg")
+    wait_events(m, before)
+    now = np.load(feat)
+    want = reference_features(model, src / "class0" / "001.jpg", 6)
+    np.testing.assert_allclose(now, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    assert not np.array_equal(now, old)
+
+    # Rewritten in place (same inode): the same.
+    before = watch(m)["events"]
+    new_image(src / "class0" / "001.jpg", seed=6)
+    wait_events(m, before)
+    again = np.load(feat)
+    want = reference_features(model, src / "class0" / "001.jpg", 6)
+    np.testing.assert_allclose(again, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+    # Deleted: gone from the next stat, though the kernel had the name for 300 s.
+    before = watch(m)["events"]
+    (src / "class0" / "001.jpg").unlink()
+    wait_events(m, before)
+    assert not feat.exists()
+
+
+def test_a_kept_listing_shows_what_was_added_and_removed(tmp_path, mounter, models):
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=3, size=(48, 64))
+    m = mounter(src, model=models(), prefetch="off")
+    d = m.path / "class0"
+    first = sorted(os.listdir(d))
+    assert first == ["000.jpg.feat", "001.jpg.feat", "002.jpg.feat"]
+    readdirs = requests(m)["readdir"]
+    assert sorted(os.listdir(d)) == first
+    assert requests(m)["readdir"] == readdirs, "the kernel did not keep the listing"
+
+    before = watch(m)["events"]
+    shutil.copy(src / "class0" / "000.jpg", src / "class0" / "009.jpg")
+    (src / "class0" / "002.jpg").unlink()
+    (src / "class0" / "notes.txt").write_text("hello")
+    wait_events(m, before)
+    assert sorted(os.listdir(d)) == ["000.jpg.feat", "001.jpg.feat", "009.jpg.feat", "notes.txt"]
+    assert (d / "notes.txt").read_text() == "hello"
+
+    # A plain file changed in place: its new size and bytes, though attributes were kept.
+    before = watch(m)["events"]
+    (src / "class0" / "notes.txt").write_text("hello, world")
+    wait_events(m, before)
+    assert (d / "notes.txt").stat().st_size == 12
+    assert (d / "notes.txt").read_text() == "hello, world"
+
+
+def test_a_directory_made_again_is_watched_again(tmp_path, mounter, models):
+    src = tmp_path / "src"
+    make_tree(src, classes=2, per_class=2, size=(48, 64))
+    m = mounter(src, model=models(), prefetch="off")
+    assert sorted(os.listdir(m.path / "class1")) == ["000.jpg.feat", "001.jpg.feat"]
+    dirs = watch(m)["dirs"]
+    before = watch(m)["events"]
+    shutil.rmtree(src / "class1")
+    wait_events(m, before)
+    assert not (m.path / "class1").exists()
+    before = watch(m)["events"]
+    (src / "class1").mkdir()
+    shutil.copy(src / "class0" / "000.jpg", src / "class1" / "005.jpg")
+    wait_events(m, before)
+    assert sorted(os.listdir(m.path / "class1")) == ["005.jpg.feat"]
+    assert watch(m)["dirs"] >= dirs  # the new class1 has a watch of its own
+    before = watch(m)["events"]
+    shutil.copy(src / "class0" / "001.jpg", src / "class1" / "006.jpg")
+    wait_events(m, before)  # seen through the new directory's watch
+    assert sorted(os.listdir(m.path / "class1")) == ["005.jpg.feat", "006.jpg.feat"]
+    assert np.load(m.path / "class1" / "006.jpg.feat").size > 0
+
+
+def test_watch_0_keeps_names_1_s(tmp_path, mounter, models):
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=2, size=(48, 64))
+    m = mounter(src, model=models(), prefetch="off", watch=0)
+    feat = m.path / "class0" / "000.jpg.feat"
+    np.load(feat)
+    assert watch(m) == {"dirs": 0, "events": 0, "overflows": 0, "refused": 0, "remote": 0}
+    assert m.ctl("config")["runtime"]["watch"] is False
+    time.sleep(1.3)
+    assert lookups_during(m, lambda: np.load(feat)) >= 1  # the name had expired
