@@ -1,7 +1,7 @@
 /*
  * fuse-floor.c — the floor under any FUSE filesystem on this machine, for tools/bench.
  *
- *   fuse-floor SOURCE MOUNTPOINT [-f]
+ *   fuse-floor SOURCE MOUNTPOINT [-f] [--no-open] [--timeout S]
  *
  * Reads the tree under SOURCE into memory at start, then serves it read-only through the
  * low-level FUSE API doing nothing else per request: lookup, getattr, open, read and release
@@ -24,7 +24,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define TIMEOUT 1.0
+static double timeout = 1.0; /* entry and attribute timeouts (--timeout) */
+static int no_open;           /* --no-open: open answers ENOSYS, FUSE_CAP_NO_OPEN_SUPPORT */
 
 /* One file or directory; ino is its index + 1 (FUSE_ROOT_ID is the root). */
 struct node {
@@ -137,6 +138,8 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     (void)userdata;
     conn->max_background = 256;
     conn->congestion_threshold = 192;
+    if (no_open && (conn->capable & FUSE_CAP_NO_OPEN_SUPPORT))
+        conn->want |= FUSE_CAP_NO_OPEN_SUPPORT;
 }
 
 static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
@@ -149,7 +152,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     for (size_t i = 0; i < p->nchildren; i++) {
         if (strcmp(nodes[p->children[i]].name, name) == 0) {
             struct fuse_entry_param e = {.ino = p->children[i] + 1,
-                                         .attr_timeout = TIMEOUT, .entry_timeout = TIMEOUT};
+                                         .attr_timeout = timeout, .entry_timeout = timeout};
             fill_stat(e.ino, &e.attr);
             fuse_reply_entry(req, &e);
             return;
@@ -167,7 +170,7 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         return;
     }
     fill_stat(ino, &st);
-    fuse_reply_attr(req, &st, TIMEOUT);
+    fuse_reply_attr(req, &st, timeout);
 }
 
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -179,6 +182,11 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     }
     if ((fi->flags & O_ACCMODE) != O_RDONLY) {
         fuse_reply_err(req, EROFS);
+        return;
+    }
+    if (no_open) {
+        /* The kernel stops sending opens and releases for every file of the mount. */
+        fuse_reply_err(req, ENOSYS);
         return;
     }
     fi->keep_cache = 1;
@@ -238,9 +246,21 @@ static const struct fuse_lowlevel_ops ops = {
 
 int main(int argc, char **argv)
 {
-    int foreground = argc == 4 && strcmp(argv[3], "-f") == 0;
-    if (argc != 3 && !foreground) {
-        fprintf(stderr, "usage: fuse-floor SOURCE MOUNTPOINT [-f]\n");
+    int foreground = 0;
+    for (int i = 3; i < argc; i++) {
+        if (strcmp(argv[i], "-f") == 0) {
+            foreground = 1;
+        } else if (strcmp(argv[i], "--no-open") == 0) {
+            no_open = 1;
+        } else if (strcmp(argv[i], "--timeout") == 0 && i + 1 < argc) {
+            timeout = atof(argv[++i]);
+        } else {
+            argc = 0;
+            break;
+        }
+    }
+    if (argc < 3) {
+        fprintf(stderr, "usage: fuse-floor SOURCE MOUNTPOINT [-f] [--no-open] [--timeout S]\n");
         return 2;
     }
     add_node("", 0, 1);
