@@ -85,15 +85,17 @@ int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
 void hapi_cache_close(hapi_cache *c);
 
 /*
- * A looked-up value: data points into the store's memory map and stays valid
- * until hapi_cache_release(); do not write to it. While held, it pins a read
- * transaction: release it promptly.
+ * A looked-up value: data stays valid until hapi_cache_release(); do not
+ * write to it. It points into the store's memory map (a small feature, kept
+ * in LMDB: while held, it pins a read transaction, so release it promptly) or
+ * into a buffer the lookup read a slab slot into (freed by the release).
  */
 typedef struct hapi_cache_value {
     const void *data;
     size_t size;
     int miss;     /* after a miss, why: one of HAPI_CACHE_MISS_* (0 after a hit or an error) */
     void *txn_;   /* internal */
+    void *buf_;   /* internal */
 } hapi_cache_value;
 
 /* Why a lookup missed (hapi_cache_value.miss); each has its counter in hapi_cache_stats. */

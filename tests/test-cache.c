@@ -393,7 +393,7 @@ START_TEST(corrupt_value_is_miss)
         { "truncated.jpg", truncate_one }, { "short.jpg", truncate_header },
     };
     enum { N = sizeof(cases) / sizeof(cases[0]) };
-    uint8_t buf[4096];
+    uint8_t buf[HAPI_CACHE__SLAB_MIN_SIZE - 1]; /* inline: the edits reach the feature bytes */
 
     for (int i = 0; i < N; i++) {
         fill(buf, sizeof(buf), cases[i].path, 0);
@@ -692,10 +692,10 @@ START_TEST(open_newer_format)
 {
     uint8_t record[16];
     memcpy(record, "hapifs-cache", 12);
-    record[12] = 3; /* little-endian 3 */
+    record[12] = 4; /* little-endian 4 */
     record[13] = record[14] = record[15] = 0;
     make_store("meta", "format", record, sizeof(record));
-    expect_open_error(tmp, HAPI_ECORRUPT, "format version 3");
+    expect_open_error(tmp, HAPI_ECORRUPT, "format version 4");
     expect_open_error(tmp, HAPI_ECORRUPT, "use cache_reset=1");
 }
 END_TEST
@@ -776,8 +776,9 @@ END_TEST
 START_TEST(map_resized_by_other_process)
 {
     hapi_cache_namespace ns = make_ns(3);
-    enum { N = 400 };
-    static uint8_t buf[8192];
+    /* Values kept inline in LMDB, so that the child grows LMDB's own file past our map. */
+    enum { N = 8000, SIZE = 400, BATCH = 100 };
+    static uint8_t buf[SIZE], bufs[BATCH][SIZE];
     int go[2], done[2];
     ck_assert_int_eq(pipe(go), 0);
     ck_assert_int_eq(pipe(done), 0);
@@ -792,12 +793,16 @@ START_TEST(map_resized_by_other_process)
             _exit(2);
         if (hapi_cache_open(tmp, &opt, &cc, NULL) != 0)
             ch = 'o';
-        for (int i = 0; i < N && ch == 'y'; i++) {
-            char path[32];
-            snprintf(path, sizeof(path), "big/%d.jpg", i);
-            fill(buf, sizeof(buf), path, 0);
-            hapi_cache_item it = { .path = path, .id = ID, .data = buf, .size = sizeof(buf) };
-            if (hapi_cache_put(cc, &ns, &it, 1, NULL) != 0)
+        for (int b = 0; b < N / BATCH && ch == 'y'; b++) {
+            char paths[BATCH][32];
+            hapi_cache_item items[BATCH];
+            for (int i = 0; i < BATCH; i++) {
+                snprintf(paths[i], sizeof(paths[i]), "big/%d.jpg", b * BATCH + i);
+                fill(bufs[i], SIZE, paths[i], 0);
+                items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = bufs[i],
+                                              .size = SIZE };
+            }
+            if (hapi_cache_put(cc, &ns, items, BATCH, NULL) != 0)
                 ch = 'p';
         }
         hapi_cache_close(cc);
@@ -1153,7 +1158,8 @@ START_TEST(evict_in_a_full_map_waits_for_room)
 {
     hapi_cache *c = open_ok(tmp, 1 << 20);
     hapi_cache_namespace ns = make_ns(3);
-    static uint8_t buf[8192];
+    /* inline values: a held lookup of one pins LMDB's pages (a slab value is a copy, and pins nothing) */
+    static uint8_t buf[HAPI_CACHE__SLAB_MIN_SIZE - 1];
     char path[32];
     hapi_error err = { 0 };
     int full = 0;
@@ -1164,7 +1170,7 @@ START_TEST(evict_in_a_full_map_waits_for_room)
         hapi_cache_item it = { .path = "held.jpg", .id = ID, .data = buf, .size = sizeof(buf) };
         ck_assert_int_eq(hapi_cache_put(c, &ns, &it, 1, &err), 0);
         ck_assert_int_eq(hapi_cache_get(c, &ns, "held.jpg", &ID, &held), 1);
-        for (int i = 0; i < 400 && !full; i++) {
+        for (int i = 0; i < 20000 && !full; i++) {
             snprintf(path, sizeof(path), "r%d/%d.jpg", round, i);
             fill(buf, sizeof(buf), path, 0);
             it = (hapi_cache_item){ .path = path, .id = ID, .data = buf, .size = sizeof(buf) };
