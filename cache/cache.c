@@ -700,6 +700,18 @@ static int write_full(int fd, const void *data, size_t size, off_t offset)
     return 0;
 }
 
+/*
+ * Room left in the map for LMDB's file to grow into once the slabs stopped
+ * growing: its index pages, and pages copied while the last transactions'
+ * free pages are not reusable yet (a write of the access log copies a few
+ * thousand). A sixteenth of the map and 64 pages, at most a quarter of it.
+ */
+static uint64_t lmdb_reserve(const hapi_cache *c, uint64_t map_bytes)
+{
+    uint64_t r = map_bytes / 16 + 64 * (uint64_t)c->psize;
+    return r < map_bytes / 4 ? r : map_bytes / 4;
+}
+
 /* A slot size's record in "meta": its high-water mark and how many of those slots are free. */
 struct slab_class {
     uint64_t high;
@@ -845,8 +857,8 @@ static int slot_alloc(hapi_cache *c, MDB_txn *txn, uint32_t slot_size, uint64_t 
     struct slab_totals t;
     if ((rc = mdb_env_info(c->env, &info)) != 0 || (rc = slab_totals(c, txn, &t)) != 0)
         return rc;
-    if (((uint64_t)info.me_last_pgno + 1) * c->psize + t.bytes + slot_size >
-        (uint64_t)info.me_mapsize)
+    if (((uint64_t)info.me_last_pgno + 1) * c->psize + t.bytes + slot_size +
+            lmdb_reserve(c, info.me_mapsize) > (uint64_t)info.me_mapsize)
         return MDB_MAP_FULL;
     *slot = sc.high++;
     return class_put(c, txn, slot_size, &sc);
@@ -889,6 +901,8 @@ static int slot_free(hapi_cache *c, MDB_txn *txn, const struct slab_ref *ref)
             sc.high--;
             sc.free = sc.free > 0 ? sc.free - 1 : 0;
         }
+        /* slab_trim() cuts the files this process has open: open it now if it is not yet. */
+        slab_fd(c, ref->slot_size, false);
         c->trim_pending = true;
     }
     return class_put(c, txn, ref->slot_size, &sc);
@@ -922,9 +936,18 @@ static void slab_trim(hapi_cache *c, MDB_txn *txn)
  * Drops every slot record, in txn (write lock held, every entry gone in the
  * same transaction); the files are emptied by the next write's slab_trim().
  */
+static int open_class(uint32_t slot_size, const struct slab_class *sc, void *arg)
+{
+    (void)sc;
+    slab_fd(arg, slot_size, false); /* for slab_trim(), which cuts the files open */
+    return 0;
+}
+
 static int slab_clear(hapi_cache *c, MDB_txn *txn)
 {
-    int rc = mdb_drop(txn, c->slots_dbi, 0);
+    int rc = class_each(c, txn, open_class, c);
+    if (rc == 0)
+        rc = mdb_drop(txn, c->slots_dbi, 0);
     c->trim_pending = true;
     while (rc == 0) {
         MDB_cursor *cur;
@@ -1175,9 +1198,13 @@ static int eviction_goal(hapi_cache *c, uint64_t need, uint64_t *goal)
         read_end(c, rtxn);
         return rc;
     }
-    /* The slab files count as pages of the map: the bound is the whole store's. */
+    /*
+     * The slab files count as pages of the map, the bound being the whole
+     * store's, and so does the reserve slot_alloc() leaves for LMDB to grow.
+     */
     uint64_t map = (uint64_t)info.me_mapsize / c->psize;
-    uint64_t used = (uint64_t)info.me_last_pgno + 1 + slabs.bytes / c->psize;
+    uint64_t reserve = slabs.bytes ? lmdb_reserve(c, info.me_mapsize) / c->psize : 0;
+    uint64_t used = (uint64_t)info.me_last_pgno + 1 + slabs.bytes / c->psize + reserve;
     uint64_t need_pages = (need + c->psize - 1) / c->psize;
     uint64_t high, low;
     marks(map, &high, &low);
