@@ -631,7 +631,7 @@ static int slab_fd(hapi_cache *c, uint32_t slot_size, bool create)
         fd = -ENAMETOOLONG;
         goto out;
     }
-    fd = open(path, O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), 0644);
+    fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | (create ? O_CREAT : 0), 0644);
     if (fd < 0) {
         fd = -errno;
         goto out;
@@ -925,24 +925,24 @@ static void slab_trim(hapi_cache *c, MDB_txn *txn)
         if (class_get(c, txn, c->slabs[i].slot_size, &sc) != 0)
             continue;
         end = (off_t)(sc.high * c->slabs[i].slot_size);
-        if (fstat(c->slabs[i].fd, &st) == 0 && st.st_size > end &&
-            ftruncate(c->slabs[i].fd, end) != 0)
-            continue;
+        if (fstat(c->slabs[i].fd, &st) == 0 && st.st_size > end)
+            (void)!ftruncate(c->slabs[i].fd, end);
     }
     c->trim_pending = false;
+}
+
+/* Opens a slot size's file, for slab_trim(), which cuts the files open. */
+static int open_class(uint32_t slot_size, const struct slab_class *sc, void *arg)
+{
+    (void)sc;
+    slab_fd(arg, slot_size, false);
+    return 0;
 }
 
 /*
  * Drops every slot record, in txn (write lock held, every entry gone in the
  * same transaction); the files are emptied by the next write's slab_trim().
  */
-static int open_class(uint32_t slot_size, const struct slab_class *sc, void *arg)
-{
-    (void)sc;
-    slab_fd(arg, slot_size, false); /* for slab_trim(), which cuts the files open */
-    return 0;
-}
-
 static int slab_clear(hapi_cache *c, MDB_txn *txn)
 {
     int rc = class_each(c, txn, open_class, c);
