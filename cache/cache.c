@@ -131,6 +131,15 @@ static void marks(uint64_t map, uint64_t *high, uint64_t *low)
  * typical keys between two writes; beyond that hits are dropped (counted).
  */
 #define ACCESS_LOG_BYTES (256u * 1024)
+/*
+ * Accesses applied per write transaction by hapi_cache_flush_access(). Each
+ * access copies a leaf page or two of the LRU index, and pages a write frees
+ * are reused only two writes later: the file grows by what about two writes
+ * copy. Measured with 100,000 entries of 1,152 bytes and 400,000 random hits
+ * flushed every 2,000: the store grew by 34 MB with the whole log in one
+ * write, 14 MB with 256 accesses a write, 10.5 MB with 64.
+ */
+#define FLUSH_BATCH 64
 
 struct hapi_cache {
     MDB_env *env;
@@ -175,6 +184,8 @@ struct hapi_cache {
     size_t log_used;
     uint8_t *drain;
     size_t drain_used;
+    size_t drain_off;  /* where the next write applies the drained log from */
+    size_t drain_next; /* where it stops, once committed (drain_done) */
 
     /* Evictions not yet added to the persisted count (under write_lock): its write failed. */
     uint64_t evictions_unpersisted;
@@ -1114,15 +1125,17 @@ static int unlink_lru(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_l
 }
 
 /*
- * Applies the drained access log in txn; returns the number of records
- * applied through *applied. The log is cleared only once txn commits
- * (drain_done), so a failed write leaves it for the next.
+ * Applies up to max records of the drained access log in txn, from where the
+ * last committed write left it; returns the number applied through *applied.
+ * The log moves on only once txn commits (drain_done), so a failed write
+ * leaves it for the next.
  */
-static int apply_accesses(hapi_cache *c, MDB_txn *txn, uint64_t *stamp, uint64_t *applied)
+static int apply_accesses(hapi_cache *c, MDB_txn *txn, uint64_t *stamp, uint64_t *applied,
+                          size_t max)
 {
-    const uint8_t *p = c->drain, *end = c->drain + c->drain_used;
+    const uint8_t *p = c->drain + c->drain_off, *end = c->drain + c->drain_used;
     uint64_t n = 0;
-    while (p + 2 <= end) {
+    for (size_t records = 0; p + 2 <= end && records < max; records++) {
         size_t len = get_le16(p);
         const uint8_t *key = p + 2;
         p += 2 + len;
@@ -1133,12 +1146,18 @@ static int apply_accesses(hapi_cache *c, MDB_txn *txn, uint64_t *stamp, uint64_t
             return rc;
         n++;
     }
+    c->drain_next = (size_t)(p - c->drain);
     if (applied)
         *applied = n;
     return 0;
 }
 
-static void drain_done(hapi_cache *c) { c->drain_used = 0; }
+static void drain_done(hapi_cache *c)
+{
+    c->drain_off = c->drain_next;
+    if (c->drain_off >= c->drain_used)
+        c->drain_used = c->drain_off = 0;
+}
 
 /* ---- write transactions ---- */
 
@@ -1316,7 +1335,7 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
         bool applied = c->drain_used > 0 && !skip_apply;
         rc = stamp_first(c, txn, &stamp);
         if (rc == 0 && applied)
-            rc = apply_accesses(c, txn, &stamp, NULL);
+            rc = apply_accesses(c, txn, &stamp, NULL, SIZE_MAX);
         if (rc == 0)
             rc = mdb_cursor_open(txn, c->lru_dbi, &cur);
         while (rc == 0 && n < batch && freed + batch_freed < goal) {
@@ -2113,7 +2132,7 @@ int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
             goto out;
         rc = stamp_first(c, txn, &stamp);
         if (rc == 0 && applied)
-            rc = apply_accesses(c, txn, &stamp, NULL);
+            rc = apply_accesses(c, txn, &stamp, NULL, SIZE_MAX);
         if (rc == 0)
             rc = put_items(c, txn, ns, items, n, &stamp, &failed);
         if (rc == 0 && atomic_load(&c->crash_before_commit))
@@ -2177,33 +2196,33 @@ out:
 int hapi_cache_flush_access(hapi_cache *c, hapi_error *err)
 {
     MDB_txn *txn;
-    uint64_t stamp = 0, applied = 0;
-    int rc;
+    uint64_t stamp = 0, applied = 0, total = 0;
+    int rc = 0;
 
     if (!c)
         return hapi_error_set(err, HAPI_EINVAL, "cache flush: missing argument");
     pthread_mutex_lock(&c->write_lock);
     drain_take(c);
-    if (c->drain_used == 0) {
-        rc = 0;
-        goto out;
+    while (c->drain_used > 0) {
+        if ((rc = write_begin(c, &txn, err)) != 0)
+            goto out;
+        rc = stamp_first(c, txn, &stamp);
+        if (rc == 0)
+            rc = apply_accesses(c, txn, &stamp, &applied, FLUSH_BATCH);
+        if (rc == 0)
+            rc = mdb_txn_commit(txn);
+        else
+            mdb_txn_abort(txn);
+        if (rc) {
+            rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc),
+                                "cache %s: applying the access log: %s", c->dir,
+                                mdb_strerror(rc));
+            goto out;
+        }
+        drain_done(c);
+        total += applied;
     }
-    if ((rc = write_begin(c, &txn, err)) != 0)
-        goto out;
-    rc = stamp_first(c, txn, &stamp);
-    if (rc == 0)
-        rc = apply_accesses(c, txn, &stamp, &applied);
-    if (rc == 0)
-        rc = mdb_txn_commit(txn);
-    else
-        mdb_txn_abort(txn);
-    if (rc) {
-        rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc),
-                            "cache %s: applying the access log: %s", c->dir, mdb_strerror(rc));
-        goto out;
-    }
-    drain_done(c);
-    rc = applied > INT32_MAX ? INT32_MAX : (int)applied;
+    rc = total > INT32_MAX ? INT32_MAX : (int)total;
 out:
     pthread_mutex_unlock(&c->write_lock);
     return rc;

@@ -1043,7 +1043,7 @@ START_TEST(lru_order)
     static uint8_t buf[4096];
     char path[32];
 
-    /* 80 entries of 2 overflow pages: ~170 of the map's 256 pages, under the high mark. */
+    /* 80 entries of 4 KiB slots: ~90 of the map's 256 pages, under the high mark. */
     for (int i = 0; i < 80; i++) {
         snprintf(path, sizeof(path), "a/%d.jpg", i);
         fill(buf, sizeof(buf), path, 0);
@@ -1135,6 +1135,53 @@ static void put_many(hapi_cache *c, const hapi_cache_namespace *ns, const char *
         ck_assert_int_eq(hapi_cache_put(c, ns, items, (size_t)m, &err), 0);
     }
 }
+
+/* The key of the oldest (first) or newest (last) record of the LRU order, as a path; "" if none. */
+static void lru_end(hapi_cache *c, MDB_cursor_op op, char *path, size_t size)
+{
+    MDB_txn *txn;
+    MDB_dbi dbi;
+    MDB_cursor *cur;
+    MDB_val k, v;
+    path[0] = '\0';
+    ck_assert_int_eq(mdb_txn_begin(hapi_cache__env(c), NULL, MDB_RDONLY, &txn), 0);
+    ck_assert_int_eq(mdb_dbi_open(txn, "lru", 0, &dbi), 0);
+    ck_assert_int_eq(mdb_cursor_open(txn, dbi, &cur), 0);
+    if (mdb_cursor_get(cur, &k, &v, op) == 0 && v.mv_size > HAPI_CACHE_NAMESPACE_SIZE &&
+        v.mv_size - HAPI_CACHE_NAMESPACE_SIZE < size) {
+        memcpy(path, (const char *)v.mv_data + HAPI_CACHE_NAMESPACE_SIZE,
+               v.mv_size - HAPI_CACHE_NAMESPACE_SIZE);
+        path[v.mv_size - HAPI_CACHE_NAMESPACE_SIZE] = '\0';
+    }
+    mdb_cursor_close(cur);
+    mdb_txn_abort(txn);
+}
+
+/* A flush applies the whole log, in writes of a few dozen accesses, in the order of the hits. */
+START_TEST(flush_applies_the_whole_log)
+{
+    hapi_cache *c = open_ok(tmp, 0);
+    hapi_cache_namespace ns = make_ns(3);
+    enum { N = 1000 };
+    uint8_t buf[100];
+    char path[32];
+    hapi_error err = { 0 };
+    put_many(c, &ns, "f", N, sizeof(buf));
+    for (int i = N - 1; i >= 0; i--) {
+        snprintf(path, sizeof(path), "f/%d.jpg", i);
+        fill(buf, sizeof(buf), path, 0);
+        expect_hit(c, &ns, path, ID, buf, sizeof(buf));
+    }
+    ck_assert_int_eq(hapi_cache_flush_access(c, &err), N);
+    ck_assert_int_eq(hapi_cache_flush_access(c, &err), 0);
+    ck_assert_int_eq(check_index(c), N);
+    lru_end(c, MDB_FIRST, path, sizeof(path));
+    ck_assert_str_eq(path, "f/999.jpg");
+    lru_end(c, MDB_LAST, path, sizeof(path));
+    ck_assert_str_eq(path, "f/0.jpg");
+    hapi_cache_close(c);
+}
+END_TEST
 
 struct release_later {
     hapi_cache *c;
@@ -2155,6 +2202,7 @@ static Suite *cache_suite(void)
     ADD_TCASE(s, fragmentation_never_fails);
     ADD_TCASE(s, lru_order);
     ADD_TCASE(s, access_log_edge_cases);
+    ADD_TCASE(s, flush_applies_the_whole_log);
     ADD_TCASE(s, evict_path_and_all);
     ADD_TCASE(s, evict_in_a_full_map_waits_for_room);
     ADD_TCASE(s, counters);
