@@ -22,7 +22,8 @@ extern "C" {
  *      (checksum field zeroed) mixed with XXH3-64 of the stored path
  *  64  the full path (hashed keys only), zero-padded to a multiple of 16
  *  ..  the feature bytes (inline values), or a slab reference (flag SLAB):
- *      u32 slot size, u32 zero, u64 slot number
+ *      u32 slot size, u32 zero, u64 slot number, u64 the entry's LRU stamp
+ *      (not in the checksum: each access that the LRU order applies changes it)
  *
  * A slab value's feature bytes are in the slab file of its slot size
  * (HAPI_CACHE__SLAB_DIR/<slot size> in the store's directory) at slot number
@@ -35,7 +36,7 @@ extern "C" {
 #define HAPI_CACHE__HEADER_SIZE 64
 #define HAPI_CACHE__FLAG_HASHED_KEY 0x1
 #define HAPI_CACHE__FLAG_SLAB 0x2
-#define HAPI_CACHE__SLAB_REF_SIZE 16
+#define HAPI_CACHE__SLAB_REF_SIZE 24
 #define HAPI_CACHE__SLAB_DIR "slabs"
 /* Features of at least this many bytes go to a slab; smaller ones cost less inline. */
 #define HAPI_CACHE__SLAB_MIN_SIZE 512
@@ -61,11 +62,13 @@ extern "C" {
 
 /*
  * The LRU order: "lru" maps an access stamp (u64 big-endian, so byte order is
- * numeric order) to a feature key; "stamps" maps each feature key to its
- * current stamp, so that an access can delete the entry's older "lru" record.
- * Every entry of "features" has exactly one record in each, written in the
- * same transactions. Stamps grow: a write transaction stamps from one more
- * than the newest "lru" key.
+ * numeric order) to a feature key. An entry's current stamp, which an access
+ * needs to delete the entry's older "lru" record, is in its value for a slab
+ * entry, and in "stamps" (feature key -> stamp) for an inline one, whose
+ * value may span overflow pages that a rewrite would copy. Every entry of
+ * "features" has exactly one "lru" record, and an inline one a "stamps"
+ * record, written in the same transactions. Stamps grow: a write transaction
+ * stamps from one more than the newest "lru" key.
  */
 #define HAPI_CACHE__STAMP_SIZE 8
 
@@ -98,8 +101,9 @@ void hapi_cache__crash_before_commit(hapi_cache *c, int on);
 uint64_t hapi_cache__evict_ns(hapi_cache *c);
 
 /*
- * Checks that "features", "lru" and "stamps" agree (same count; each lru
- * record's key has its feature and its stamp), and that the slots add up:
+ * Checks that "features", "lru" and "stamps" agree (as many lru records as
+ * entries, as many stamps as inline ones; each lru record's key has its
+ * feature, whose stamp is the record's), and that the slots add up:
  * per slot size, the slab entries' slots (each below the high-water mark, none
  * free, none shared) and the free ones make up the high-water mark. Returns
  * the number of entries, or -1 with a description in msg.

@@ -344,10 +344,11 @@ static void header_encode(uint8_t h[HAPI_CACHE__HEADER_SIZE], const hapi_source_
 /* How a stored value compares with a lookup; CHECK_SLAB: it verifies so far, its bytes are in a slab. */
 enum check { CHECK_OK, CHECK_ABSENT, CHECK_STALE, CHECK_BAD, CHECK_SLAB };
 
-/* Where a slab value's bytes are. */
+/* Where a slab value's bytes are, and the entry's LRU stamp. */
 struct slab_ref {
     uint32_t slot_size;
     uint64_t slot;
+    uint64_t stamp;
 };
 
 /* The slot size of a feature of size bytes. */
@@ -376,6 +377,7 @@ static bool slab_ref_of(const MDB_val *v, struct slab_ref *ref)
     const uint8_t *r = p + v->mv_size - HAPI_CACHE__SLAB_REF_SIZE;
     ref->slot_size = get_le32(r);
     ref->slot = get_le64(r + 8);
+    ref->stamp = get_le64(r + 16);
     uint32_t data_len = get_le32(p + 8);
     return ref->slot_size != 0 && slab_sized(data_len) && ref->slot_size == slot_size_of(data_len) &&
            ref->slot <= (uint64_t)INT64_MAX / ref->slot_size - 1;
@@ -555,7 +557,8 @@ static int lmdb_to_code(int rc)
  * entry's "lru" and "stamps" records. Leaf pages are never full, so this is
  * a lower bound, close enough to size eviction.
  */
-static uint64_t entry_bytes(const hapi_cache *c, size_t key_len, size_t value_size)
+static uint64_t entry_bytes(const hapi_cache *c, size_t key_len, size_t value_size,
+                            int lru_records)
 {
     uint64_t node = 8 + (uint64_t)key_len + 2; /* node header, key, index slot */
     uint64_t bytes;
@@ -563,7 +566,7 @@ static uint64_t entry_bytes(const hapi_cache *c, size_t key_len, size_t value_si
         bytes = ((15 + (uint64_t)value_size) / c->psize + 1) * c->psize + node + 8;
     else
         bytes = node + value_size;
-    return bytes + 2 * (node + HAPI_CACHE__STAMP_SIZE);
+    return bytes + (uint64_t)lru_records * (node + HAPI_CACHE__STAMP_SIZE);
 }
 
 uint64_t hapi_cache_entry_bytes(const hapi_cache *c, size_t path_len, size_t size)
@@ -575,8 +578,9 @@ uint64_t hapi_cache_entry_bytes(const hapi_cache *c, size_t path_len, size_t siz
                         (path_len > HAPI_CACHE_PATH_MAX ? pad16(path_len) : 0);
     /* A slab entry: its index in LMDB and its slot. */
     if (slab_sized(size))
-        return entry_bytes(c, key_len, value_size + HAPI_CACHE__SLAB_REF_SIZE) + slot_size_of(size);
-    return entry_bytes(c, key_len, value_size + size);
+        return entry_bytes(c, key_len, value_size + HAPI_CACHE__SLAB_REF_SIZE, 1) +
+               slot_size_of(size);
+    return entry_bytes(c, key_len, value_size + size, 2);
 }
 
 /*
@@ -1041,20 +1045,55 @@ static void drain_take(hapi_cache *c)
 
 /* ---- the LRU index ---- */
 
-/*
- * Deletes the "lru" record that a "stamps" value names. The stamp is copied
- * first: it points into a page the deletion may change. A record already
- * gone is fine.
- */
-static int drop_lru_record(hapi_cache *c, MDB_txn *txn, const MDB_val *stamp)
+/* Deletes the "lru" record of stamp. A record already gone is fine. */
+static int drop_lru_stamp(hapi_cache *c, MDB_txn *txn, uint64_t stamp)
 {
     uint8_t o[HAPI_CACHE__STAMP_SIZE];
-    if (stamp->mv_size != sizeof(o))
-        return MDB_CORRUPTED;
-    memcpy(o, stamp->mv_data, sizeof(o));
+    put_be64(o, stamp);
     MDB_val ok = { .mv_size = sizeof(o), .mv_data = o };
     int rc = mdb_del(txn, c->lru_dbi, &ok, NULL);
     return rc == MDB_NOTFOUND ? 0 : rc;
+}
+
+/*
+ * Deletes the "lru" record that a "stamps" value names (decoded first: it
+ * points into a page the deletion may change).
+ */
+static int drop_lru_record(hapi_cache *c, MDB_txn *txn, const MDB_val *stamp)
+{
+    if (stamp->mv_size != HAPI_CACHE__STAMP_SIZE)
+        return MDB_CORRUPTED;
+    return drop_lru_stamp(c, txn, get_be64(stamp->mv_data));
+}
+
+/* Adds key's "lru" record under *stamp (then advanced), and with in_stamps its "stamps" record. */
+static int lru_append(hapi_cache *c, MDB_txn *txn, MDB_val *k, uint64_t *stamp, bool in_stamps)
+{
+    uint8_t s[HAPI_CACHE__STAMP_SIZE];
+    put_be64(s, (*stamp)++);
+    MDB_val sk = { .mv_size = sizeof(s), .mv_data = s };
+    /* Stamps only grow within and across transactions: append at the tail, no search. */
+    int rc = mdb_put(txn, c->lru_dbi, &sk, k, MDB_APPEND);
+    if (rc == 0 && in_stamps)
+        rc = mdb_put(txn, c->stamps_dbi, k, &sk, 0);
+    return rc;
+}
+
+/* Rewrites slab value v of k with stamp: a copy of a few dozen bytes, in the leaf. */
+static int value_stamp_set(hapi_cache *c, MDB_txn *txn, MDB_val *k, const MDB_val *v,
+                           uint64_t stamp)
+{
+    uint8_t small[256];
+    uint8_t *copy = v->mv_size <= sizeof(small) ? small : malloc(v->mv_size);
+    if (!copy)
+        return ENOMEM;
+    memcpy(copy, v->mv_data, v->mv_size);
+    put_le64(copy + v->mv_size - HAPI_CACHE__STAMP_SIZE, stamp);
+    MDB_val nv = { .mv_size = v->mv_size, .mv_data = copy };
+    int rc = mdb_put(txn, c->features_dbi, k, &nv, 0);
+    if (copy != small)
+        free(copy);
+    return rc;
 }
 
 /* The first stamp a write transaction hands out: one more than the newest. */
@@ -1081,17 +1120,29 @@ static int stamp_first(hapi_cache *c, MDB_txn *txn, uint64_t *stamp)
 
 /*
  * Makes key the most recently used entry: stamps it with *stamp (then
- * advanced) and deletes its older "lru" record. With must_exist, a key
- * without a stamp (evicted or removed since its access was noted) is left
- * alone and MDB_NOTFOUND returned.
+ * advanced) and deletes its older "lru" record. A slab entry keeps its stamp
+ * in its value (small, in its leaf: rewriting it costs what a "stamps"
+ * record would, and saves that record); an inline one in "stamps" (its value
+ * may span overflow pages, which a rewrite would copy). With must_exist, a
+ * key without a stamp (evicted or removed since its access was noted) is
+ * left alone and MDB_NOTFOUND returned.
  */
 static int touch(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
                  uint64_t *stamp, bool must_exist)
 {
-    MDB_val k = { .mv_size = key_len, .mv_data = (void *)key }, old;
-    uint8_t s[HAPI_CACHE__STAMP_SIZE];
+    MDB_val k = { .mv_size = key_len, .mv_data = (void *)key }, v, old;
+    struct slab_ref ref;
     int rc;
 
+    rc = mdb_get(txn, c->features_dbi, &k, &v);
+    if (rc == 0 && slab_ref_of(&v, &ref)) {
+        if ((rc = drop_lru_stamp(c, txn, ref.stamp)) != 0 ||
+            (rc = value_stamp_set(c, txn, &k, &v, *stamp)) != 0)
+            return rc;
+        return lru_append(c, txn, &k, stamp, false);
+    }
+    if (rc && rc != MDB_NOTFOUND)
+        return rc;
     rc = mdb_get(txn, c->stamps_dbi, &k, &old);
     if (rc == MDB_NOTFOUND && must_exist)
         return rc;
@@ -1101,18 +1152,19 @@ static int touch(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
     } else if (rc != MDB_NOTFOUND) {
         return rc;
     }
-    put_be64(s, (*stamp)++);
-    MDB_val sk = { .mv_size = sizeof(s), .mv_data = s };
-    /* Stamps only grow within and across transactions: append at the tail, no search. */
-    rc = mdb_put(txn, c->lru_dbi, &sk, &k, MDB_APPEND);
-    if (rc == 0)
-        rc = mdb_put(txn, c->stamps_dbi, &k, &sk, 0);
-    return rc;
+    return lru_append(c, txn, &k, stamp, true);
 }
 
-/* Deletes key's "stamps" and "lru" records, if any. */
-static int unlink_lru(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len)
+/*
+ * Deletes the LRU records of key's entry, if any: its "lru" record, which
+ * ref (a slab entry's reference, copied before the entry was deleted) or the
+ * "stamps" record names, and that "stamps" record.
+ */
+static int unlink_lru(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
+                      const struct slab_ref *ref)
 {
+    if (ref)
+        return drop_lru_stamp(c, txn, ref->stamp);
     MDB_val k = { .mv_size = key_len, .mv_data = (void *)key }, old;
     int rc = mdb_get(txn, c->stamps_dbi, &k, &old);
     if (rc == MDB_NOTFOUND)
@@ -1375,7 +1427,8 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
                 rc = 0;
             if (rc)
                 break;
-            batch_freed += entry_bytes(c, len, value_size) + (slab ? ref.slot_size : 0);
+            batch_freed += entry_bytes(c, len, value_size, slab ? 1 : 2) +
+                           (slab ? ref.slot_size : 0);
             n++;
         }
         if (cur)
@@ -2024,10 +2077,13 @@ static int put_items(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns
         int fd = -1;
 
         *failed = i;
+        /* The value replaced goes out of the LRU order; its slot, if any, is freed below. */
         rc = mdb_get(txn, c->features_dbi, &k, &old);
         if (rc == 0 && slab_ref_of(&old, &replaced[n_replaced]))
-            n_replaced++;
-        else if (rc && rc != MDB_NOTFOUND)
+            rc = unlink_lru(c, txn, keybuf, k.mv_size, &replaced[n_replaced++]);
+        else if (rc == 0 || rc == MDB_NOTFOUND)
+            rc = unlink_lru(c, txn, keybuf, k.mv_size, NULL);
+        if (rc)
             goto out;
         /* No slab file to be had (too many sizes, or it cannot be opened): inline, as small ones. */
         if (slab_sized(it->size)) {
@@ -2054,12 +2110,14 @@ static int put_items(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns
         if (fd >= 0) {
             put_le32(p + offset, ref.slot_size);
             put_le64(p + offset + 8, ref.slot);
+            put_le64(p + offset + 16, *stamp); /* the stamp lru_append() gives it */
         } else if (it->size) {
             memcpy(p + offset, it->data, it->size);
         }
         put_le64(p + 56, value_checksum(p, p + HAPI_CACHE__HEADER_SIZE, stored_path_len,
                                         it->data, it->size));
-        rc = touch(c, txn, keybuf, k.mv_size, stamp, false);
+        /* The newest entry: a slab entry's stamp is in its value, an inline one's in "stamps". */
+        rc = lru_append(c, txn, &k, stamp, fd < 0);
         if (rc)
             goto out;
     }
@@ -2290,7 +2348,7 @@ again:
     if (rc == 0 && slab)
         rc = slot_free(c, txn, &ref);
     if (rc == 0)
-        rc = unlink_lru(c, txn, keybuf, k.mv_size);
+        rc = unlink_lru(c, txn, keybuf, k.mv_size, slab ? &ref : NULL);
     if (rc == 0)
         rc = mdb_txn_commit(txn);
     else
@@ -2335,7 +2393,8 @@ static int remove_range(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace 
         memcpy(key, k.mv_data, len);
         struct slab_ref ref;
         bool slab = slab_ref_of(&v, &ref); /* copied before the deletion changes the page */
-        if ((rc = mdb_cursor_del(cur, 0)) != 0 || (rc = unlink_lru(c, txn, key, len)) != 0 ||
+        if ((rc = mdb_cursor_del(cur, 0)) != 0 ||
+            (rc = unlink_lru(c, txn, key, len, slab ? &ref : NULL)) != 0 ||
             (slab && (rc = slot_free(c, txn, &ref)) != 0))
             break;
         n++;
@@ -2639,9 +2698,8 @@ long hapi_cache__check_index(hapi_cache *c, char *msg, size_t msg_size)
         snprintf(msg, msg_size, "%s", mdb_strerror(rc));
         goto out;
     }
-    if (f.ms_entries != l.ms_entries || f.ms_entries != s.ms_entries) {
-        snprintf(msg, msg_size, "features %zu, lru %zu, stamps %zu entries", f.ms_entries,
-                 l.ms_entries, s.ms_entries);
+    if (f.ms_entries != l.ms_entries) {
+        snprintf(msg, msg_size, "features %zu, lru %zu entries", f.ms_entries, l.ms_entries);
         goto out;
     }
     struct slot_check sk = { c, txn, msg, msg_size };
@@ -2650,17 +2708,32 @@ long hapi_cache__check_index(hapi_cache *c, char *msg, size_t msg_size)
             snprintf(msg, msg_size, "slots: %s", mdb_strerror(rc));
         goto out;
     }
+    size_t inline_entries = 0;
     while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
+        struct slab_ref ref;
         op = MDB_NEXT;
         if (mdb_get(txn, c->features_dbi, &v, &x) != 0) {
             snprintf(msg, msg_size, "an lru record without its feature");
             goto out;
         }
+        if (slab_ref_of(&x, &ref)) {
+            if (k.mv_size != HAPI_CACHE__STAMP_SIZE || ref.stamp != get_be64(k.mv_data)) {
+                snprintf(msg, msg_size, "an lru record whose slab entry has another stamp");
+                goto out;
+            }
+            continue;
+        }
+        inline_entries++;
         if (mdb_get(txn, c->stamps_dbi, &v, &x) != 0 || x.mv_size != k.mv_size ||
             memcmp(x.mv_data, k.mv_data, k.mv_size) != 0) {
             snprintf(msg, msg_size, "an lru record whose stamp differs");
             goto out;
         }
+    }
+    if (s.ms_entries != inline_entries) {
+        snprintf(msg, msg_size, "%zu stamps for %zu inline entries", s.ms_entries,
+                 inline_entries);
+        goto out;
     }
     result = (long)f.ms_entries;
 out:

@@ -1757,9 +1757,10 @@ static void expect_bad(hapi_cache *c, const hapi_cache_namespace *ns, const char
     ck_assert_ptr_null(v.data);
 }
 
-static void ref_far(uint8_t *v, size_t *n) { v[*n - 1] = 0x7f; }       /* slot ~2^62: past the end */
-static void ref_next(uint8_t *v, size_t *n) { v[*n - 8] ^= 0x01; }     /* the neighbour's slot */
-static void ref_size(uint8_t *v, size_t *n) { v[*n - 16] ^= 0x40; }    /* another slot size */
+/* The reference is the last 24 bytes: u32 slot size, u32 zero, u64 slot, u64 stamp. */
+static void ref_far(uint8_t *v, size_t *n) { v[*n - 9] = 0x7f; }       /* slot ~2^62: past the end */
+static void ref_next(uint8_t *v, size_t *n) { v[*n - 16] ^= 0x01; }    /* the neighbour's slot */
+static void ref_size(uint8_t *v, size_t *n) { v[*n - 24] ^= 0x40; }    /* another slot size */
 static void ref_inline(uint8_t *v, size_t *n) { (void)n; v[6] &= (uint8_t)~HAPI_CACHE__FLAG_SLAB; }
 
 /* Slab bytes that do not match the index (a slot reused under a lookup, a damaged file) are a miss. */
