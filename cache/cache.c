@@ -42,9 +42,10 @@
 /*
  * Named databases: "meta" (the format marker, the eviction count, the slab
  * high-water marks), "features" (the entries), "lru" and "stamps" (the LRU
- * order), "slots" (the free slab slots; see cache-int.h), and room for more. Values are never rewritten to record an
- * access (that would copy their overflow pages): a hit is noted in memory and
- * the next write moves the entry's small "lru" record to the newest stamp.
+ * order), "slots" (the free slab slots; see cache-int.h), and room for more.
+ * A hit is noted in memory and the next write moves the entry's small "lru"
+ * record to the newest stamp; an inline value is never rewritten for it
+ * (that would copy its overflow pages), a slab entry's small one is.
  * Keys begin with the namespace, so the entries of one configuration are
  * contiguous and can be counted or dropped as a range.
  */
@@ -554,8 +555,9 @@ static int lmdb_to_code(int rc)
  * Bytes an entry occupies, estimated as LMDB lays it out: a value that does
  * not fit a leaf node goes to its own run of overflow pages ((15 + size) /
  * page + 1 of them), the leaf keeping the key and a page number; then the
- * entry's "lru" and "stamps" records. Leaf pages are never full, so this is
- * a lower bound, close enough to size eviction.
+ * entry's lru_records: its "lru" record, and an inline entry's "stamps"
+ * record. Leaf pages are never full, so this is a lower bound, close enough
+ * to size eviction.
  */
 static uint64_t entry_bytes(const hapi_cache *c, size_t key_len, size_t value_size,
                             int lru_records)
