@@ -1,7 +1,8 @@
-/* cache.c — the LMDB feature store: namespaces, keys, checked values, pooled read transactions, batched puts, LRU eviction. */
+/* cache.c — the feature store: namespaces, keys, checked values in LMDB or slab files, pooled read transactions, batched puts, LRU eviction. */
 #include "cache.h"
 #include "cache-int.h"
 
+#include <dirent.h>
 #include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -28,22 +29,46 @@
 #define FORMAT_MAGIC "hapifs-cache" /* 12 bytes, then a u32 format version */
 #define FORMAT_MAGIC_SIZE 12
 #define FORMAT_RECORD_SIZE (FORMAT_MAGIC_SIZE + 4)
-/* 2 added the "lru" and "stamps" databases; a version-1 store is indexed on open. */
-#define FORMAT_VERSION 2
+/*
+ * 2 added the "lru" and "stamps" databases; a version-1 store is indexed on
+ * open. 3 added the slab files and the "slots" database; the inline values of
+ * a version-2 store are still read as they are, and leave by eviction.
+ */
+#define FORMAT_VERSION 3
 
 /* The persisted count of evictions, a u64 in "meta". */
 #define EVICTIONS_KEY "evictions"
 
 /*
- * Named databases: "meta" (the format marker, the eviction count),
- * "features" (the entries), "lru" and "stamps" (the LRU order, see
- * cache-int.h), and room for more. Values are never rewritten to record an
- * access (that would copy their overflow pages): a hit is noted in memory and
- * the next write moves the entry's small "lru" record to the newest stamp.
+ * Named databases: "meta" (the format marker, the eviction count, the slab
+ * high-water marks), "features" (the entries), "lru" and "stamps" (the LRU
+ * order), "slots" (the free slab slots; see cache-int.h), and room for more.
+ * A hit is noted in memory and the next write moves the entry's small "lru"
+ * record to the newest stamp; an inline value is never rewritten for it
+ * (that would copy its overflow pages), a slab entry's small one is.
  * Keys begin with the namespace, so the entries of one configuration are
  * contiguous and can be counted or dropped as a range.
  */
 #define MAX_DBS 8
+
+/*
+ * Slab files: features of HAPI_CACHE__SLAB_MIN_SIZE bytes or more live in
+ * fixed-size slots of a file per slot size, LMDB keeping only the entry's
+ * header and slot. A value in LMDB pays a leaf node share or a run of whole
+ * overflow pages (a 4,224-byte feature took two 4 KiB pages); a slot pays
+ * nothing beyond rounding to HAPI_CACHE__SLOT_ALIGN. At most SLAB_CLASSES slot
+ * sizes get a file; a feature of yet another size is stored inline.
+ */
+#define SLAB_CLASSES 32
+#define SLAB_KEY "slab" /* then the u32 big-endian slot size, in "meta" */
+#define SLAB_KEY_SIZE 8
+#define SLOT_KEY_SIZE 12
+/*
+ * A slab read whose checksum fails is looked up again in a fresh snapshot,
+ * this many times: the entry was most likely replaced or evicted, and its
+ * slot reused, between the index read and the slab read.
+ */
+#define SLAB_READ_RETRIES 3
 
 #define DEFAULT_MAX_BYTES (UINT64_C(1) << 30)
 #define DEFAULT_MAX_READERS 512
@@ -107,6 +132,15 @@ static void marks(uint64_t map, uint64_t *high, uint64_t *low)
  * typical keys between two writes; beyond that hits are dropped (counted).
  */
 #define ACCESS_LOG_BYTES (256u * 1024)
+/*
+ * Accesses applied per write transaction by hapi_cache_flush_access(). Each
+ * access copies a leaf page or two of the LRU index, and pages a write frees
+ * are reused only two writes later: the file grows by what about two writes
+ * copy. Measured with 100,000 entries of 1,152 bytes and 400,000 random hits
+ * flushed every 2,000: the store grew by 34 MB with the whole log in one
+ * write, 14 MB with 256 accesses a write, 10.5 MB with 64.
+ */
+#define FLUSH_BATCH 64
 
 struct hapi_cache {
     MDB_env *env;
@@ -114,6 +148,7 @@ struct hapi_cache {
     MDB_dbi features_dbi;
     MDB_dbi lru_dbi;
     MDB_dbi stamps_dbi;
+    MDB_dbi slots_dbi;
     char *dir;
     int stale_readers_cleared;
     int reset_at_open;
@@ -150,9 +185,26 @@ struct hapi_cache {
     size_t log_used;
     uint8_t *drain;
     size_t drain_used;
+    size_t drain_off;  /* where the next write applies the drained log from */
+    size_t drain_next; /* where it stops, once committed (drain_done) */
 
     /* Evictions not yet added to the persisted count (under write_lock): its write failed. */
     uint64_t evictions_unpersisted;
+
+    /*
+     * The slab files opened so far, one per slot size: appended under
+     * slab_lock, read without it (slab_count is published with release order
+     * once the entry is filled); closed only by hapi_cache_close().
+     */
+    pthread_mutex_t slab_lock;
+    struct slab {
+        uint32_t slot_size;
+        int fd;
+    } slabs[SLAB_CLASSES];
+    _Atomic int slab_count;
+    char *slab_dir;
+    atomic_int crash_before_commit; /* tests: see hapi_cache__crash_before_commit() */
+    bool trim_pending; /* a commit lowered a high-water mark: see slab_trim() (under write_lock) */
 
     /* Counters of this handle, relaxed atomics: lookups update them from any thread. */
     _Atomic uint64_t hits, misses, stale, bad, busy, errors, hit_ns;
@@ -274,11 +326,12 @@ static uint64_t value_checksum(const uint8_t header[HAPI_CACHE__HEADER_SIZE],
 }
 
 static void header_encode(uint8_t h[HAPI_CACHE__HEADER_SIZE], const hapi_source_id *id,
-                          uint32_t data_len, uint32_t path_len, uint64_t stored_ns)
+                          uint32_t data_len, uint32_t path_len, bool slab, uint64_t stored_ns)
 {
     put_le32(h + 0, HAPI_CACHE__MAGIC);
     put_le16(h + 4, HAPI_CACHE__VERSION);
-    put_le16(h + 6, path_len ? HAPI_CACHE__FLAG_HASHED_KEY : 0);
+    put_le16(h + 6, (uint16_t)((path_len ? HAPI_CACHE__FLAG_HASHED_KEY : 0) |
+                               (slab ? HAPI_CACHE__FLAG_SLAB : 0)));
     put_le32(h + 8, data_len);
     put_le32(h + 12, path_len);
     put_le64(h + 16, id->size);
@@ -289,19 +342,59 @@ static void header_encode(uint8_t h[HAPI_CACHE__HEADER_SIZE], const hapi_source_
     put_le64(h + 56, 0);
 }
 
-/* How a stored value compares with a lookup. */
-enum check { CHECK_OK, CHECK_ABSENT, CHECK_STALE, CHECK_BAD };
+/* How a stored value compares with a lookup; CHECK_SLAB: it verifies so far, its bytes are in a slab. */
+enum check { CHECK_OK, CHECK_ABSENT, CHECK_STALE, CHECK_BAD, CHECK_SLAB };
+
+/* Where a slab value's bytes are, and the entry's LRU stamp. */
+struct slab_ref {
+    uint32_t slot_size;
+    uint64_t slot;
+    uint64_t stamp;
+};
+
+/* The slot size of a feature of size bytes. */
+static uint32_t slot_size_of(size_t size)
+{
+    return (uint32_t)((size + HAPI_CACHE__SLOT_ALIGN - 1) & ~(size_t)(HAPI_CACHE__SLOT_ALIGN - 1));
+}
+
+/* Whether a feature of size bytes belongs in a slab (if a slab of its slot size can be had). */
+static bool slab_sized(size_t size)
+{
+    return size >= HAPI_CACHE__SLAB_MIN_SIZE && size <= UINT32_MAX - HAPI_CACHE__SLOT_ALIGN;
+}
+
+/*
+ * The slab reference of a stored value, copied out (v may point into a page
+ * the caller is about to change). Returns false for an inline value or one
+ * whose reference does not parse: such a value has no slot to free.
+ */
+static bool slab_ref_of(const MDB_val *v, struct slab_ref *ref)
+{
+    const uint8_t *p = v->mv_data;
+    if (v->mv_size < HAPI_CACHE__HEADER_SIZE + HAPI_CACHE__SLAB_REF_SIZE ||
+        get_le32(p) != HAPI_CACHE__MAGIC || !(get_le16(p + 6) & HAPI_CACHE__FLAG_SLAB))
+        return false;
+    const uint8_t *r = p + v->mv_size - HAPI_CACHE__SLAB_REF_SIZE;
+    ref->slot_size = get_le32(r);
+    ref->slot = get_le64(r + 8);
+    ref->stamp = get_le64(r + 16);
+    uint32_t data_len = get_le32(p + 8);
+    return ref->slot_size != 0 && slab_sized(data_len) && ref->slot_size == slot_size_of(data_len) &&
+           ref->slot <= (uint64_t)INT64_MAX / ref->slot_size - 1;
+}
 
 /*
  * Checks a stored value against the lookup: format, identity, the full path
  * for hashed keys, lengths, checksum. On success points *data and *size at the
- * feature bytes inside v. A value in our format for another identity of the
+ * feature bytes inside v; for a slab value, fills *ref and *size and returns
+ * CHECK_SLAB, the checksum left to slab_read(). A value in our format for another identity of the
  * source is stale; one for another path (a digest collision of a hashed key)
  * is absent; anything that does not verify is bad. The caller treats all
  * three as misses, and the next put of the path replaces the entry.
  */
 static enum check value_check(const MDB_val *v, const hapi_source_id *id, const char *path,
-                              bool hashed, const void **data, size_t *size)
+                              bool hashed, const void **data, size_t *size, struct slab_ref *ref)
 {
     const uint8_t *p = v->mv_data;
     if (v->mv_size < HAPI_CACHE__HEADER_SIZE)
@@ -326,6 +419,13 @@ static enum check value_check(const MDB_val *v, const hapi_source_id *id, const 
         return CHECK_BAD;
     }
     size_t offset = HAPI_CACHE__HEADER_SIZE + pad16(path_len);
+    if (flags & HAPI_CACHE__FLAG_SLAB) {
+        /* The checksum can only be checked once the bytes are read from the slab. */
+        if (v->mv_size != offset + HAPI_CACHE__SLAB_REF_SIZE || !slab_ref_of(v, ref))
+            return CHECK_BAD;
+        *size = data_len;
+        return CHECK_SLAB;
+    }
     if (v->mv_size != offset + (size_t)data_len)
         return CHECK_BAD;
     if (value_checksum(p, p + HAPI_CACHE__HEADER_SIZE, path_len, p + offset, data_len) !=
@@ -455,10 +555,12 @@ static int lmdb_to_code(int rc)
  * Bytes an entry occupies, estimated as LMDB lays it out: a value that does
  * not fit a leaf node goes to its own run of overflow pages ((15 + size) /
  * page + 1 of them), the leaf keeping the key and a page number; then the
- * entry's "lru" and "stamps" records. Leaf pages are never full, so this is
- * a lower bound, close enough to size eviction.
+ * entry's lru_records: its "lru" record, and an inline entry's "stamps"
+ * record. Leaf pages are never full, so this is a lower bound, close enough
+ * to size eviction.
  */
-static uint64_t entry_bytes(const hapi_cache *c, size_t key_len, size_t value_size)
+static uint64_t entry_bytes(const hapi_cache *c, size_t key_len, size_t value_size,
+                            int lru_records)
 {
     uint64_t node = 8 + (uint64_t)key_len + 2; /* node header, key, index slot */
     uint64_t bytes;
@@ -466,7 +568,7 @@ static uint64_t entry_bytes(const hapi_cache *c, size_t key_len, size_t value_si
         bytes = ((15 + (uint64_t)value_size) / c->psize + 1) * c->psize + node + 8;
     else
         bytes = node + value_size;
-    return bytes + 2 * (node + HAPI_CACHE__STAMP_SIZE);
+    return bytes + (uint64_t)lru_records * (node + HAPI_CACHE__STAMP_SIZE);
 }
 
 uint64_t hapi_cache_entry_bytes(const hapi_cache *c, size_t path_len, size_t size)
@@ -475,8 +577,12 @@ uint64_t hapi_cache_entry_bytes(const hapi_cache *c, size_t path_len, size_t siz
     size_t key_len = HAPI_CACHE_NAMESPACE_SIZE +
                      (path_len > HAPI_CACHE_PATH_MAX ? HAPI_CACHE_PATH_MAX : path_len);
     size_t value_size = HAPI_CACHE__HEADER_SIZE +
-                        (path_len > HAPI_CACHE_PATH_MAX ? pad16(path_len) : 0) + size;
-    return entry_bytes(c, key_len, value_size);
+                        (path_len > HAPI_CACHE_PATH_MAX ? pad16(path_len) : 0);
+    /* A slab entry: its index in LMDB and its slot. */
+    if (slab_sized(size))
+        return entry_bytes(c, key_len, value_size + HAPI_CACHE__SLAB_REF_SIZE, 1) +
+               slot_size_of(size);
+    return entry_bytes(c, key_len, value_size + size, 2);
 }
 
 /*
@@ -508,6 +614,399 @@ static int count_free_pages(MDB_txn *rtxn, uint64_t *out)
     if (rc != MDB_NOTFOUND)
         return rc;
     *out = n;
+    return 0;
+}
+
+/* ---- slab files ---- */
+
+/*
+ * The descriptor of the slab file of slot_size, opened (and with create,
+ * created) on first use; -errno if it cannot be opened, -EMFILE when
+ * SLAB_CLASSES sizes are open already. Lock-free once open: lookups call it.
+ */
+static int slab_fd(hapi_cache *c, uint32_t slot_size, bool create)
+{
+    int n = atomic_load_explicit(&c->slab_count, memory_order_acquire);
+    for (int i = 0; i < n; i++)
+        if (c->slabs[i].slot_size == slot_size)
+            return c->slabs[i].fd;
+    pthread_mutex_lock(&c->slab_lock);
+    int fd;
+    n = atomic_load_explicit(&c->slab_count, memory_order_relaxed);
+    for (int i = 0; i < n; i++) {
+        if (c->slabs[i].slot_size == slot_size) {
+            fd = c->slabs[i].fd;
+            goto out;
+        }
+    }
+    if (n == SLAB_CLASSES) {
+        fd = -EMFILE;
+        goto out;
+    }
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof(path), "%s/%u", c->slab_dir, slot_size) >= (int)sizeof(path)) {
+        fd = -ENAMETOOLONG;
+        goto out;
+    }
+    fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | (create ? O_CREAT : 0), 0644);
+    if (fd < 0) {
+        fd = -errno;
+        goto out;
+    }
+    c->slabs[n] = (struct slab){ .slot_size = slot_size, .fd = fd };
+    atomic_store_explicit(&c->slab_count, n + 1, memory_order_release);
+out:
+    pthread_mutex_unlock(&c->slab_lock);
+    return fd;
+}
+
+/*
+ * Reads the bytes of a slab value v (checked by value_check(): ref and size
+ * filled) into a new buffer, and verifies them against v's checksum. Returns
+ * CHECK_OK with *out (the caller frees it), CHECK_BAD (no such file, a short
+ * read, a checksum that differs: the slot was reused, never written, or
+ * damaged), or -ENOMEM.
+ */
+static int slab_read(hapi_cache *c, const MDB_val *v, const struct slab_ref *ref, size_t size,
+                     uint8_t **out)
+{
+    const uint8_t *p = v->mv_data;
+    uint32_t path_len = get_le32(p + 12);
+    *out = NULL;
+    int fd = slab_fd(c, ref->slot_size, false);
+    if (fd < 0)
+        return CHECK_BAD;
+    uint8_t *buf = malloc(size ? size : 1);
+    if (!buf)
+        return -ENOMEM;
+    off_t offset = (off_t)(ref->slot * ref->slot_size);
+    size_t done = 0;
+    while (done < size) {
+        ssize_t r = pread(fd, buf + done, size - done, offset + (off_t)done);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        done += (size_t)r;
+    }
+    if (done < size || value_checksum(p, p + HAPI_CACHE__HEADER_SIZE, path_len, buf, size) !=
+                           get_le64(p + 56)) {
+        free(buf);
+        return CHECK_BAD;
+    }
+    *out = buf;
+    return CHECK_OK;
+}
+
+/* Writes size bytes at offset of fd, whole. Returns 0 or an errno (positive, as LMDB's are). */
+static int write_full(int fd, const void *data, size_t size, off_t offset)
+{
+    const uint8_t *p = data;
+    while (size > 0) {
+        ssize_t w = pwrite(fd, p, size, offset);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0)
+            return errno;
+        if (w == 0)
+            return EIO;
+        p += w;
+        size -= (size_t)w;
+        offset += w;
+    }
+    return 0;
+}
+
+/*
+ * Room left in the map for LMDB's file to grow into once the slabs stopped
+ * growing: its index pages, and pages copied while the last transactions'
+ * free pages are not reusable yet (a write of the access log copies a few
+ * thousand). A sixteenth of the map and 64 pages, at most a quarter of it.
+ */
+static uint64_t lmdb_reserve(const hapi_cache *c, uint64_t map_bytes)
+{
+    uint64_t r = map_bytes / 16 + 64 * (uint64_t)c->psize;
+    return r < map_bytes / 4 ? r : map_bytes / 4;
+}
+
+/* A slot size's record in "meta": its high-water mark and how many of those slots are free. */
+struct slab_class {
+    uint64_t high;
+    uint64_t free;
+};
+
+static void class_key(uint8_t key[SLAB_KEY_SIZE], uint32_t slot_size)
+{
+    memcpy(key, SLAB_KEY, 4);
+    uint32_t be = htobe32(slot_size);
+    memcpy(key + 4, &be, 4);
+}
+
+static int class_get(hapi_cache *c, MDB_txn *txn, uint32_t slot_size, struct slab_class *sc)
+{
+    uint8_t key[SLAB_KEY_SIZE];
+    class_key(key, slot_size);
+    MDB_val k = { .mv_size = sizeof(key), .mv_data = key }, v;
+    *sc = (struct slab_class){ 0 };
+    int rc = mdb_get(txn, c->meta_dbi, &k, &v);
+    if (rc == MDB_NOTFOUND)
+        return 0;
+    if (rc)
+        return rc;
+    if (v.mv_size != 16)
+        return MDB_CORRUPTED;
+    sc->high = get_le64(v.mv_data);
+    sc->free = get_le64((const uint8_t *)v.mv_data + 8);
+    return 0;
+}
+
+/* Writes a slot size's record; an empty slab has none, so that the sizes of old models do not pile up. */
+static int class_put(hapi_cache *c, MDB_txn *txn, uint32_t slot_size, const struct slab_class *sc)
+{
+    uint8_t key[SLAB_KEY_SIZE], buf[16];
+    class_key(key, slot_size);
+    MDB_val k = { .mv_size = sizeof(key), .mv_data = key };
+    if (sc->high == 0) {
+        int rc = mdb_del(txn, c->meta_dbi, &k, NULL);
+        return rc == MDB_NOTFOUND ? 0 : rc;
+    }
+    put_le64(buf, sc->high);
+    put_le64(buf + 8, sc->free);
+    MDB_val v = { .mv_size = sizeof(buf), .mv_data = buf };
+    return mdb_put(txn, c->meta_dbi, &k, &v, 0);
+}
+
+/*
+ * Calls fn on every slot size's record of txn, in order of slot size, with
+ * arg. Stops at fn's first non-zero return and returns it, or 0, or an LMDB
+ * error.
+ */
+static int class_each(hapi_cache *c, MDB_txn *txn,
+                      int (*fn)(uint32_t slot_size, const struct slab_class *sc, void *arg),
+                      void *arg)
+{
+    MDB_cursor *cur;
+    MDB_val k = { .mv_size = 4, .mv_data = SLAB_KEY }, v;
+    MDB_cursor_op op = MDB_SET_RANGE;
+    int rc = mdb_cursor_open(txn, c->meta_dbi, &cur);
+    if (rc)
+        return rc;
+    while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
+        op = MDB_NEXT;
+        if (k.mv_size != SLAB_KEY_SIZE || memcmp(k.mv_data, SLAB_KEY, 4) != 0)
+            break;
+        if (v.mv_size != 16) {
+            rc = MDB_CORRUPTED;
+            break;
+        }
+        uint32_t be;
+        memcpy(&be, (const uint8_t *)k.mv_data + 4, 4);
+        struct slab_class sc = { get_le64(v.mv_data), get_le64((const uint8_t *)v.mv_data + 8) };
+        if ((rc = fn(be32toh(be), &sc, arg)) != 0)
+            break;
+    }
+    mdb_cursor_close(cur);
+    return rc == MDB_NOTFOUND ? 0 : rc;
+}
+
+/* The bytes of all slab files up to their high-water marks, and of their free slots. */
+struct slab_totals {
+    uint64_t bytes;
+    uint64_t free_bytes;
+};
+
+static int add_totals(uint32_t slot_size, const struct slab_class *sc, void *arg)
+{
+    struct slab_totals *t = arg;
+    t->bytes += sc->high * slot_size;
+    t->free_bytes += (sc->free < sc->high ? sc->free : sc->high) * slot_size;
+    return 0;
+}
+
+static int slab_totals(hapi_cache *c, MDB_txn *txn, struct slab_totals *t)
+{
+    *t = (struct slab_totals){ 0 };
+    return class_each(c, txn, add_totals, t);
+}
+
+static void slot_key(uint8_t key[SLOT_KEY_SIZE], uint32_t slot_size, uint64_t slot)
+{
+    uint32_t be = htobe32(slot_size);
+    memcpy(key, &be, 4);
+    put_be64(key + 4, slot);
+}
+
+/*
+ * Takes a slot of slot_size in txn: the lowest free one, else a new one at the
+ * end of the file, if the whole store (LMDB's file and every slab file) stays
+ * within the map size; if not, MDB_MAP_FULL, which makes the put evict and
+ * retry as for a full map. Returns 0 or an LMDB error.
+ */
+static int slot_alloc(hapi_cache *c, MDB_txn *txn, uint32_t slot_size, uint64_t *slot)
+{
+    struct slab_class sc;
+    int rc = class_get(c, txn, slot_size, &sc);
+    if (rc)
+        return rc;
+    if (sc.free > 0) {
+        MDB_cursor *cur;
+        uint8_t key[SLOT_KEY_SIZE];
+        slot_key(key, slot_size, 0);
+        MDB_val k = { .mv_size = sizeof(key), .mv_data = key }, v;
+        if ((rc = mdb_cursor_open(txn, c->slots_dbi, &cur)) != 0)
+            return rc;
+        rc = mdb_cursor_get(cur, &k, &v, MDB_SET_RANGE);
+        if (rc == 0 && k.mv_size == SLOT_KEY_SIZE && memcmp(k.mv_data, key, 4) == 0) {
+            *slot = get_be64((const uint8_t *)k.mv_data + 4);
+            rc = mdb_cursor_del(cur, 0);
+            mdb_cursor_close(cur);
+            if (rc)
+                return rc;
+            sc.free--;
+            return class_put(c, txn, slot_size, &sc);
+        }
+        mdb_cursor_close(cur);
+        if (rc && rc != MDB_NOTFOUND)
+            return rc;
+        sc.free = 0; /* the count disagreed with the list: the list is what holds */
+    }
+    MDB_envinfo info;
+    struct slab_totals t;
+    if ((rc = mdb_env_info(c->env, &info)) != 0 || (rc = slab_totals(c, txn, &t)) != 0)
+        return rc;
+    if (((uint64_t)info.me_last_pgno + 1) * c->psize + t.bytes + slot_size +
+            lmdb_reserve(c, info.me_mapsize) > (uint64_t)info.me_mapsize)
+        return MDB_MAP_FULL;
+    *slot = sc.high++;
+    return class_put(c, txn, slot_size, &sc);
+}
+
+/*
+ * Frees a slot in txn (write_lock held). Free slots at the end of the file
+ * leave it: the high-water mark comes down, and the file is cut to it by the
+ * next write transaction (slab_trim()), so that an evicted slot size gives
+ * its disk back. Not here: if txn does not commit, the slots it freed still
+ * hold committed entries' bytes. A slot beyond the high-water mark or free
+ * already (a damaged reference) is left alone. Returns 0 or an LMDB error.
+ */
+static int slot_free(hapi_cache *c, MDB_txn *txn, const struct slab_ref *ref)
+{
+    struct slab_class sc;
+    uint8_t key[SLOT_KEY_SIZE];
+    int rc = class_get(c, txn, ref->slot_size, &sc);
+    if (rc)
+        return rc;
+    if (ref->slot >= sc.high)
+        return 0;
+    slot_key(key, ref->slot_size, ref->slot);
+    MDB_val k = { .mv_size = sizeof(key), .mv_data = key }, v = { .mv_size = 0, .mv_data = "" };
+    rc = mdb_put(txn, c->slots_dbi, &k, &v, MDB_NOOVERWRITE);
+    if (rc == MDB_KEYEXIST)
+        return 0;
+    if (rc)
+        return rc;
+    sc.free++;
+    if (ref->slot + 1 == sc.high) {
+        while (sc.high > 0) {
+            slot_key(key, ref->slot_size, sc.high - 1);
+            k = (MDB_val){ .mv_size = sizeof(key), .mv_data = key };
+            rc = mdb_del(txn, c->slots_dbi, &k, NULL);
+            if (rc == MDB_NOTFOUND)
+                break;
+            if (rc)
+                return rc;
+            sc.high--;
+            sc.free = sc.free > 0 ? sc.free - 1 : 0;
+        }
+        /* slab_trim() cuts the files this process has open: open it now if it is not yet. */
+        slab_fd(c, ref->slot_size, false);
+        c->trim_pending = true;
+    }
+    return class_put(c, txn, ref->slot_size, &sc);
+}
+
+/*
+ * Cuts the slab files this process has open to their high-water marks as
+ * txn, a write transaction that has changed nothing yet, sees them: the
+ * committed marks. LMDB's write lock keeps every other writer out, so no slot
+ * past a mark is being written, and none is named by a committed entry.
+ * A failed truncation leaves bytes past the mark, which later slots overwrite.
+ */
+static void slab_trim(hapi_cache *c, MDB_txn *txn)
+{
+    int n = atomic_load_explicit(&c->slab_count, memory_order_acquire);
+    for (int i = 0; i < n; i++) {
+        struct slab_class sc;
+        struct stat st;
+        off_t end;
+        if (class_get(c, txn, c->slabs[i].slot_size, &sc) != 0)
+            continue;
+        end = (off_t)(sc.high * c->slabs[i].slot_size);
+        if (fstat(c->slabs[i].fd, &st) == 0 && st.st_size > end)
+            (void)!ftruncate(c->slabs[i].fd, end);
+    }
+    c->trim_pending = false;
+}
+
+/* Opens a slot size's file, for slab_trim(), which cuts the files open. */
+static int open_class(uint32_t slot_size, const struct slab_class *sc, void *arg)
+{
+    (void)sc;
+    slab_fd(arg, slot_size, false);
+    return 0;
+}
+
+/*
+ * Drops every slot record, in txn (write lock held, every entry gone in the
+ * same transaction); the files are emptied by the next write's slab_trim().
+ */
+static int slab_clear(hapi_cache *c, MDB_txn *txn)
+{
+    int rc = class_each(c, txn, open_class, c);
+    if (rc == 0)
+        rc = mdb_drop(txn, c->slots_dbi, 0);
+    c->trim_pending = true;
+    while (rc == 0) {
+        MDB_cursor *cur;
+        MDB_val k = { .mv_size = 4, .mv_data = SLAB_KEY }, v;
+        if ((rc = mdb_cursor_open(txn, c->meta_dbi, &cur)) != 0)
+            break;
+        rc = mdb_cursor_get(cur, &k, &v, MDB_SET_RANGE);
+        if (rc == 0 && k.mv_size == SLAB_KEY_SIZE && memcmp(k.mv_data, SLAB_KEY, 4) == 0)
+            rc = mdb_cursor_del(cur, 0);
+        else if (rc == 0)
+            rc = MDB_NOTFOUND;
+        mdb_cursor_close(cur);
+    }
+    return rc == MDB_NOTFOUND ? 0 : rc;
+}
+
+/*
+ * Empties the slab files found in the slab directory: those of a store that
+ * is gone (a new data.mdb, or a reset one). Called while creating a store, in
+ * its first write transaction. Returns 0 or -errno.
+ */
+static int slab_files_empty(hapi_cache *c)
+{
+    DIR *d = opendir(c->slab_dir);
+    struct dirent *e;
+    if (!d)
+        return -errno;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] < '1' || e->d_name[0] > '9')
+            continue; /* ".", "..", and nothing of ours */
+        int fd = openat(dirfd(d), e->d_name, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0)
+            continue;
+        int rc = ftruncate(fd, 0);
+        close(fd);
+        if (rc != 0) {
+            rc = -errno;
+            closedir(d);
+            return rc;
+        }
+    }
+    closedir(d);
     return 0;
 }
 
@@ -548,20 +1047,55 @@ static void drain_take(hapi_cache *c)
 
 /* ---- the LRU index ---- */
 
-/*
- * Deletes the "lru" record that a "stamps" value names. The stamp is copied
- * first: it points into a page the deletion may change. A record already
- * gone is fine.
- */
-static int drop_lru_record(hapi_cache *c, MDB_txn *txn, const MDB_val *stamp)
+/* Deletes the "lru" record of stamp. A record already gone is fine. */
+static int drop_lru_stamp(hapi_cache *c, MDB_txn *txn, uint64_t stamp)
 {
     uint8_t o[HAPI_CACHE__STAMP_SIZE];
-    if (stamp->mv_size != sizeof(o))
-        return MDB_CORRUPTED;
-    memcpy(o, stamp->mv_data, sizeof(o));
+    put_be64(o, stamp);
     MDB_val ok = { .mv_size = sizeof(o), .mv_data = o };
     int rc = mdb_del(txn, c->lru_dbi, &ok, NULL);
     return rc == MDB_NOTFOUND ? 0 : rc;
+}
+
+/*
+ * Deletes the "lru" record that a "stamps" value names (decoded first: it
+ * points into a page the deletion may change).
+ */
+static int drop_lru_record(hapi_cache *c, MDB_txn *txn, const MDB_val *stamp)
+{
+    if (stamp->mv_size != HAPI_CACHE__STAMP_SIZE)
+        return MDB_CORRUPTED;
+    return drop_lru_stamp(c, txn, get_be64(stamp->mv_data));
+}
+
+/* Adds key's "lru" record under *stamp (then advanced), and with in_stamps its "stamps" record. */
+static int lru_append(hapi_cache *c, MDB_txn *txn, MDB_val *k, uint64_t *stamp, bool in_stamps)
+{
+    uint8_t s[HAPI_CACHE__STAMP_SIZE];
+    put_be64(s, (*stamp)++);
+    MDB_val sk = { .mv_size = sizeof(s), .mv_data = s };
+    /* Stamps only grow within and across transactions: append at the tail, no search. */
+    int rc = mdb_put(txn, c->lru_dbi, &sk, k, MDB_APPEND);
+    if (rc == 0 && in_stamps)
+        rc = mdb_put(txn, c->stamps_dbi, k, &sk, 0);
+    return rc;
+}
+
+/* Rewrites slab value v of k with stamp: a copy of a few dozen bytes, in the leaf. */
+static int value_stamp_set(hapi_cache *c, MDB_txn *txn, MDB_val *k, const MDB_val *v,
+                           uint64_t stamp)
+{
+    uint8_t small[256];
+    uint8_t *copy = v->mv_size <= sizeof(small) ? small : malloc(v->mv_size);
+    if (!copy)
+        return ENOMEM;
+    memcpy(copy, v->mv_data, v->mv_size);
+    put_le64(copy + v->mv_size - HAPI_CACHE__STAMP_SIZE, stamp);
+    MDB_val nv = { .mv_size = v->mv_size, .mv_data = copy };
+    int rc = mdb_put(txn, c->features_dbi, k, &nv, 0);
+    if (copy != small)
+        free(copy);
+    return rc;
 }
 
 /* The first stamp a write transaction hands out: one more than the newest. */
@@ -588,17 +1122,29 @@ static int stamp_first(hapi_cache *c, MDB_txn *txn, uint64_t *stamp)
 
 /*
  * Makes key the most recently used entry: stamps it with *stamp (then
- * advanced) and deletes its older "lru" record. With must_exist, a key
- * without a stamp (evicted or removed since its access was noted) is left
- * alone and MDB_NOTFOUND returned.
+ * advanced) and deletes its older "lru" record. A slab entry keeps its stamp
+ * in its value (small, in its leaf: rewriting it costs what a "stamps"
+ * record would, and saves that record); an inline one in "stamps" (its value
+ * may span overflow pages, which a rewrite would copy). With must_exist, a
+ * key without a stamp (evicted or removed since its access was noted) is
+ * left alone and MDB_NOTFOUND returned.
  */
 static int touch(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
                  uint64_t *stamp, bool must_exist)
 {
-    MDB_val k = { .mv_size = key_len, .mv_data = (void *)key }, old;
-    uint8_t s[HAPI_CACHE__STAMP_SIZE];
+    MDB_val k = { .mv_size = key_len, .mv_data = (void *)key }, v, old;
+    struct slab_ref ref;
     int rc;
 
+    rc = mdb_get(txn, c->features_dbi, &k, &v);
+    if (rc == 0 && slab_ref_of(&v, &ref)) {
+        if ((rc = drop_lru_stamp(c, txn, ref.stamp)) != 0 ||
+            (rc = value_stamp_set(c, txn, &k, &v, *stamp)) != 0)
+            return rc;
+        return lru_append(c, txn, &k, stamp, false);
+    }
+    if (rc && rc != MDB_NOTFOUND)
+        return rc;
     rc = mdb_get(txn, c->stamps_dbi, &k, &old);
     if (rc == MDB_NOTFOUND && must_exist)
         return rc;
@@ -608,18 +1154,19 @@ static int touch(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
     } else if (rc != MDB_NOTFOUND) {
         return rc;
     }
-    put_be64(s, (*stamp)++);
-    MDB_val sk = { .mv_size = sizeof(s), .mv_data = s };
-    /* Stamps only grow within and across transactions: append at the tail, no search. */
-    rc = mdb_put(txn, c->lru_dbi, &sk, &k, MDB_APPEND);
-    if (rc == 0)
-        rc = mdb_put(txn, c->stamps_dbi, &k, &sk, 0);
-    return rc;
+    return lru_append(c, txn, &k, stamp, true);
 }
 
-/* Deletes key's "stamps" and "lru" records, if any. */
-static int unlink_lru(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len)
+/*
+ * Deletes the LRU records of key's entry, if any: its "lru" record, which
+ * ref (a slab entry's reference, copied before the entry was deleted) or the
+ * "stamps" record names, and that "stamps" record.
+ */
+static int unlink_lru(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
+                      const struct slab_ref *ref)
 {
+    if (ref)
+        return drop_lru_stamp(c, txn, ref->stamp);
     MDB_val k = { .mv_size = key_len, .mv_data = (void *)key }, old;
     int rc = mdb_get(txn, c->stamps_dbi, &k, &old);
     if (rc == MDB_NOTFOUND)
@@ -632,15 +1179,17 @@ static int unlink_lru(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_l
 }
 
 /*
- * Applies the drained access log in txn; returns the number of records
- * applied through *applied. The log is cleared only once txn commits
- * (drain_done), so a failed write leaves it for the next.
+ * Applies up to max records of the drained access log in txn, from where the
+ * last committed write left it; returns the number applied through *applied.
+ * The log moves on only once txn commits (drain_done), so a failed write
+ * leaves it for the next.
  */
-static int apply_accesses(hapi_cache *c, MDB_txn *txn, uint64_t *stamp, uint64_t *applied)
+static int apply_accesses(hapi_cache *c, MDB_txn *txn, uint64_t *stamp, uint64_t *applied,
+                          size_t max)
 {
-    const uint8_t *p = c->drain, *end = c->drain + c->drain_used;
+    const uint8_t *p = c->drain + c->drain_off, *end = c->drain + c->drain_used;
     uint64_t n = 0;
-    while (p + 2 <= end) {
+    for (size_t records = 0; p + 2 <= end && records < max; records++) {
         size_t len = get_le16(p);
         const uint8_t *key = p + 2;
         p += 2 + len;
@@ -651,12 +1200,18 @@ static int apply_accesses(hapi_cache *c, MDB_txn *txn, uint64_t *stamp, uint64_t
             return rc;
         n++;
     }
+    c->drain_next = (size_t)(p - c->drain);
     if (applied)
         *applied = n;
     return 0;
 }
 
-static void drain_done(hapi_cache *c) { c->drain_used = 0; }
+static void drain_done(hapi_cache *c)
+{
+    c->drain_off = c->drain_next;
+    if (c->drain_off >= c->drain_used)
+        c->drain_used = c->drain_off = 0;
+}
 
 /* ---- write transactions ---- */
 
@@ -680,6 +1235,8 @@ static int write_begin(hapi_cache *c, MDB_txn **txn, hapi_error *err)
         return hapi_error_set(err, lmdb_to_code(rc), "cache %s: cannot begin a write: %s",
                               c->dir, mdb_strerror(rc));
     }
+    if (c->trim_pending)
+        slab_trim(c, *txn);
     return 0;
 }
 
@@ -696,6 +1253,7 @@ static int eviction_goal(hapi_cache *c, uint64_t need, uint64_t *goal)
 {
     MDB_envinfo info;
     MDB_txn *rtxn;
+    struct slab_totals slabs;
     uint64_t free_pages = 0;
     int rc;
 
@@ -703,22 +1261,36 @@ static int eviction_goal(hapi_cache *c, uint64_t need, uint64_t *goal)
     rc = mdb_env_info(c->env, &info);
     if (rc)
         return rc;
-    uint64_t map = (uint64_t)info.me_mapsize / c->psize;
-    uint64_t used = (uint64_t)info.me_last_pgno + 1;
-    uint64_t need_pages = (need + c->psize - 1) / c->psize;
-    uint64_t high, low;
-    marks(map, &high, &low);
-    if (used + need_pages <= high)
-        return 0;
     rc = read_begin(c, &rtxn);
     if (rc == 1)
         return 0; /* cannot happen under write_lock; no estimate is no eviction */
     if (rc)
         return rc;
+    rc = slab_totals(c, rtxn, &slabs);
+    if (rc) {
+        read_end(c, rtxn);
+        return rc;
+    }
+    /*
+     * The slab files count as pages of the map, the bound being the whole
+     * store's, and so does the reserve slot_alloc() leaves for LMDB to grow.
+     */
+    uint64_t map = (uint64_t)info.me_mapsize / c->psize;
+    uint64_t reserve = slabs.bytes ? lmdb_reserve(c, info.me_mapsize) / c->psize : 0;
+    uint64_t used = (uint64_t)info.me_last_pgno + 1 + slabs.bytes / c->psize + reserve;
+    uint64_t need_pages = (need + c->psize - 1) / c->psize;
+    uint64_t high, low;
+    marks(map, &high, &low);
+    if (used + need_pages <= high) {
+        read_end(c, rtxn);
+        return 0;
+    }
     rc = count_free_pages(rtxn, &free_pages);
     read_end(c, rtxn);
     if (rc)
         return rc;
+    /* Free pages and free slots are reused before the files grow. */
+    free_pages += slabs.free_bytes / c->psize;
     used = free_pages < used ? used - free_pages : 0;
     if (used + need_pages <= high)
         return 0;
@@ -817,7 +1389,7 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
         bool applied = c->drain_used > 0 && !skip_apply;
         rc = stamp_first(c, txn, &stamp);
         if (rc == 0 && applied)
-            rc = apply_accesses(c, txn, &stamp, NULL);
+            rc = apply_accesses(c, txn, &stamp, NULL, SIZE_MAX);
         if (rc == 0)
             rc = mdb_cursor_open(txn, c->lru_dbi, &cur);
         while (rc == 0 && n < batch && freed + batch_freed < goal) {
@@ -840,11 +1412,16 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
                 continue; /* not a key of ours: the record alone goes */
             MDB_val fk = { .mv_size = len, .mv_data = key }, fv;
             size_t value_size = 0;
+            struct slab_ref ref;
+            bool slab = false;
             rc = mdb_get(txn, c->features_dbi, &fk, &fv);
             if (rc == 0) {
                 value_size = fv.mv_size;
+                slab = slab_ref_of(&fv, &ref);
                 rc = mdb_del(txn, c->features_dbi, &fk, NULL);
                 gone += rc == 0;
+                if (rc == 0 && slab)
+                    rc = slot_free(c, txn, &ref);
             }
             if (rc == 0 || rc == MDB_NOTFOUND)
                 rc = mdb_del(txn, c->stamps_dbi, &fk, NULL);
@@ -852,7 +1429,8 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
                 rc = 0;
             if (rc)
                 break;
-            batch_freed += entry_bytes(c, len, value_size);
+            batch_freed += entry_bytes(c, len, value_size, slab ? 1 : 2) +
+                           (slab ? ref.slot_size : 0);
             n++;
         }
         if (cur)
@@ -936,10 +1514,9 @@ static int evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *er
 
 /*
  * Indexes a version-1 store (entries without an LRU order) in txn: stamps in
- * key order, which keeps a directory's entries together. Then marks it as
- * version 2.
+ * key order, which keeps a directory's entries together.
  */
-static int upgrade_v1(hapi_cache *c, MDB_txn *txn, const uint8_t record[FORMAT_RECORD_SIZE])
+static int upgrade_v1(hapi_cache *c, MDB_txn *txn)
 {
     MDB_cursor *cur;
     MDB_val k, v;
@@ -954,11 +1531,7 @@ static int upgrade_v1(hapi_cache *c, MDB_txn *txn, const uint8_t record[FORMAT_R
             break;
     }
     mdb_cursor_close(cur);
-    if (rc != MDB_NOTFOUND)
-        return rc;
-    k = (MDB_val){ .mv_size = strlen(FORMAT_KEY), .mv_data = FORMAT_KEY };
-    v = (MDB_val){ .mv_size = FORMAT_RECORD_SIZE, .mv_data = (void *)record };
-    return mdb_put(txn, c->meta_dbi, &k, &v, 0);
+    return rc == MDB_NOTFOUND ? 0 : rc;
 }
 
 /*
@@ -1008,6 +1581,16 @@ static int init_databases(hapi_cache *c, hapi_error *err)
                                 c->dir, mdb_strerror(rc));
             goto fail_txn;
         }
+        /*
+         * Slab files left by a store that is gone (reset, or data.mdb deleted)
+         * hold nothing this one names: empty them, under the write lock this
+         * transaction holds, before any slot is handed out.
+         */
+        if ((rc = slab_files_empty(c)) != 0) {
+            rc = hapi_error_set(err, rc, "cache %s/%s: cannot empty the slab files: %s", c->dir,
+                                HAPI_CACHE__SLAB_DIR, strerror(-rc));
+            goto fail_txn;
+        }
     } else {
         rc = mdb_dbi_open(txn, "meta", 0, &c->meta_dbi);
         if (rc == MDB_NOTFOUND || rc == MDB_INCOMPATIBLE) {
@@ -1034,7 +1617,7 @@ static int init_databases(hapi_cache *c, hapi_error *err)
             goto fail_txn;
         }
         version = get_le32((const uint8_t *)v.mv_data + FORMAT_MAGIC_SIZE);
-        if (version != FORMAT_VERSION && version != 1) {
+        if (version != FORMAT_VERSION && version != 1 && version != 2) {
             rc = hapi_error_set(err, HAPI_ECORRUPT,
                                 "cache %s/data.mdb: store format version %u, this hapifs reads %u",
                                 c->dir, version, FORMAT_VERSION);
@@ -1044,14 +1627,26 @@ static int init_databases(hapi_cache *c, hapi_error *err)
 
     if ((rc = mdb_dbi_open(txn, "features", MDB_CREATE, &c->features_dbi)) != 0 ||
         (rc = mdb_dbi_open(txn, "lru", MDB_CREATE, &c->lru_dbi)) != 0 ||
-        (rc = mdb_dbi_open(txn, "stamps", MDB_CREATE, &c->stamps_dbi)) != 0) {
+        (rc = mdb_dbi_open(txn, "stamps", MDB_CREATE, &c->stamps_dbi)) != 0 ||
+        (rc = mdb_dbi_open(txn, "slots", MDB_CREATE, &c->slots_dbi)) != 0) {
         rc = hapi_error_set(err, lmdb_to_code(rc), "cache %s/data.mdb: databases: %s",
                             c->dir, mdb_strerror(rc));
         goto fail_txn;
     }
-    if (version == 1 && (rc = upgrade_v1(c, txn, record)) != 0) {
-        rc = hapi_error_set(err, lmdb_to_code(rc), "cache %s: cannot upgrade a version-1 store: %s",
-                            c->dir, mdb_strerror(rc));
+    /*
+     * A version-2 store needs only the "slots" database, made above: its
+     * inline values stay readable as they are.
+     */
+    if (version == 1)
+        rc = upgrade_v1(c, txn);
+    if (rc == 0 && version != FORMAT_VERSION) {
+        k = (MDB_val){ .mv_size = strlen(FORMAT_KEY), .mv_data = FORMAT_KEY };
+        v = (MDB_val){ .mv_size = sizeof(record), .mv_data = record };
+        rc = mdb_put(txn, c->meta_dbi, &k, &v, 0);
+    }
+    if (rc) {
+        rc = hapi_error_set(err, lmdb_to_code(rc), "cache %s: cannot upgrade a version-%u store: %s",
+                            c->dir, version, mdb_strerror(rc));
         goto fail_txn;
     }
     /* Handles opened in a committed transaction stay valid for the environment's life. */
@@ -1220,12 +1815,19 @@ int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
         goto fail_alloc;
     }
     c->dir = strdup(dir);
+    if (asprintf(&c->slab_dir, "%s/%s", dir, HAPI_CACHE__SLAB_DIR) < 0)
+        c->slab_dir = NULL;
     c->pool_max = max_readers / 2 < POOL_MAX ? max_readers / 2 : POOL_MAX;
     c->pool = calloc((size_t)(c->pool_max > 0 ? c->pool_max : 1), sizeof(*c->pool));
     c->log = malloc(ACCESS_LOG_BYTES);
     c->drain = malloc(ACCESS_LOG_BYTES);
-    if (!c->dir || !c->pool || !c->log || !c->drain) {
+    if (!c->dir || !c->slab_dir || !c->pool || !c->log || !c->drain) {
         rc = hapi_error_set(err, -ENOMEM, "cache %s: out of memory", dir);
+        goto fail_fields;
+    }
+    if (mkdir(c->slab_dir, 0755) != 0 && errno != EEXIST) {
+        rc = -errno;
+        hapi_error_set(err, rc, "cache directory %s: %s", c->slab_dir, strerror(-rc));
         goto fail_fields;
     }
 
@@ -1241,6 +1843,7 @@ int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
     pthread_mutex_init(&c->pool_lock, NULL);
     pthread_mutex_init(&c->write_lock, NULL);
     pthread_mutex_init(&c->access_lock, NULL);
+    pthread_mutex_init(&c->slab_lock, NULL);
 
     /* The map size is the store's bound; LMDB wants a multiple of the OS page size. */
     long page = sysconf(_SC_PAGESIZE);
@@ -1266,6 +1869,9 @@ int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
     return 0;
 
 fail_locks:
+    for (int i = 0; i < c->slab_count; i++)
+        close(c->slabs[i].fd);
+    pthread_mutex_destroy(&c->slab_lock);
     pthread_mutex_destroy(&c->access_lock);
     pthread_mutex_destroy(&c->write_lock);
     pthread_mutex_destroy(&c->pool_lock);
@@ -1274,6 +1880,7 @@ fail_fields:
     free(c->drain);
     free(c->log);
     free(c->pool);
+    free(c->slab_dir);
     free(c->dir);
     free(c);
 fail_alloc:
@@ -1286,11 +1893,24 @@ void hapi_cache_close(hapi_cache *c)
         return;
     /* Hits since the last write still count for the LRU order of the next run. */
     hapi_cache_flush_access(c, NULL);
+    if (c->trim_pending) {
+        /* The slab disk that the last evictions gave back: a write transaction that writes nothing. */
+        MDB_txn *txn;
+        if (write_begin(c, &txn, NULL) == 0)
+            mdb_txn_abort(txn);
+    }
     for (int i = 0; i < c->pool_count; i++)
         mdb_txn_abort(c->pool[i]);
     /* With MDB_NOSYNC nothing was flushed: a clean close makes the store durable. */
     mdb_env_sync(c->env, 1);
     mdb_env_close(c->env);
+    /*
+     * The slab files are not flushed: a slot that an OS crash loses fails its
+     * checksum, a miss, as do LMDB's own lost commits.
+     */
+    for (int i = 0; i < c->slab_count; i++)
+        close(c->slabs[i].fd);
+    pthread_mutex_destroy(&c->slab_lock);
     pthread_mutex_destroy(&c->access_lock);
     pthread_mutex_destroy(&c->write_lock);
     pthread_mutex_destroy(&c->pool_lock);
@@ -1298,6 +1918,7 @@ void hapi_cache_close(hapi_cache *c)
     free(c->drain);
     free(c->log);
     free(c->pool);
+    free(c->slab_dir);
     free(c->dir);
     free(c);
 }
@@ -1334,16 +1955,59 @@ int hapi_cache_get(hapi_cache *c, const hapi_cache_namespace *ns, const char *pa
         return lmdb_to_code(rc);
     }
 
-    rc = mdb_get(txn, c->features_dbi, &k, &v);
-    if (rc == 0)
-        check = value_check(&v, id, path, hashed, &val->data, &val->size);
-    if (rc == 0 && check == CHECK_OK) {
-        /* The transaction pins the pages val->data points into until hapi_cache_release(). */
-        val->txn_ = txn;
-        note_access(c, keybuf, k.mv_size);
-        count(&c->hits, 1);
-        count(&c->hit_ns, hapi_now_ns() - t0);
-        return 1;
+    for (int attempt = 0;; attempt++) {
+        struct slab_ref ref;
+        uint8_t *buf = NULL;
+        rc = mdb_get(txn, c->features_dbi, &k, &v);
+        if (rc == 0)
+            check = value_check(&v, id, path, hashed, &val->data, &val->size, &ref);
+        if (rc == 0 && check == CHECK_OK) {
+            /* The transaction pins the pages val->data points into until hapi_cache_release(). */
+            val->txn_ = txn;
+            note_access(c, keybuf, k.mv_size);
+            count(&c->hits, 1);
+            count(&c->hit_ns, hapi_now_ns() - t0);
+            return 1;
+        }
+        if (rc != 0 || check != CHECK_SLAB)
+            break;
+        int r = slab_read(c, &v, &ref, val->size, &buf);
+        if (r == CHECK_OK) {
+            /* The bytes are ours: the snapshot can go now, the buffer until hapi_cache_release(). */
+            read_end(c, txn);
+            val->data = buf;
+            val->buf_ = buf;
+            note_access(c, keybuf, k.mv_size);
+            count(&c->hits, 1);
+            count(&c->hit_ns, hapi_now_ns() - t0);
+            return 1;
+        }
+        if (r < 0) {
+            read_end(c, txn);
+            *val = (hapi_cache_value){ 0 };
+            count(&c->errors, 1);
+            return HAPI_ECACHE;
+        }
+        check = CHECK_BAD;
+        if (attempt == SLAB_READ_RETRIES)
+            break;
+        /*
+         * Most likely the entry was replaced or evicted and its slot reused
+         * after this snapshot began: look again in a fresh one.
+         */
+        read_end(c, txn);
+        rc = read_begin(c, &txn);
+        if (rc == 1) {
+            *val = (hapi_cache_value){ .miss = HAPI_CACHE_MISS_BUSY };
+            count(&c->busy, 1);
+            return 0;
+        }
+        if (rc) {
+            *val = (hapi_cache_value){ 0 };
+            count(&c->errors, 1);
+            return lmdb_to_code(rc);
+        }
+        check = CHECK_ABSENT;
     }
     read_end(c, txn);
     val->data = NULL;
@@ -1372,17 +2036,24 @@ int hapi_cache_get(hapi_cache *c, const hapi_cache_namespace *ns, const char *pa
 
 void hapi_cache_release(hapi_cache *c, hapi_cache_value *val)
 {
-    if (!c || !val || !val->txn_)
+    if (!c || !val || (!val->txn_ && !val->buf_))
         return;
-    read_end(c, val->txn_);
+    if (val->txn_)
+        read_end(c, val->txn_);
+    free(val->buf_);
     *val = (hapi_cache_value){ 0 };
 }
 
 /* ---- puts ---- */
 
 /*
- * Writes the items in txn and makes them the most recently used. Returns 0 or
- * an LMDB code, with the index of the failing item in *failed.
+ * Writes the items in txn and makes them the most recently used. A feature
+ * of slab size is written to a slot taken in txn, before its index: a crash
+ * before the commit leaves a slot that no committed entry names. The slots
+ * of the values replaced are freed only after the batch took its own, so
+ * that no slot a committed entry names is written before the commit. Returns
+ * 0, an LMDB code, or an errno (the slab write's), with the index of the
+ * failing item in *failed.
  */
 static int put_items(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns,
                      const hapi_cache_item *items, size_t n, uint64_t *stamp, size_t *failed)
@@ -1390,7 +2061,12 @@ static int put_items(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
     uint64_t stored_ns = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+    struct slab_ref *replaced = malloc(n * sizeof(*replaced));
+    size_t n_replaced = 0;
+    int rc = 0;
 
+    if (!replaced)
+        return ENOMEM;
     for (size_t i = 0; i < n; i++) {
         const hapi_cache_item *it = &items[i];
         uint8_t keybuf[HAPI_CACHE__KEY_MAX];
@@ -1398,28 +2074,60 @@ static int put_items(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace *ns
         uint32_t stored_path_len = path_len > HAPI_CACHE_PATH_MAX ? (uint32_t)path_len : 0;
         size_t offset = HAPI_CACHE__HEADER_SIZE + pad16(stored_path_len);
         MDB_val k = { .mv_size = hapi_cache__key_make(ns, it->path, keybuf), .mv_data = keybuf };
-        MDB_val v = { .mv_size = offset + it->size, .mv_data = NULL };
-        int rc;
+        MDB_val old;
+        struct slab_ref ref = { 0 };
+        int fd = -1;
 
         *failed = i;
+        /* The value replaced goes out of the LRU order; its slot, if any, is freed below. */
+        rc = mdb_get(txn, c->features_dbi, &k, &old);
+        if (rc == 0 && slab_ref_of(&old, &replaced[n_replaced]))
+            rc = unlink_lru(c, txn, keybuf, k.mv_size, &replaced[n_replaced++]);
+        else if (rc == 0 || rc == MDB_NOTFOUND)
+            rc = unlink_lru(c, txn, keybuf, k.mv_size, NULL);
+        if (rc)
+            goto out;
+        /* No slab file to be had (too many sizes, or it cannot be opened): inline, as small ones. */
+        if (slab_sized(it->size)) {
+            ref.slot_size = slot_size_of(it->size);
+            fd = slab_fd(c, ref.slot_size, true);
+        }
+        if (fd >= 0) {
+            if ((rc = slot_alloc(c, txn, ref.slot_size, &ref.slot)) != 0 ||
+                (rc = write_full(fd, it->data, it->size,
+                                 (off_t)(ref.slot * ref.slot_size))) != 0)
+                goto out;
+        }
+        MDB_val v = { .mv_size = offset + (fd >= 0 ? HAPI_CACHE__SLAB_REF_SIZE : it->size),
+                      .mv_data = NULL };
         /* MDB_RESERVE: build the value in place, in the page it will live in. */
         rc = mdb_put(txn, c->features_dbi, &k, &v, MDB_RESERVE);
         if (rc)
-            return rc;
+            goto out;
         uint8_t *p = v.mv_data;
-        header_encode(p, &it->id, (uint32_t)it->size, stored_path_len, stored_ns);
+        header_encode(p, &it->id, (uint32_t)it->size, stored_path_len, fd >= 0, stored_ns);
         /* Zero the padding too: reserved space is not initialized and would reach the file. */
-        memset(p + HAPI_CACHE__HEADER_SIZE, 0, offset - HAPI_CACHE__HEADER_SIZE);
+        memset(p + HAPI_CACHE__HEADER_SIZE, 0, v.mv_size - HAPI_CACHE__HEADER_SIZE);
         memcpy(p + HAPI_CACHE__HEADER_SIZE, it->path, stored_path_len);
-        if (it->size)
+        if (fd >= 0) {
+            put_le32(p + offset, ref.slot_size);
+            put_le64(p + offset + 8, ref.slot);
+            put_le64(p + offset + 16, *stamp); /* the stamp lru_append() gives it */
+        } else if (it->size) {
             memcpy(p + offset, it->data, it->size);
+        }
         put_le64(p + 56, value_checksum(p, p + HAPI_CACHE__HEADER_SIZE, stored_path_len,
-                                        p + offset, it->size));
-        rc = touch(c, txn, keybuf, k.mv_size, stamp, false);
+                                        it->data, it->size));
+        /* The newest entry: a slab entry's stamp is in its value, an inline one's in "stamps". */
+        rc = lru_append(c, txn, &k, stamp, fd < 0);
         if (rc)
-            return rc;
+            goto out;
     }
-    return 0;
+    for (size_t i = 0; i < n_replaced && rc == 0; i++)
+        rc = slot_free(c, txn, &replaced[i]);
+out:
+    free(replaced);
+    return rc;
 }
 
 int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
@@ -1484,9 +2192,11 @@ int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
             goto out;
         rc = stamp_first(c, txn, &stamp);
         if (rc == 0 && applied)
-            rc = apply_accesses(c, txn, &stamp, NULL);
+            rc = apply_accesses(c, txn, &stamp, NULL, SIZE_MAX);
         if (rc == 0)
             rc = put_items(c, txn, ns, items, n, &stamp, &failed);
+        if (rc == 0 && atomic_load(&c->crash_before_commit))
+            _exit(86);
         if (rc == 0) {
             rc = mdb_txn_commit(txn); /* a commit frees the transaction even when it fails */
         } else {
@@ -1546,33 +2256,33 @@ out:
 int hapi_cache_flush_access(hapi_cache *c, hapi_error *err)
 {
     MDB_txn *txn;
-    uint64_t stamp = 0, applied = 0;
-    int rc;
+    uint64_t stamp = 0, applied = 0, total = 0;
+    int rc = 0;
 
     if (!c)
         return hapi_error_set(err, HAPI_EINVAL, "cache flush: missing argument");
     pthread_mutex_lock(&c->write_lock);
     drain_take(c);
-    if (c->drain_used == 0) {
-        rc = 0;
-        goto out;
+    while (c->drain_used > 0) {
+        if ((rc = write_begin(c, &txn, err)) != 0)
+            goto out;
+        rc = stamp_first(c, txn, &stamp);
+        if (rc == 0)
+            rc = apply_accesses(c, txn, &stamp, &applied, FLUSH_BATCH);
+        if (rc == 0)
+            rc = mdb_txn_commit(txn);
+        else
+            mdb_txn_abort(txn);
+        if (rc) {
+            rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc),
+                                "cache %s: applying the access log: %s", c->dir,
+                                mdb_strerror(rc));
+            goto out;
+        }
+        drain_done(c);
+        total += applied;
     }
-    if ((rc = write_begin(c, &txn, err)) != 0)
-        goto out;
-    rc = stamp_first(c, txn, &stamp);
-    if (rc == 0)
-        rc = apply_accesses(c, txn, &stamp, &applied);
-    if (rc == 0)
-        rc = mdb_txn_commit(txn);
-    else
-        mdb_txn_abort(txn);
-    if (rc) {
-        rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : lmdb_to_code(rc),
-                            "cache %s: applying the access log: %s", c->dir, mdb_strerror(rc));
-        goto out;
-    }
-    drain_done(c);
-    rc = applied > INT32_MAX ? INT32_MAX : (int)applied;
+    rc = total > INT32_MAX ? INT32_MAX : (int)total;
 out:
     pthread_mutex_unlock(&c->write_lock);
     return rc;
@@ -1624,14 +2334,23 @@ int hapi_cache_evict_path(hapi_cache *c, const hapi_cache_namespace *ns, const c
 again:
     if ((rc = write_begin(c, &txn, err)) != 0)
         goto out;
-    rc = mdb_del(txn, c->features_dbi, &k, NULL);
+    MDB_val v;
+    struct slab_ref ref;
+    bool slab = false;
+    rc = mdb_get(txn, c->features_dbi, &k, &v);
+    if (rc == 0) {
+        slab = slab_ref_of(&v, &ref);
+        rc = mdb_del(txn, c->features_dbi, &k, NULL);
+    }
     if (rc == MDB_NOTFOUND) {
         mdb_txn_abort(txn);
         rc = 0;
         goto out;
     }
+    if (rc == 0 && slab)
+        rc = slot_free(c, txn, &ref);
     if (rc == 0)
-        rc = unlink_lru(c, txn, keybuf, k.mv_size);
+        rc = unlink_lru(c, txn, keybuf, k.mv_size, slab ? &ref : NULL);
     if (rc == 0)
         rc = mdb_txn_commit(txn);
     else
@@ -1674,7 +2393,11 @@ static int remove_range(hapi_cache *c, MDB_txn *txn, const hapi_cache_namespace 
         }
         size_t len = k.mv_size;
         memcpy(key, k.mv_data, len);
-        if ((rc = mdb_cursor_del(cur, 0)) != 0 || (rc = unlink_lru(c, txn, key, len)) != 0)
+        struct slab_ref ref;
+        bool slab = slab_ref_of(&v, &ref); /* copied before the deletion changes the page */
+        if ((rc = mdb_cursor_del(cur, 0)) != 0 ||
+            (rc = unlink_lru(c, txn, key, len, slab ? &ref : NULL)) != 0 ||
+            (slab && (rc = slot_free(c, txn, &ref)) != 0))
             break;
         n++;
     }
@@ -1714,6 +2437,8 @@ int hapi_cache_evict_all(hapi_cache *c, const hapi_cache_namespace *ns, hapi_err
                 rc = mdb_drop(txn, c->lru_dbi, 0);
             if (rc == 0)
                 rc = mdb_drop(txn, c->stamps_dbi, 0);
+            if (rc == 0)
+                rc = slab_clear(c, txn);
             done = true;
         } else {
             rc = remove_range(c, txn, ns, batch, &n, &done);
@@ -1755,6 +2480,7 @@ int hapi_cache_stats_get(hapi_cache *c, hapi_cache_stats *st)
     MDB_stat ms, envst;
     MDB_envinfo info;
     MDB_val k, v;
+    struct slab_totals slabs = { 0 };
     uint64_t free_pages = 0, total = 0;
     int rc;
 
@@ -1770,7 +2496,8 @@ int hapi_cache_stats_get(hapi_cache *c, hapi_cache_stats *st)
     /* All of these read the map: do it while the lookup keeps a remap away. */
     if ((rc = mdb_stat(txn, c->features_dbi, &ms)) == 0 &&
         (rc = mdb_env_info(c->env, &info)) == 0 &&
-        (rc = mdb_env_stat(c->env, &envst)) == 0)
+        (rc = mdb_env_stat(c->env, &envst)) == 0 &&
+        (rc = slab_totals(c, txn, &slabs)) == 0)
         rc = count_free_pages(txn, &free_pages);
     if (rc == 0) {
         k = (MDB_val){ .mv_size = strlen(EVICTIONS_KEY), .mv_data = EVICTIONS_KEY };
@@ -1784,9 +2511,9 @@ int hapi_cache_stats_get(hapi_cache *c, hapi_cache_stats *st)
     if (rc)
         return lmdb_to_code(rc);
     st->entries = ms.ms_entries;
-    st->bytes_used = ((uint64_t)info.me_last_pgno + 1) * envst.ms_psize;
+    st->bytes_used = ((uint64_t)info.me_last_pgno + 1) * envst.ms_psize + slabs.bytes;
     st->map_size = info.me_mapsize;
-    st->bytes_free = free_pages * envst.ms_psize;
+    st->bytes_free = free_pages * envst.ms_psize + slabs.free_bytes;
     st->hits = counter_get(&c->hits);
     st->misses = counter_get(&c->misses);
     st->stale = counter_get(&c->stale);
@@ -1824,7 +2551,8 @@ int hapi_cache_namespace_stats_get(hapi_cache *c, const hapi_cache_namespace *ns
         /*
          * The leaf node holds a value's size: for values in overflow pages,
          * LMDB computes their address without reading them, so the walk
-         * touches leaf pages only.
+         * touches leaf pages only. A slab value is small, in its leaf: its
+         * header says the feature's size.
          */
         k = (MDB_val){ .mv_size = HAPI_CACHE_NAMESPACE_SIZE, .mv_data = (void *)ns->bytes };
         MDB_cursor_op op = MDB_SET_RANGE;
@@ -1834,7 +2562,12 @@ int hapi_cache_namespace_stats_get(hapi_cache *c, const hapi_cache_namespace *ns
                 memcmp(k.mv_data, ns->bytes, HAPI_CACHE_NAMESPACE_SIZE) != 0)
                 break;
             s.entries++;
-            s.bytes += v.mv_size;
+            struct slab_ref ref;
+            if (slab_ref_of(&v, &ref))
+                s.bytes += v.mv_size - HAPI_CACHE__SLAB_REF_SIZE +
+                           get_le32((const uint8_t *)v.mv_data + 8);
+            else
+                s.bytes += v.mv_size;
         }
         mdb_cursor_close(cur);
         if (rc == MDB_NOTFOUND)
@@ -1853,6 +2586,98 @@ MDB_env *hapi_cache__env(hapi_cache *c) { return c->env; }
 MDB_dbi hapi_cache__features_dbi(hapi_cache *c) { return c->features_dbi; }
 int hapi_cache__stale_readers_cleared(const hapi_cache *c) { return c->stale_readers_cleared; }
 uint64_t hapi_cache__evict_ns(hapi_cache *c) { return counter_get(&c->evict_ns); }
+void hapi_cache__crash_before_commit(hapi_cache *c, int on) { atomic_store(&c->crash_before_commit, on); }
+
+int hapi_cache__slot_of(hapi_cache *c, const hapi_cache_namespace *ns, const char *path,
+                        uint32_t *slot_size, uint64_t *slot)
+{
+    uint8_t key[HAPI_CACHE__KEY_MAX];
+    MDB_val k = { .mv_size = hapi_cache__key_make(ns, path, key), .mv_data = key }, v;
+    MDB_txn *txn;
+    struct slab_ref ref;
+    int rc = read_begin(c, &txn);
+    if (rc)
+        return rc == 1 ? MDB_MAP_RESIZED : rc;
+    rc = mdb_get(txn, c->features_dbi, &k, &v);
+    if (rc == 0 && slab_ref_of(&v, &ref)) {
+        *slot_size = ref.slot_size;
+        *slot = ref.slot;
+        rc = 1;
+    } else if (rc == 0 || rc == MDB_NOTFOUND) {
+        rc = 0;
+    }
+    read_end(c, txn);
+    return rc;
+}
+
+/* check_index()'s walk of the slot sizes: every slot is free or named by exactly one entry. */
+struct slot_check {
+    hapi_cache *c;
+    MDB_txn *txn;
+    char *msg;
+    size_t msg_size;
+};
+
+static int check_class(uint32_t slot_size, const struct slab_class *sc, void *arg)
+{
+    struct slot_check *k = arg;
+    MDB_cursor *cur;
+    MDB_val key, val;
+    uint64_t n_free = 0, live = 0;
+    uint8_t *seen = calloc(sc->high ? sc->high : 1, 1);
+    int rc = seen ? mdb_cursor_open(k->txn, k->c->slots_dbi, &cur) : ENOMEM;
+    if (rc) {
+        free(seen);
+        return rc;
+    }
+    for (rc = mdb_cursor_get(cur, &key, &val, MDB_FIRST); rc == 0;
+         rc = mdb_cursor_get(cur, &key, &val, MDB_NEXT)) {
+        uint32_t be;
+        memcpy(&be, key.mv_data, 4);
+        uint64_t slot = get_be64((const uint8_t *)key.mv_data + 4);
+        if (be32toh(be) != slot_size)
+            continue;
+        if (slot >= sc->high) {
+            snprintf(k->msg, k->msg_size, "slot size %u: free slot %llu past the end", slot_size,
+                     (unsigned long long)slot);
+            rc = -1;
+            break;
+        }
+        seen[slot] = 1;
+        n_free++;
+    }
+    mdb_cursor_close(cur);
+    if (rc == MDB_NOTFOUND)
+        rc = 0;
+    if (rc == 0 && (rc = mdb_cursor_open(k->txn, k->c->features_dbi, &cur)) == 0) {
+        for (rc = mdb_cursor_get(cur, &key, &val, MDB_FIRST); rc == 0;
+             rc = mdb_cursor_get(cur, &key, &val, MDB_NEXT)) {
+            struct slab_ref ref;
+            if (!slab_ref_of(&val, &ref) || ref.slot_size != slot_size)
+                continue;
+            if (ref.slot >= sc->high || seen[ref.slot]) {
+                snprintf(k->msg, k->msg_size, "slot size %u: slot %llu %s", slot_size,
+                         (unsigned long long)ref.slot,
+                         ref.slot >= sc->high ? "past the end" : "free or shared");
+                rc = -1;
+                break;
+            }
+            seen[ref.slot] = 1;
+            live++;
+        }
+        mdb_cursor_close(cur);
+        if (rc == MDB_NOTFOUND)
+            rc = 0;
+    }
+    if (rc == 0 && (n_free != sc->free || n_free + live != sc->high)) {
+        snprintf(k->msg, k->msg_size, "slot size %u: %llu slots, %llu live, %llu free (%llu said)",
+                 slot_size, (unsigned long long)sc->high, (unsigned long long)live,
+                 (unsigned long long)n_free, (unsigned long long)sc->free);
+        rc = -1;
+    }
+    free(seen);
+    return rc;
+}
 
 long hapi_cache__check_index(hapi_cache *c, char *msg, size_t msg_size)
 {
@@ -1875,22 +2700,42 @@ long hapi_cache__check_index(hapi_cache *c, char *msg, size_t msg_size)
         snprintf(msg, msg_size, "%s", mdb_strerror(rc));
         goto out;
     }
-    if (f.ms_entries != l.ms_entries || f.ms_entries != s.ms_entries) {
-        snprintf(msg, msg_size, "features %zu, lru %zu, stamps %zu entries", f.ms_entries,
-                 l.ms_entries, s.ms_entries);
+    if (f.ms_entries != l.ms_entries) {
+        snprintf(msg, msg_size, "features %zu, lru %zu entries", f.ms_entries, l.ms_entries);
         goto out;
     }
+    struct slot_check sk = { c, txn, msg, msg_size };
+    if ((rc = class_each(c, txn, check_class, &sk)) != 0) {
+        if (rc != -1)
+            snprintf(msg, msg_size, "slots: %s", mdb_strerror(rc));
+        goto out;
+    }
+    size_t inline_entries = 0;
     while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
+        struct slab_ref ref;
         op = MDB_NEXT;
         if (mdb_get(txn, c->features_dbi, &v, &x) != 0) {
             snprintf(msg, msg_size, "an lru record without its feature");
             goto out;
         }
+        if (slab_ref_of(&x, &ref)) {
+            if (k.mv_size != HAPI_CACHE__STAMP_SIZE || ref.stamp != get_be64(k.mv_data)) {
+                snprintf(msg, msg_size, "an lru record whose slab entry has another stamp");
+                goto out;
+            }
+            continue;
+        }
+        inline_entries++;
         if (mdb_get(txn, c->stamps_dbi, &v, &x) != 0 || x.mv_size != k.mv_size ||
             memcmp(x.mv_data, k.mv_data, k.mv_size) != 0) {
             snprintf(msg, msg_size, "an lru record whose stamp differs");
             goto out;
         }
+    }
+    if (s.ms_entries != inline_entries) {
+        snprintf(msg, msg_size, "%zu stamps for %zu inline entries", s.ms_entries,
+                 inline_entries);
+        goto out;
     }
     result = (long)f.ms_entries;
 out:

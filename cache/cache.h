@@ -1,4 +1,4 @@
-/* cache.h — the LMDB feature store: features keyed by (namespace, source path), checked against the source's identity. */
+/* cache.h — the feature store (LMDB and slab files): features keyed by (namespace, source path), checked against the source's identity. */
 #ifndef HAPI_CACHE_H
 #define HAPI_CACHE_H
 
@@ -53,14 +53,18 @@ typedef struct hapi_source_id {
 typedef struct hapi_cache hapi_cache;
 
 typedef struct hapi_cache_options {
-    uint64_t max_bytes;   /* bound on the store's size (the LMDB map); 0 = 1 GiB */
+    uint64_t max_bytes;   /* bound on the store's size (the LMDB map, which the slab files
+                             share); 0 = 1 GiB */
     int max_readers;      /* concurrent read transactions; 0 = 512 */
     int reset;            /* 1: replace a corrupt or foreign store by a fresh one */
 } hapi_cache_options;
 
 /*
  * Opens (creating if needed) the store in directory dir, which must exist
- * and be writable. Clears reader slots left by dead processes. Safe to open
+ * and be writable: LMDB's data.mdb and lock.mdb, and the slab files in
+ * dir/slabs/ (features of 512 bytes or more, in fixed-size slots of a file
+ * per size; LMDB keeps their index). Clears reader slots left by dead
+ * processes. Safe to open
  * from several processes at once (LMDB is multi-process); one handle per
  * process, never across fork(). Processes sharing a store should give it
  * the same max_bytes: the map size persisted in the store only grows, and a
@@ -69,9 +73,11 @@ typedef struct hapi_cache_options {
  * A store of an older format is upgraded in place. With opt->reset, a
  * directory whose data.mdb is corrupt, foreign or of a newer format gets a
  * fresh, empty store: data.mdb is renamed to data.mdb.reset (replacing an
- * older one; delete it to reclaim the space) and lock.mdb is removed. No
- * other file is touched, and a store that another process has open is never
- * reset. hapi_cache_stats.reset_at_open tells that it happened.
+ * older one; delete it to reclaim the space) and lock.mdb is removed; the
+ * slab files, which only data.mdb makes sense of, are emptied (as they are
+ * whenever a new data.mdb is made). No other file is touched, and a store
+ * that another process has open is never reset.
+ * hapi_cache_stats.reset_at_open tells that it happened.
  *
  * Returns 0, -errno (directory unusable: the message says why),
  * HAPI_ECORRUPT (without reset: the directory holds a corrupt, foreign or
@@ -85,15 +91,17 @@ int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
 void hapi_cache_close(hapi_cache *c);
 
 /*
- * A looked-up value: data points into the store's memory map and stays valid
- * until hapi_cache_release(); do not write to it. While held, it pins a read
- * transaction: release it promptly.
+ * A looked-up value: data stays valid until hapi_cache_release(); do not
+ * write to it. It points into the store's memory map (a small feature, kept
+ * in LMDB: while held, it pins a read transaction, so release it promptly) or
+ * into a buffer the lookup read a slab slot into (freed by the release).
  */
 typedef struct hapi_cache_value {
     const void *data;
     size_t size;
     int miss;     /* after a miss, why: one of HAPI_CACHE_MISS_* (0 after a hit or an error) */
     void *txn_;   /* internal */
+    void *buf_;   /* internal */
 } hapi_cache_value;
 
 /* Why a lookup missed (hapi_cache_value.miss); each has its counter in hapi_cache_stats. */
@@ -109,7 +117,10 @@ enum {
 /*
  * Looks up the features of path in ns. An entry whose stored identity differs
  * from *id (stale), or whose header, length or checksum does not verify (bad),
- * is a miss. So is any lookup while another process has grown the store
+ * is a miss. A slab entry's bytes are read into a buffer and checked there:
+ * when they do not verify (the slot was reused since the lookup's snapshot,
+ * or a crash or damage left other bytes) the entry is looked up again in a
+ * fresh snapshot, a few times, before it counts as bad. So is any lookup while another process has grown the store
  * beyond this process's map (the next hapi_cache_put() adopts the new size).
  * A hit is noted in an in-memory access log (no write transaction, no disk
  * write) that the next write applies to the store's LRU order; when the log
@@ -119,7 +130,7 @@ enum {
  * val->miss, nothing to release), HAPI_EINVAL (a NULL argument), HAPI_ECACHE
  * or HAPI_ECORRUPT (the store is damaged, e.g. MDB_CORRUPTED or MDB_PANIC:
  * treat as a miss and log; val empty). Never takes a write lock; costs one
- * pooled read transaction. Thread-safe; a thread may hold several values at
+ * pooled read transaction, and for a slab entry a pread() and a buffer. Thread-safe; a thread may hold several values at
  * once, and may release a value from another thread than the one that looked
  * it up.
  */
@@ -144,10 +155,16 @@ typedef struct hapi_cache_item {
  * and the access log is applied first.
  *
  * A full store never fails a put: when the store would pass ~95% of its map
- * (or LMDB reports MDB_MAP_FULL, which free space split into runs too short
- * for a multi-page value can cause), the least recently used entries of all
+ * (LMDB's pages in use, the slab files, a reserve for LMDB to grow), or LMDB
+ * reports MDB_MAP_FULL (free space split into runs too short for a multi-page
+ * value can cause it), or a slab file could not grow without data.mdb and the
+ * slab files passing the map, the least recently used entries of all
  * namespaces are evicted in batched write transactions down to ~85%, and the
  * put is retried (a bounded number of times, evicting more each time).
+ *
+ * A slab feature is written to its slot before the transaction commits, and
+ * the slots of the values it replaces are freed only after: a process that
+ * dies before the commit leaves the committed entries and their bytes intact.
  *
  * Returns 0, HAPI_EINVAL (a NULL path, NULL data with a size, a value over
  * 4 GiB), HAPI_ECACHE (the message says why: "too large" when the batch could
@@ -164,8 +181,9 @@ int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
 /*
  * The bytes the store spends on one entry of size bytes of features under a
  * path of path_len bytes, as a put and eviction count them: the key, the
- * value's header, the leaf node or the run of overflow pages, and the LRU
- * records. A lower bound (leaf pages are never full). Thread-safe.
+ * value's header, the leaf node or the run of overflow pages (features under
+ * 512 bytes) or the slab reference and slot, and the LRU records. A lower
+ * bound (leaf pages are never full). Thread-safe.
  */
 uint64_t hapi_cache_entry_bytes(const hapi_cache *c, size_t path_len, size_t size);
 
@@ -209,11 +227,14 @@ int hapi_cache_evict_all(hapi_cache *c, const hapi_cache_namespace *ns, hapi_err
  */
 typedef struct hapi_cache_stats {
     uint64_t entries;       /* all namespaces */
-    uint64_t bytes_used;    /* the map's high-water mark: (last page + 1) * page size,
-                               free pages kept for reuse included; bounded by map_size */
+    uint64_t bytes_used;    /* the store's size: LMDB's high-water mark ((last page + 1) *
+                               page size) and the slab files' (slots * slot size), free
+                               pages and slots kept for reuse included; bounded by map_size
+                               (but for LMDB pages copied since the slabs last grew) */
     uint64_t map_size;      /* current bound */
-    uint64_t bytes_free;    /* pages of bytes_used on LMDB's free list, reusable once no
-                               lookup older than their release is held */
+    uint64_t bytes_free;    /* of bytes_used, the pages on LMDB's free list (reusable once
+                               no lookup older than their release is held) and the free
+                               slab slots (reusable by features of their size) */
     uint64_t hits;          /* lookups that found verified bytes */
     uint64_t misses;        /* lookups without an entry (HAPI_CACHE_MISS_ABSENT) */
     uint64_t stale;         /* ... with an entry for another identity (MISS_STALE) */
@@ -237,8 +258,8 @@ int hapi_cache_stats_get(hapi_cache *c, hapi_cache_stats *st);
 /* What one namespace holds. */
 typedef struct hapi_cache_namespace_stats {
     uint64_t entries;
-    uint64_t bytes;         /* stored value bytes: features plus a 64-byte header each
-                               (plus the path, for paths over HAPI_CACHE_PATH_MAX) */
+    uint64_t bytes;         /* features plus a 64-byte header each (plus the path, for
+                               paths over HAPI_CACHE_PATH_MAX), wherever they are stored */
 } hapi_cache_namespace_stats;
 
 /*

@@ -12,11 +12,13 @@
 #include "cache-int.h"
 
 /*
- * ENTRIES per store, extrapolated to 100k; lookups flush the access log every
- * FLUSH_EVERY hits (outside the timed call), as the daemon's periodic flush
- * would, so that every timed hit pays for logging rather than for a drop.
+ * entries per store (-n, 20,000 by default, figures extrapolated to 100k);
+ * lookups flush the access log every FLUSH_EVERY hits (outside the timed
+ * call), as the daemon's periodic flush would, so that every timed hit pays
+ * for logging rather than for a drop.
  */
-enum { ENTRIES = 20000, BATCH = 64, LOOKUPS = 200000, FLUSH_EVERY = 2000 };
+enum { BATCH = 64, LOOKUPS = 200000, FLUSH_EVERY = 2000 };
+static unsigned entries = 20000; /* -n */
 
 static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
 {
@@ -35,7 +37,7 @@ static void path_of(char *out, size_t n, unsigned i)
     snprintf(out, n, "train/n%08u/ILSVRC2012_val_%08u.JPEG", i / 100, i);
 }
 
-/* Fills c with ENTRIES values of size bytes in batches; returns the time taken (ns), 0 on failure. */
+/* Fills c with entries values of size bytes in batches; returns the time taken (ns), 0 on failure. */
 static uint64_t fill_store(hapi_cache *c, const hapi_cache_namespace *ns, const uint8_t *data,
                            size_t size)
 {
@@ -44,8 +46,8 @@ static uint64_t fill_store(hapi_cache *c, const hapi_cache_namespace *ns, const 
     hapi_source_id id = { .size = 110000, .mtime_ns = 1, .ctime_ns = 2, .ino = 3 };
     hapi_error err = { 0 };
     uint64_t t0 = hapi_now_ns();
-    for (unsigned base = 0; base < ENTRIES; base += BATCH) {
-        unsigned n = ENTRIES - base < BATCH ? ENTRIES - base : BATCH;
+    for (unsigned base = 0; base < entries; base += BATCH) {
+        unsigned n = entries - base < BATCH ? entries - base : BATCH;
         for (unsigned j = 0; j < n; j++) {
             path_of(paths[j], sizeof(paths[j]), base + j);
             items[j] = (hapi_cache_item){ .path = paths[j], .id = id, .data = data, .size = size };
@@ -67,7 +69,24 @@ static long long file_size(const char *dir)
     return stat(file, &sb) == 0 ? (long long)sb.st_size : -1;
 }
 
-/* One run: fill a fresh store with ENTRIES values of size bytes, then time random hits and the rest. */
+/* The disk blocks of every file under a directory (data.mdb, lock.mdb, the slab files), as du counts them. */
+static long long disk_blocks;
+static int add_blocks(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)p; (void)ftw;
+    if (flag == FTW_F)
+        disk_blocks += (long long)sb->st_blocks * 512;
+    return 0;
+}
+
+static long long disk_bytes(const char *dir)
+{
+    disk_blocks = 0;
+    nftw(dir, add_blocks, 16, FTW_PHYS);
+    return disk_blocks;
+}
+
+/* One run: fill a fresh store with entries values of size bytes, then time random hits and the rest. */
 static int bench(size_t size)
 {
     char dir[] = "/tmp/hapi-cache-bench-XXXXXX";
@@ -94,6 +113,8 @@ static int bench(size_t size)
         rc = -1;
         goto out_close;
     }
+    /* What a warm-up leaves, before the lookups' LRU updates copy index pages. */
+    long long disk_filled = disk_bytes(dir);
 
     /*
      * Random hits through the API (pooled transaction, header and checksum
@@ -107,7 +128,7 @@ static int bench(size_t size)
     for (int pass = 0; pass < 2; pass++) {
         for (int r = 0; r < LOOKUPS; r++) {
             char path[96];
-            unsigned i = (unsigned)rand_r(&seed) % ENTRIES;
+            unsigned i = (unsigned)rand_r(&seed) % entries;
             hapi_cache_value v;
             path_of(path, sizeof(path), i);
             id.ino = i;
@@ -153,7 +174,7 @@ static int bench(size_t size)
     for (int r = 0; r < LOOKUPS; r++) {
         char path[96];
         uint8_t key[HAPI_CACHE__KEY_MAX];
-        path_of(path, sizeof(path), (unsigned)rand_r(&seed) % ENTRIES);
+        path_of(path, sizeof(path), (unsigned)rand_r(&seed) % entries);
         MDB_val k = { .mv_size = hapi_cache__key_make(&ns, path, key), .mv_data = key }, v;
         mdb_txn_renew(txn);
         if (mdb_get(txn, dbi, &k, &v) == 0)
@@ -176,13 +197,14 @@ static int bench(size_t size)
     hapi_cache_close(c);
     c = NULL;
     long long fsize = file_size(dir);
-    double per_entry = (double)(st.bytes_used - st.bytes_free) / ENTRIES;
+    long long disk = disk_bytes(dir);
+    double per_entry = (double)(st.bytes_used - st.bytes_free) / entries;
 
-    printf("value %5zu B, %d entries: put %.1f us/entry (batches of %d, LRU index included)\n"
+    printf("value %5zu B, %u entries: put %.1f us/entry (batches of %d, LRU index included)\n"
            "  hit, first touch: mean %.2f us, p50 %.2f, p99 %.2f; steady: mean %.2f us, p50 %.2f, "
            "p99 %.2f; get's own mean %.2f us; bare LMDB renew+get+reset %.2f us\n"
            "  access log: %.2f us per access applied (%llu applied, flushes of %d)\n",
-           size, ENTRIES, (double)put_ns / ENTRIES / 1000, BATCH, mean[0], p50[0], p99[0],
+           size, entries, (double)put_ns / entries / 1000, BATCH, mean[0], p50[0], p99[0],
            mean[1], p50[1], p99[1], st.hit_mean_us, raw / 1000,
            flushed ? (double)flush_ns / (double)flushed / 1000 : 0.0,
            (unsigned long long)flushed, FLUSH_EVERY);
@@ -192,7 +214,11 @@ static int bench(size_t size)
            fsize, (unsigned long long)(st.bytes_used - st.bytes_free), per_entry,
            per_entry - (double)size, size, 100.0 * (per_entry - (double)size) / (double)size,
            per_entry * 100000 / 1048576, scan_ms, (unsigned long long)nst.entries,
-           scan_ms * 100000 / (double)ENTRIES, (unsigned long long)sum % 10);
+           scan_ms * 100000 / (double)entries, (unsigned long long)sum % 10);
+    printf("  disk (du, every file of the store): filled %lld B -> %.0f B/entry, %.3fx the "
+           "feature; after the lookups %lld B -> %.0f B/entry, %.3fx\n",
+           disk_filled, (double)disk_filled / entries, (double)disk_filled / entries / (double)size,
+           disk, (double)disk / entries, (double)disk / entries / (double)size);
 
     /*
      * Eviction: the same puts into a map that holds about a third of them,
@@ -203,7 +229,7 @@ static int bench(size_t size)
         rc = -1;
         goto out_dir;
     }
-    hapi_cache_options opt = { .max_bytes = (uint64_t)(per_entry * ENTRIES / 3) };
+    hapi_cache_options opt = { .max_bytes = (uint64_t)(per_entry * entries / 3) };
     if ((rc = hapi_cache_open(dir2, &opt, &c, &err)) != 0) {
         fprintf(stderr, "open: %s\n", err.message);
         nftw(dir2, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
@@ -220,10 +246,10 @@ static int bench(size_t size)
         rc = -1;
         goto out_dir;
     }
-    printf("  eviction: map %.1f MiB, %llu of %d entries evicted, %llu kept: put %.1f us/entry "
+    printf("  eviction: map %.1f MiB, %llu of %u entries evicted, %llu kept: put %.1f us/entry "
            "all included; eviction transactions %.2f us per entry evicted\n",
-           (double)opt.max_bytes / 1048576, (unsigned long long)st.evictions, ENTRIES,
-           (unsigned long long)st.entries, (double)bounded_ns / ENTRIES / 1000,
+           (double)opt.max_bytes / 1048576, (unsigned long long)st.evictions, entries,
+           (unsigned long long)st.entries, (double)bounded_ns / entries / 1000,
            (double)evict_ns / (double)st.evictions / 1000);
     rc = 0;
 
@@ -237,9 +263,27 @@ out:
     return rc;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
-    static const size_t sizes[] = { 2048, 4096, 8192 };
+    /* a ResNet-18 feature at 64 px in bf16, and a ResNet-50 pooled one in fp16, .npy headers included */
+    static const size_t sizes[] = { 1152, 4224 };
+    int opt;
+    while ((opt = getopt(argc, argv, "n:h")) != -1) {
+        if (opt == 'n' && atoi(optarg) > 0) {
+            entries = (unsigned)atoi(optarg);
+            continue;
+        }
+        fprintf(stderr, "usage: %s [-n ENTRIES] [SIZE...]\n"
+                        "  fills a fresh store with ENTRIES (20000) features of each SIZE (1152, "
+                        "4224 bytes), times hits, prints bytes per entry\n", argv[0]);
+        return opt == 'h' ? 0 : 2;
+    }
+    if (optind < argc) {
+        for (int i = optind; i < argc; i++)
+            if (atol(argv[i]) <= 0 || bench((size_t)atol(argv[i])) != 0)
+                return 1;
+        return 0;
+    }
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++)
         if (bench(sizes[i]) != 0)
             return 1;

@@ -9,8 +9,11 @@
  * then the value's bytes, written raw into the store's LMDB database.
  *
  * With HAPI_FUZZ_WRITE_SEEDS=DIR it writes real values of both kinds to DIR
- * (tests/fuzz/make-seeds calls it) and exits.
+ * (tests/fuzz/make-seeds calls it) and exits: features kept in LMDB, and one
+ * kept in a slab file, whose value is a reference to slot 0. The store being
+ * fuzzed holds that feature in its slot 0 too, so that a reference can hit.
  */
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +27,9 @@ static hapi_cache_namespace ns;
 static char short_path[] = "class0/x.jpg";
 static char long_path[HAPI_CACHE_PATH_MAX + 64];
 static const hapi_source_id stored_id = { 1234, 5678, 91011, 1213 };
+/* The one feature written to a slab (slot 0 of its size), in the seeds' store and in the fuzzed one. */
+static uint8_t slab_feat[1152];
+static char slab_path[] = "keep/slab.jpg";
 
 static void write_raw(const char *path, const void *data, size_t size)
 {
@@ -42,9 +48,12 @@ static void write_seeds(const char *dir)
     float feat[64];
     for (int i = 0; i < 64; i++)
         feat[i] = (float)i / 7.0f;
-    const char *paths[] = { short_path, long_path };
-    for (int i = 0; i < 2; i++) {
+    /* the third: the short path's feature again, in a slab (the first slab put: slot 0) */
+    const char *paths[] = { short_path, long_path, short_path };
+    for (int i = 0; i < 3; i++) {
         hapi_cache_item item = { paths[i], stored_id, feat, sizeof(feat) };
+        if (i == 2)
+            item = (hapi_cache_item){ paths[i], stored_id, slab_feat, sizeof(slab_feat) };
         hapi_error err = { 0 };
         if (hapi_cache_put(cache, &ns, &item, 1, &err) < 0)
             abort();
@@ -56,10 +65,11 @@ static void write_seeds(const char *dir)
             abort();
         for (int other = 0; other < 2; other++) {
             char name[512];
-            snprintf(name, sizeof(name), "%s/%s-%s", dir, i ? "long" : "short",
+            snprintf(name, sizeof(name), "%s/%s-%s", dir,
+                     i == 0 ? "short" : i == 1 ? "long" : "short-slab",
                      other ? "other-id" : "stored-id");
             FILE *f = fopen(name, "wb");
-            uint8_t sel = (uint8_t)(i | other << 1);
+            uint8_t sel = (uint8_t)((i == 1) | other << 1);
             if (!f || fwrite(&sel, 1, 1, f) != 1 || fwrite(v.mv_data, 1, v.mv_size, f) != v.mv_size)
                 abort();
             fclose(f);
@@ -85,12 +95,18 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     memset(long_path, 'd', sizeof(long_path) - 1);
     memcpy(long_path, "deep/", 5);
     long_path[sizeof(long_path) - 1] = '\0';
+    for (size_t i = 0; i < sizeof(slab_feat); i++)
+        slab_feat[i] = (uint8_t)(i * 37 + 11);
     const char *seeds = getenv("HAPI_FUZZ_WRITE_SEEDS");
     if (seeds) {
         mkdir(seeds, 0755);
         write_seeds(seeds);
         exit(0);
     }
+    /* Slot 0 of the slab holds the seeds' slab feature, under a key the inputs never replace. */
+    hapi_cache_item item = { slab_path, stored_id, slab_feat, sizeof(slab_feat) };
+    if (hapi_cache_put(cache, &ns, &item, 1, &err) < 0)
+        abort();
     return 0;
 }
 
@@ -110,8 +126,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     hapi_cache_value val;
     int rc = hapi_cache_get(cache, &ns, path, &id, &val);
     if (rc == 1) {
-        /* a hit only for a value that verifies: its bytes are inside the stored value */
-        if (!val.data || val.size > size - 1)
+        /*
+         * a hit only for a value that verifies: its bytes are inside the stored
+         * value, or they are the one feature in a slab, whole
+         */
+        bool slab = val.data && val.size == sizeof(slab_feat) &&
+                    memcmp(val.data, slab_feat, sizeof(slab_feat)) == 0;
+        if (!val.data || (!slab && val.size > size - 1))
             abort();
         volatile uint8_t last = val.size ? ((const uint8_t *)val.data)[val.size - 1] : 0;
         (void)last;
