@@ -108,7 +108,8 @@ def assert_one_line_failure(r, mnt, *needles):
 
 def test_eviction_bounds_the_store_and_reads_stay_exact(tmp_path, models, mounter):
     src = tmp_path / "src"
-    # 600 images: ~1.5 MiB of fp16 entries at ~2.5 KiB of LMDB each, over a 1 MiB bound
+    # 600 images: ~0.7 MiB of 1,152-byte slots and ~0.15 MiB of LMDB, over a 1 MiB bound less
+    # the room kept for LMDB to grow (a sixteenth and 64 pages): entries must be evicted
     paths = make_tree(src, classes=4, per_class=150, size=(64, 80), seed=11)
     names = feats(paths)
     n = len(names)
