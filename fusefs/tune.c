@@ -452,6 +452,8 @@ void hapi_tune_set_input(hapi_tune *t, int which, double value)
         t->in.transport = (int)value;
     else if (which == HAPI_TUNE_COMPUTE_CACHE)
         t->in.compute_cache = value;
+    else if (which == HAPI_TUNE_READERS)
+        t->in.readers = (int)value;
     pthread_mutex_unlock(&t->lock);
 }
 
