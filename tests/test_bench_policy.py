@@ -38,6 +38,7 @@ def test_grid_quick(tmp_path):
         assert run["epochs_s"] > 0 and run["predicted_s"] > 0 and len(run["epoch_s"]) == 2
         assert run["link_bytes"] > 0 and run["compute_cpu_s"] > 0
         assert run["storage_throttled_s"] > 0, run  # the quota held the storage tier back
+        assert run["profile"] == "stored", run  # the cell's profile, not measured again
     assert runs[1]["link_bytes"] > runs[c["freeze"]]["link_bytes"]  # stem's features are larger
     assert c["time_ratio"] >= 1.0
     assert abs(c["time_ratio"] - runs[c["pick"]]["epochs_s"] / runs[c["best"]]["epochs_s"]) < 1e-9
