@@ -556,7 +556,8 @@ static const char ctl_help[] =
     "#                 open files keep theirs, the next open sees the new shape\n"
     "#   batch N|auto  the storage-side batch\n"
     "#   link RATE     tell the policy the link's rate (e.g. 1Gbit); see .hapifs/policy\n"
-    "#   client_speed X, epochs N, rtt TIME, transport file|pack   the policy's other inputs\n"
+    "#   client_speed X, epochs N, rtt TIME, transport file|pack, compute_cache SIZE,\n"
+    "#   readers N     the policy's other inputs\n"
     "# a write that is refused fails (EINVAL, EBUSY, ...); reading the same open file\n"
     "# then returns \"error: REASON\" (after a command that worked, \"ok\")\n";
 
@@ -811,6 +812,8 @@ static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
                 : strcmp(words[0], "client_speed") == 0 ? HAPI_TUNE_CLIENT_SPEED
                 : strcmp(words[0], "rtt") == 0          ? HAPI_TUNE_RTT
                 : strcmp(words[0], "transport") == 0    ? HAPI_TUNE_TRANSPORT
+                : strcmp(words[0], "compute_cache") == 0 ? HAPI_TUNE_COMPUTE_CACHE
+                : strcmp(words[0], "readers") == 0      ? HAPI_TUNE_READERS
                                                         : HAPI_TUNE_EPOCHS;
     if (which == HAPI_TUNE_LINK) {
         if (hapi_policy_parse_rate(words[1], &value, err) < 0)
@@ -823,9 +826,15 @@ static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
         if (strcmp(words[1], "file") != 0 && strcmp(words[1], "pack") != 0)
             return hapi_error_set(err, -EINVAL, "transport %s: expected file or pack", words[1]);
         value = strcmp(words[1], "pack") == 0 ? HAPI_TRANSPORT_PACK : HAPI_TRANSPORT_FILE;
+    } else if (which == HAPI_TUNE_COMPUTE_CACHE) {
+        uint64_t bytes;
+        if (hapi_fs_parse_size(words[1], &bytes) < 0)
+            return hapi_error_set(err, -EINVAL, "compute_cache %s: expected a size, e.g. 8G, 0",
+                                  words[1]);
+        value = (double)bytes;
     } else {
         value = strtod(words[1], &end);
-        int is_epochs = which == HAPI_TUNE_EPOCHS;
+        int is_epochs = which == HAPI_TUNE_EPOCHS || which == HAPI_TUNE_READERS;
         if (*end || !(value > 0) || value > 1e6 || (is_epochs && value != (int)value))
             return hapi_error_set(err, -EINVAL, "%s %s: expected a positive %s", words[0],
                                   words[1], is_epochs ? "whole number" : "number");
@@ -853,6 +862,8 @@ static const struct command {
     { "epochs", 1, 1, "epochs VALUE", cmd_input },
     { "rtt", 1, 1, "rtt TIME", cmd_input },
     { "transport", 1, 1, "transport file|pack", cmd_input },
+    { "compute_cache", 1, 1, "compute_cache SIZE", cmd_input },
+    { "readers", 1, 1, "readers N", cmd_input },
 };
 
 /* Checks one line fully, then carries it out (with c NULL: checks only, remote or not). */
@@ -881,7 +892,8 @@ static int run_line(hapi_ctl *c, int remote, char *line, hapi_error *err)
     }
     return hapi_error_set(err, -EINVAL,
                           "unknown command '%s' (known: warm, evict, split, batch, link, "
-                          "client_speed, epochs, rtt, transport)", words[0]);
+                          "client_speed, epochs, rtt, transport, compute_cache, readers)",
+                          words[0]);
 }
 
 /* Each line of text through run_line. */

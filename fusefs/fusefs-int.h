@@ -814,7 +814,9 @@ int hapi_tune_set_batch(hapi_tune *t, int batch, hapi_error *err);
 enum hapi_tune_input {
     HAPI_TUNE_LINK, HAPI_TUNE_CLIENT_SPEED, HAPI_TUNE_EPOCHS,
     HAPI_TUNE_RTT,          /* seconds */
-    HAPI_TUNE_TRANSPORT     /* enum hapi_policy_transport */
+    HAPI_TUNE_TRANSPORT,    /* enum hapi_policy_transport */
+    HAPI_TUNE_COMPUTE_CACHE, /* bytes */
+    HAPI_TUNE_READERS       /* concurrent per-file readers on the compute tier */
 };
 /* Sets one of the policy's inputs (bits/s, a ratio, a count); the caller validated it. */
 void hapi_tune_set_input(hapi_tune *t, int which, double value);

@@ -264,6 +264,9 @@ int hapi_tune_start(const hapi_tune_config *cfg, hapi_tune **out, hapi_error *er
         .input_bytes = 3 * (size_t)pp->crop * (size_t)pp->crop * sizeof(float),
         .hit_ms = HIT_MS,
         .cache_room = o->cache_size,
+        .storage_file_ms = HAPI_POLICY_STORAGE_FILE_MS,
+        .compute_file_ms = HAPI_POLICY_COMPUTE_FILE_MS,
+        .request_ms = HAPI_POLICY_REQUEST_MS,
     };
     /* What one feature of each split costs in the store, for "does the tree fit". */
     for (int s = 1; s <= t->in.freeze && s <= HAPI_PROFILE_MAX_STAGES; s++)
@@ -447,6 +450,10 @@ void hapi_tune_set_input(hapi_tune *t, int which, double value)
         t->in.rtt_s = value;
     else if (which == HAPI_TUNE_TRANSPORT)
         t->in.transport = (int)value;
+    else if (which == HAPI_TUNE_COMPUTE_CACHE)
+        t->in.compute_cache = value;
+    else if (which == HAPI_TUNE_READERS)
+        t->in.readers = (int)value;
     pthread_mutex_unlock(&t->lock);
 }
 

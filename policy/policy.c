@@ -122,22 +122,50 @@ static int pick_batch(const hapi_policy_input *in, int split)
 }
 
 /*
- * The link's cost of one sample of bytes (file_bytes, the .npy header
- * included) per transport, in ms. Per file: the bytes and protocol overhead,
- * or the file's round trips spread over the concurrent readers, whichever is
- * longer (measured through sshfs at 1 ms RTT: the round trips bound small
- * files). In a pack: the row and its index entry; a chunk's round trip is
- * spread over hundreds of rows.
+ * What moving one sample costs on the link, by transport, in ms. Every
+ * transport has the same terms, so that another (a bulk path reading many
+ * files per request) is one more case here:
+ *  - bytes: the file and its protocol overhead over the link's rate;
+ *  - round trips: those of one file, each the RTT and the request's own
+ *    time, spread over the concurrent readers (measured through sshfs at
+ *    1 ms RTT: the round trips bound small files);
+ *  - a later epoch: what the compute tier kept in its cache costs only the
+ *    requests still sent for it (sshfs opens and closes a cached file).
+ * Per file the bytes and the round trips overlap (other readers' requests fill
+ * the link while one waits): the larger of the two. In a pack: the row and
+ * its index entry; a chunk's round trip is spread over hundreds of rows, and a
+ * later epoch is a hit in the compute-side hapifs's cache (no link at all).
  */
-static void link_terms(const hapi_policy_input *in, double file_bytes, double header_bytes,
-                       double *file_ms, double *pack_ms)
+struct link_cost {
+    double bytes_ms, trips_ms; /* per file, the two terms */
+    double file_ms;            /* per file: max(bytes, trips) */
+    double kept_ms;            /* per file the compute tier kept: its requests alone */
+    double pack_ms;            /* per row of a pack */
+};
+
+static struct link_cost link_terms(const hapi_policy_input *in, double file_bytes,
+                                   double header_bytes)
 {
+    struct link_cost c;
     int readers = in->readers > 0 ? in->readers : HAPI_POLICY_READERS_DEFAULT;
-    double bytes_ms = (file_bytes + HAPI_POLICY_FILE_OVERHEAD) * 8.0 / in->link_bps * 1e3;
-    double trips_ms = HAPI_POLICY_FILE_ROUND_TRIPS * in->rtt_s * 1e3 / readers;
-    *file_ms = fmax(bytes_ms, trips_ms);
-    *pack_ms = (file_bytes - header_bytes + HAPI_POLICY_PACK_INDEX_BYTES) * 8.0 / in->link_bps *
-               1e3;
+    double ms_per_byte = 8.0 / in->link_bps * 1e3;
+    c.bytes_ms = (file_bytes + HAPI_POLICY_FILE_OVERHEAD) * ms_per_byte;
+    double trip_ms = in->rtt_s * 1e3 + in->request_ms;
+    c.trips_ms = HAPI_POLICY_FILE_ROUND_TRIPS * trip_ms / readers;
+    c.file_ms = fmax(c.bytes_ms, c.trips_ms);
+    c.kept_ms = fmax(HAPI_POLICY_KEPT_OVERHEAD * ms_per_byte,
+                     HAPI_POLICY_KEPT_ROUND_TRIPS * trip_ms / readers);
+    c.pack_ms = (file_bytes - header_bytes + HAPI_POLICY_PACK_INDEX_BYTES) * ms_per_byte;
+    return c;
+}
+
+/* The fraction of an epoch's files of file_bytes each that the compute tier's cache keeps. */
+static double compute_kept(const hapi_policy_input *in, double file_bytes, double samples)
+{
+    if (!(in->compute_cache > 0))
+        return 0;
+    double need = samples * file_bytes;
+    return need > 0 ? fmin(1.0, in->compute_cache / need) : 1.0;
 }
 
 static void estimate(const hapi_policy_input *in, int split, hapi_policy_candidate *c,
@@ -162,8 +190,11 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     double decode = in->decode_ms / (in->decode_threads > 0 ? in->decode_threads : 1);
     c->storage_ms = p->cores >= p->threads + in->decode_threads ? fmax(infer, decode)
                                                                 : infer + in->decode_ms;
-    link_terms(in, (double)c->file_bytes, (double)in->header_bytes, &c->link_file_ms,
-               &c->link_pack_ms);
+    struct link_cost l = link_terms(in, (double)c->file_bytes, (double)in->header_bytes);
+    c->link_file_ms = l.file_ms;
+    c->link_bytes_ms = l.bytes_ms;
+    c->link_trips_ms = l.trips_ms;
+    c->link_pack_ms = l.pack_ms;
     c->compute_ms = hapi_profile_ms(p, split, in->freeze, train_batch) / in->client_speed;
 
     /* What is cached costs a hit; what does not fit the cache is computed every epoch. */
@@ -178,22 +209,34 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     }
     if (cached > fit)
         fit = cached;
+    c->storage_fit = fit;
     double cold_storage = (1 - cached) * c->storage_ms + cached * in->hit_ms;
     double warm_storage = (1 - fit) * c->storage_ms + fit * in->hit_ms;
-    /* Per file, every epoch crosses the link; with packs only the first does, and later
-       epochs are hits in the compute node's own cache (a hit there costs what one here does). */
-    double file_cold = max3(cold_storage, c->link_file_ms, c->compute_ms);
-    double file_warm = max3(warm_storage, c->link_file_ms, c->compute_ms);
-    double pack_cold = max3(cold_storage, c->link_pack_ms, c->compute_ms);
+    /* Per file, a later epoch reads again what the compute tier did not keep; what it kept
+       costs the storage tier an open, the link the requests. The transport's own CPU per file
+       is paid on both tiers for every file of every epoch. */
+    double kept = compute_kept(in, (double)c->file_bytes, samples);
+    c->compute_kept = kept;
+    double file_warm_link = kept * l.kept_ms + (1 - kept) * l.file_ms;
+    double file_warm_storage = kept * in->hit_ms + (1 - kept) * warm_storage;
+    double compute = c->compute_ms + in->compute_file_ms;
+    double file_cold = max3(cold_storage + in->storage_file_ms, l.file_ms, compute);
+    double file_warm = max3(file_warm_storage + in->storage_file_ms, file_warm_link, compute);
+    /* With packs only the first epoch crosses the link; later epochs are hits in the compute
+       node's own cache (a hit there costs what one here does). */
+    double pack_cold = max3(cold_storage, l.pack_ms, c->compute_ms);
     double pack_warm = fmax(in->hit_ms, c->compute_ms);
     c->total_file_s = (file_cold + (in->epochs - 1) * file_warm) * samples / 1e3;
     c->total_pack_s = (pack_cold + (in->epochs - 1) * pack_warm) * samples / 1e3;
     int pack = in->transport == HAPI_TRANSPORT_PACK;
-    c->link_ms = pack ? c->link_pack_ms : c->link_file_ms;
+    c->link_ms = pack ? l.pack_ms : l.file_ms;
+    c->link_warm_ms = pack ? 0 : file_warm_link;
     double cold = pack ? pack_cold : file_cold, warm = pack ? pack_warm : file_warm;
-    c->cold_bound = bound_of(cold_storage, c->link_ms, c->compute_ms);
+    c->cold_bound = pack ? bound_of(cold_storage, l.pack_ms, c->compute_ms)
+                         : bound_of(cold_storage + in->storage_file_ms, l.file_ms, compute);
     c->warm_bound = pack ? (in->hit_ms > c->compute_ms ? "storage" : "compute")
-                         : bound_of(warm_storage, c->link_ms, c->compute_ms);
+                         : bound_of(file_warm_storage + in->storage_file_ms, file_warm_link,
+                                    compute);
     c->cold_s = cold * samples / 1e3;
     c->warm_s = warm * samples / 1e3;
     c->total_s = c->cold_s + (in->epochs - 1) * c->warm_s;
@@ -206,16 +249,25 @@ static void estimate_raw(const hapi_policy_input *in, hapi_policy_candidate *c, 
     snprintf(c->name, sizeof(c->name), "raw");
     c->file_bytes = (uint64_t)in->source_bytes;
     c->fits = 1;
-    c->storage_ms = in->hit_ms; /* serving a file */
+    c->storage_ms = in->hit_ms + in->storage_file_ms; /* serving a file */
     /* raw images are read one file at a time whatever serves the features */
-    link_terms(in, in->source_bytes, 0, &c->link_file_ms, &c->link_pack_ms);
-    c->link_ms = c->link_file_ms;
+    struct link_cost l = link_terms(in, in->source_bytes, 0);
+    c->link_ms = c->link_file_ms = l.file_ms;
+    c->link_bytes_ms = l.bytes_ms;
+    c->link_trips_ms = l.trips_ms;
+    c->link_pack_ms = l.pack_ms;
+    c->compute_kept = compute_kept(in, in->source_bytes, samples);
+    c->link_warm_ms = c->compute_kept * l.kept_ms + (1 - c->compute_kept) * l.file_ms;
     c->compute_ms = (in->decode_ms + hapi_profile_ms(p, 0, in->freeze, p->batches[p->nbatches - 1])) /
                     in->client_speed;
-    double t = max3(c->storage_ms, c->link_ms, c->compute_ms);
-    c->cold_bound = c->warm_bound = bound_of(c->storage_ms, c->link_ms, c->compute_ms);
-    c->cold_s = c->warm_s = t * samples / 1e3;
-    c->total_s = c->total_file_s = c->total_pack_s = c->cold_s * in->epochs;
+    double compute = c->compute_ms + in->compute_file_ms;
+    double cold = max3(c->storage_ms, c->link_ms, compute);
+    double warm = max3(c->storage_ms, c->link_warm_ms, compute);
+    c->cold_bound = bound_of(c->storage_ms, c->link_ms, compute);
+    c->warm_bound = bound_of(c->storage_ms, c->link_warm_ms, compute);
+    c->cold_s = cold * samples / 1e3;
+    c->warm_s = warm * samples / 1e3;
+    c->total_s = c->total_file_s = c->total_pack_s = c->cold_s + (in->epochs - 1) * c->warm_s;
 }
 
 static int better(const hapi_policy_candidate *a, const hapi_policy_candidate *b)
@@ -251,10 +303,13 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
                               in->freeze, p->nstages);
     if (!(in->link_bps > 0) || !(in->client_speed > 0) || in->epochs < 1 || in->batch < 0 ||
         in->batch > HAPI_BATCH_MAX || !(in->rtt_s >= 0) || in->readers < 0 ||
+        !(in->compute_cache >= 0) || !(in->storage_file_ms >= 0) || !(in->compute_file_ms >= 0) ||
+        !(in->request_ms >= 0) ||
         (in->transport != HAPI_TRANSPORT_FILE && in->transport != HAPI_TRANSPORT_PACK))
         return hapi_error_set(err, HAPI_EINVAL,
                               "policy: link rate, client speed, epochs and batch must be positive, "
-                              "rtt and readers not negative, transport file or pack");
+                              "rtt, readers, compute cache and per-file costs not negative, "
+                              "transport file or pack");
     if (in->split < 0 || in->split > in->freeze)
         return hapi_error_set(err, HAPI_EINVAL,
                               "policy: split %d is past the freeze index %d (stages [0, %d) are "
@@ -324,7 +379,7 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
 
 static json_t *candidate_json(const hapi_policy_candidate *c, double cached, int chosen)
 {
-    return json_pack("{s:i, s:s, s:i, s:I, s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, "
+    json_t *j = json_pack("{s:i, s:s, s:i, s:I, s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, "
                      "s:f, s:s, s:s, s:f, s:b, s:b}",
                      "split", c->split, "stage", c->name, "batch", c->batch, "memory",
                      (json_int_t)c->mem_bytes, "file_bytes", (json_int_t)c->file_bytes,
@@ -334,6 +389,17 @@ static json_t *candidate_json(const hapi_policy_candidate *c, double cached, int
                      "total_s", c->total_s, "total_file_s", c->total_file_s, "total_pack_s",
                      c->total_pack_s, "cold_bound", c->cold_bound, "warm_bound",
                      c->warm_bound, "cached", cached, "fits", c->fits, "chosen", chosen);
+    /* the link's terms and the caches of both tiers, as hapifs-ctl policy explains them */
+    json_t *terms = json_pack("{s:f, s:f, s:f, s:f, s:f}", "link_bytes_ms", c->link_bytes_ms,
+                              "link_trips_ms", c->link_trips_ms, "link_warm_ms",
+                              c->link_warm_ms, "compute_kept", c->compute_kept, "storage_fit",
+                              c->storage_fit);
+    if (!j || !terms || json_object_update(j, terms) < 0) {
+        json_decref(j);
+        j = NULL;
+    }
+    json_decref(terms);
+    return j;
 }
 
 char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice *c)
@@ -367,6 +433,18 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
         "raw", candidate_json(&c->raw, 0, 0));
     if (!root)
         return NULL;
+    json_t *more = json_pack("{s:f, s:f, s:f, s:f, s:i, s:i}", "compute_cache",
+                             in->compute_cache, "storage_file_ms", in->storage_file_ms,
+                             "compute_file_ms", in->compute_file_ms, "request_ms",
+                             in->request_ms, "file_overhead_bytes",
+                             HAPI_POLICY_FILE_OVERHEAD, "file_round_trips",
+                             HAPI_POLICY_FILE_ROUND_TRIPS);
+    if (!more || json_object_update(json_object_get(root, "inputs"), more) < 0) {
+        json_decref(more);
+        json_decref(root);
+        return NULL;
+    }
+    json_decref(more);
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
     json_decref(root);
     return text;

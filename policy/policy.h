@@ -40,7 +40,7 @@ typedef struct hapi_profile {
     char model_digest[33];          /* hex */
     char device[64];
     int threads;                    /* libtorch intra-op threads it ran with */
-    int cores;                      /* online CPUs of the node */
+    int cores;                      /* CPUs the daemon may run on (its affinity) */
     int nbatches;
     int batches[HAPI_PROFILE_MAX_BATCHES]; /* ascending */
     int nstages;
@@ -56,9 +56,10 @@ typedef struct hapi_profile {
  * Measures m (probed; nothing else may run inference meanwhile, or the figures
  * are disturbed): every stage at batches 1, 4 and 16 (a batch only when twice
  * its widest activation stays under max_batch_bytes, 0 = no cap, and while the
- * profile's estimated time stays within HAPI_PROFILE_BUDGET_S), the median of three timed
- * runs after warm-up runs, and each stage's peak memory at the smallest and
- * largest batch. digest is the model file's XXH3-128, device and threads what
+ * profile's estimated time stays within HAPI_PROFILE_BUDGET_S), the mean of at
+ * least three timed runs and 100 ms (at most 40 runs) after warm-up runs, so
+ * that a CPU quota's stalls are counted, and each stage's peak memory at the
+ * smallest and largest batch. digest is the model file's XXH3-128, device and threads what
  * it runs with. stop (may be NULL) set nonzero ends it between runs with
  * -ECANCELED (an unmount need not wait for a big model's profile).
  * Returns 0, -ECANCELED, or an error of hapi_model_measure().
@@ -110,8 +111,24 @@ double hapi_profile_memory(const hapi_profile *p, int split, int batch);
                                                 lookup, open, read, release (sshfs, NFS) */
 #define HAPI_POLICY_READERS_DEFAULT 8        /* concurrent per-file readers on the compute tier */
 #define HAPI_POLICY_PACK_INDEX_BYTES 130     /* a pack index's bytes per image (name, identity) */
+#define HAPI_POLICY_KEPT_ROUND_TRIPS 2       /* per file the compute tier still holds in its page
+                                                cache: sshfs sends OPEN and CLOSE at every open() */
+#define HAPI_POLICY_KEPT_OVERHEAD 700        /* ... and their bytes (measured: ~0.7 KB per open) */
+/* The transport's own costs through sshfs, measured with tools/hapifs-cluster's tiers on a core
+   each (800 cached 1.1 KB .feat files, 2-32 readers, AMD EPYC, a busy machine): CPU per file on
+   the storage tier (sftp server, sshd) 0.25-0.43 ms and on the compute tier (ssh, sshfs, a
+   Python reader) 0.30-0.48 ms; the time a request takes beyond the RTT, 0.64 ms (2 readers). */
+#define HAPI_POLICY_STORAGE_FILE_MS 0.3
+#define HAPI_POLICY_COMPUTE_FILE_MS 0.35
+#define HAPI_POLICY_REQUEST_MS 0.6
 
-/* How the compute tier reads the features (hapi_policy_input.transport). */
+/*
+ * How the compute tier reads the features (hapi_policy_input.transport). Each
+ * transport is costed by the same terms (policy.c, transport_terms): bytes per
+ * file on the link, round trips per file (spread over the readers), and what
+ * a later epoch finds in the compute tier's cache. A bulk path (many files per
+ * request) would be one more row there: fewer round trips per file.
+ */
 enum hapi_policy_transport {
     HAPI_TRANSPORT_FILE = 0, /* one .feat at a time through a network filesystem: bytes plus
                                 round trips per file, every epoch (the compute node keeps
@@ -127,7 +144,14 @@ typedef struct hapi_policy_input {
     double rtt_s;             /* the link's round-trip time, seconds (0: bytes alone) */
     int readers;              /* concurrent per-file readers (0: HAPI_POLICY_READERS_DEFAULT) */
     int transport;            /* enum hapi_policy_transport: what the epochs are estimated with */
-    double client_speed;      /* compute tier's speed relative to this node (> 0) */
+    double client_speed;      /* compute tier's speed relative to this node (> 0); measured
+                                 on the compute tier (examples/probe-speed.py) */
+    double compute_cache;     /* bytes of .feat files the compute tier keeps between epochs
+                                 (its page cache; 0: none, every epoch reads across the link) */
+    double storage_file_ms;   /* CPU per file the transport costs the storage tier (sftp
+                                 server, ssh cipher), on top of serving it (0: none) */
+    double compute_file_ms;   /* ... and the compute tier (ssh, sshfs, the loader) */
+    double request_ms;        /* what a request of the transport takes beyond the RTT (0: none) */
     uint64_t mem_budget;      /* storage-side bytes: weights, inference, images in flight */
     int freeze;               /* stages [0, freeze) are frozen: candidates 1..freeze */
     int epochs;               /* expected epochs (>= 1) */
@@ -157,6 +181,13 @@ typedef struct hapi_policy_candidate {
     double storage_ms;        /* decode + inference of [0, split) on this node */
     double link_ms;           /* moving one sample by the input's transport */
     double link_file_ms;      /* ... one .feat per request: max(bytes, round trips / readers) */
+    double link_bytes_ms;     /* its bytes term: (file + protocol overhead) over the rate */
+    double link_trips_ms;     /* its round-trip term: round trips x (rtt + request_ms) / readers */
+    double link_warm_ms;      /* per sample in a later epoch, by the input's transport */
+    double compute_kept;      /* fraction of the .feat files the compute tier keeps between
+                                 epochs (compute_cache over the epoch's bytes, at most 1) */
+    double storage_fit;       /* fraction of the features the storage cache holds by a later
+                                 epoch (cache_room over their entries, or what is cached) */
     double link_pack_ms;      /* ... in a pack: its row and its index entry */
     double total_file_s;      /* total_s if the compute tier read per file */
     double total_pack_s;      /* total_s if it read packs (-o remote) */

@@ -6,6 +6,7 @@
 #include <jansson.h>
 #include <malloc.h>
 #include <math.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -81,12 +82,6 @@ static void mem_hook(void *ctx, int stage, int after)
 
 /* --------------------------------------------------------------- measure */
 
-static int cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* One run of every stage, unless asked to stop. */
 static int measure_once(hapi_model *m, int batch, hapi_model_hook_fn hook, void *ctx,
                         uint64_t *ns, atomic_int *stop, hapi_error *err)
@@ -100,7 +95,15 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
                          int threads, uint64_t max_batch_bytes, atomic_int *stop,
                          hapi_profile *out, hapi_error *err)
 {
-    enum { REPS = 3 };
+    /*
+     * Each batch is timed over at least REPS whole runs and WINDOW_NS of wall time (at most
+     * MAX_REPS runs), and a stage's figure is its mean. A node under a CPU quota (a
+     * throttled tier: CFS hands out its quota per 10-100 ms period) runs a short stage at
+     * full speed and stalls wherever the quota runs out: a median of a few runs would miss
+     * the stalls, a mean over several periods counts them where they fall.
+     */
+    enum { REPS = 3, MAX_REPS = 40 };
+    const uint64_t WINDOW_NS = 100000000;
     static const int wanted[] = { 1, 4, 16 };
     uint64_t t0 = hapi_now_ns();
     int n = hapi_model_num_stages(m), rc;
@@ -113,7 +116,10 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
     hapi_hex(digest, 16, out->model_digest);
     snprintf(out->device, sizeof(out->device), "%s", device && *device ? device : "cpu");
     out->threads = threads;
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    /* The CPUs this process may run on (a cpuset confines a tier to fewer than are online). */
+    cpu_set_t allowed;
+    long cores = sched_getaffinity(0, sizeof(allowed), &allowed) == 0
+                     ? CPU_COUNT(&allowed) : sysconf(_SC_NPROCESSORS_ONLN);
     out->cores = cores > 0 ? (int)cores : 1;
     out->nstages = n;
 
@@ -140,7 +146,7 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
         out->batches[out->nbatches++] = wanted[k];
     }
 
-    uint64_t *ns = calloc((size_t)n * REPS, sizeof(uint64_t));
+    uint64_t *ns = calloc((size_t)n, sizeof(uint64_t)); /* per stage, summed over the runs */
     uint64_t *one = calloc((size_t)n, sizeof(uint64_t));
     if (!ns || !one) {
         free(ns);
@@ -158,7 +164,8 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
              */
             double per_sample_s = hapi_profile_ms(out, 0, n, 1) / 1e3;
             double elapsed_s = (double)(hapi_now_ns() - t0) / 1e9;
-            if (elapsed_s + per_sample_s * batch * (REPS + 2) > HAPI_PROFILE_BUDGET_S) {
+            if (elapsed_s + fmax(per_sample_s * batch * (REPS + 2), 1e-9 * (double)WINDOW_NS) >
+                HAPI_PROFILE_BUDGET_S) {
                 out->nbatches = k;
                 break;
             }
@@ -167,16 +174,18 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
         for (int w = 0; w < (k == 0 ? 2 : 1); w++)
             if ((rc = measure_once(m, batch, NULL, NULL, one, stop, err)) < 0)
                 goto out;
-        for (int r = 0; r < REPS; r++) {
+        memset(ns, 0, (size_t)n * sizeof(uint64_t));
+        uint64_t start = hapi_now_ns();
+        int runs = 0;
+        while (runs < MAX_REPS && (runs < REPS || hapi_now_ns() - start < WINDOW_NS)) {
             if ((rc = measure_once(m, batch, NULL, NULL, one, stop, err)) < 0)
                 goto out;
             for (int i = 0; i < n; i++)
-                ns[(size_t)i * REPS + (size_t)r] = one[i];
+                ns[i] += one[i];
+            runs++;
         }
-        for (int i = 0; i < n; i++) {
-            qsort(ns + (size_t)i * REPS, REPS, sizeof(uint64_t), cmp_u64);
-            out->stage[i].ms[k] = (double)ns[(size_t)i * REPS + REPS / 2] / 1e6 / batch;
-        }
+        for (int i = 0; i < n; i++)
+            out->stage[i].ms[k] = (double)ns[i] / runs / 1e6 / batch;
     }
 
     /* Memory: each stage's peak at the smallest and the largest batch gives fixed + per sample. */

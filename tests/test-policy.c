@@ -311,6 +311,105 @@ START_TEST(transport_round_trips_and_packs)
 }
 END_TEST
 
+/* The link's two terms are shown apart, and the file term is the larger. */
+START_TEST(link_terms_apart)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(100e6, 1.0);
+    in.rtt_s = 2e-3;
+    in.readers = 4;
+    choose(&in, &c);
+    for (int i = 0; i < c.ncand; i++) {
+        const hapi_policy_candidate *k = &c.cand[i];
+        ck_assert_double_eq_tol(k->link_bytes_ms,
+                                (k->file_bytes + HAPI_POLICY_FILE_OVERHEAD) * 8 / 100e6 * 1e3, 1e-9);
+        ck_assert_double_eq_tol(k->link_trips_ms, HAPI_POLICY_FILE_ROUND_TRIPS * 2.0 / 4, 1e-9);
+        ck_assert_double_eq_tol(k->link_file_ms, fmax(k->link_bytes_ms, k->link_trips_ms), 1e-12);
+    }
+    /* stem's 400 KB are bytes-bound, pool's 4 KB round-trip-bound */
+    ck_assert_double_gt(c.cand[0].link_bytes_ms, c.cand[0].link_trips_ms);
+    ck_assert_double_lt(c.cand[5].link_bytes_ms, c.cand[5].link_trips_ms);
+    char *json = hapi_policy_to_json(&in, &c);
+    ck_assert_ptr_nonnull(json);
+    ck_assert_ptr_nonnull(strstr(json, "\"link_trips_ms\": 2.0"));
+    ck_assert_ptr_nonnull(strstr(json, "\"file_round_trips\": 4"));
+    free(json);
+    /* a request's own time adds to every round trip */
+    in.request_ms = 0.5;
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[5].link_trips_ms, HAPI_POLICY_FILE_ROUND_TRIPS * 2.5 / 4, 1e-9);
+    in.request_ms = -1;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(hapi_policy_choose(&in, &c, &err), HAPI_EINVAL);
+}
+END_TEST
+
+/* What the compute tier keeps in its page cache is not read again: only its open and close. */
+START_TEST(compute_cache_spares_later_epochs)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(100e6, 1.0);
+    in.rtt_s = 1e-3;
+    choose(&in, &c);
+    double before = c.cand[5].warm_s;
+    ck_assert_double_eq(c.cand[5].compute_kept, 0);
+    ck_assert_double_eq_tol(c.cand[5].link_warm_ms, c.cand[5].link_file_ms, 1e-12);
+
+    /* room for half of pool's .feat files of an epoch, and a sliver of stem's */
+    in.compute_cache = 0.5 * 10000 * (double)c.cand[5].file_bytes;
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[5].compute_kept, 0.5, 1e-9);
+    ck_assert_double_lt(c.cand[0].compute_kept, 0.02);
+    double kept_ms = fmax(HAPI_POLICY_KEPT_OVERHEAD * 8 / 100e6 * 1e3,
+                          HAPI_POLICY_KEPT_ROUND_TRIPS * 1.0 / HAPI_POLICY_READERS_DEFAULT);
+    ck_assert_double_eq_tol(c.cand[5].link_warm_ms,
+                            0.5 * kept_ms + 0.5 * c.cand[5].link_file_ms, 1e-9);
+    ck_assert_double_lt(c.cand[5].warm_s, before);
+    /* the first epoch reads everything whatever the compute tier keeps */
+    ck_assert_double_eq_tol(c.cand[5].link_ms, c.cand[5].link_file_ms, 1e-12);
+
+    /* everything kept: a later epoch is bound by the requests sshfs still sends */
+    in.compute_cache = 1e15;
+    choose(&in, &c);
+    for (int i = 0; i < c.ncand; i++) {
+        ck_assert_double_eq_tol(c.cand[i].compute_kept, 1.0, 1e-12);
+        ck_assert_double_eq_tol(c.cand[i].link_warm_ms, kept_ms, 1e-9);
+    }
+    /* the raw images too */
+    ck_assert_double_eq_tol(c.raw.compute_kept, 1.0, 1e-12);
+    ck_assert_double_eq_tol(c.raw.link_warm_ms, kept_ms, 1e-9);
+
+    hapi_error err = { 0 };
+    in.compute_cache = -1;
+    ck_assert_int_eq(hapi_policy_choose(&in, &c, &err), HAPI_EINVAL);
+}
+END_TEST
+
+/* The transport's CPU per file loads the tier that pays it, and can make it the bound. */
+START_TEST(per_file_transport_cpu)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(10e9, 100.0); /* fast link and compute: storage-bound */
+    choose(&in, &c);
+    double cold = c.cand[5].cold_s;
+    ck_assert_str_eq(c.cand[5].cold_bound, "storage");
+    in.storage_file_ms = 2.0;
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[5].cold_s, cold + 2.0 * 10000 / 1e3, 1e-6);
+    /* on the compute tier: a fast one fed tiny features waits for the files */
+    in.storage_file_ms = 0;
+    in.compute_file_ms = 50.0;
+    choose(&in, &c);
+    ck_assert_str_eq(c.cand[5].cold_bound, "compute");
+    ck_assert_double_eq_tol(c.cand[5].cold_s, (c.cand[5].compute_ms + 50.0) * 10000 / 1e3, 1e-6);
+    ck_assert_double_eq_tol(c.raw.cold_s, fmax(c.raw.link_ms, c.raw.compute_ms + 50.0) * 10000 / 1e3,
+                            1e-6);
+}
+END_TEST
+
 START_TEST(rates)
 {
     double bps;
@@ -405,6 +504,9 @@ int main(void)
     tcase_add_test(tc, operator_split_explained);
     tcase_add_test(tc, estimates_add_up);
     tcase_add_test(tc, transport_round_trips_and_packs);
+    tcase_add_test(tc, link_terms_apart);
+    tcase_add_test(tc, compute_cache_spares_later_epochs);
+    tcase_add_test(tc, per_file_transport_cpu);
     suite_add_tcase(s, tc);
     TCase *tp = tcase_create("profile");
     tcase_add_test(tp, rates);

@@ -444,3 +444,65 @@ def test_remote_mount_over_two_sshfs_nodes(cluster, tmp_path, models):
         pid = daemon_pid(mnt)
         if pid:
             wait_gone(pid)
+
+
+TIER_BUSY = r"""
+import json, os, time
+t0, c0 = time.monotonic(), time.process_time()
+while time.monotonic() - t0 < 1.0:
+    pass
+print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "wall": time.monotonic() - t0,
+                  "cpu": time.process_time() - c0}))
+"""
+
+
+def _cgroups(prefix):
+    return [p for p in Path("/sys/fs/cgroup").glob(f"*/hapifs-cluster-{prefix}")] + \
+        [p for p in Path("/sys/fs/cgroup").glob(f"hapifs-cluster-{prefix}")]
+
+
+def test_tiers_on_their_own_cpus(cluster, dataset, models):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("tiers on their own CPUs need two CPUs")
+    src, images = dataset
+    c = cluster()
+    r = c.up(src, models(), "--storage-cpus", "0", "--compute-cpus", "1",
+             "--compute-quota", "0.25", check=False)
+    if r.returncode != 0 and "need cgroups" in r.stderr:
+        pytest.skip(r.stderr.strip())
+    assert r.returncode == 0, r.stderr
+    c.remember_pids()
+    root = Path(r.stdout.strip())
+    # the storage node's daemon runs on CPU 0 only, with one torch thread for its one CPU
+    pid = daemon_pid(c.state / "s1" / "mnt")
+    status = Path(f"/proc/{pid}/status").read_text()
+    assert "Cpus_allowed_list:\t0\n" in status
+    assert "torch_threads=1" in (c.state / "cluster.conf").read_text()
+    # a command of `run` is on the compute tier: CPU 1, and a quarter of its time
+    r = c.run(PYTHON, "-c", TIER_BUSY)
+    assert r.returncode == 0, r.stderr
+    busy = json.loads(r.stdout)
+    assert busy["cpus"] == [1]
+    assert 0.1 < busy["cpu"] / busy["wall"] < 0.4, busy
+    # and it still reads the features
+    r = c.run(PYTHON, "-c", "import sys; print(open(sys.argv[1], 'rb').read(6)[1:].decode())",
+              root / (images[1] + ".feat"))
+    assert r.returncode == 0 and r.stdout.strip() == "NUMPY", r.stderr
+    st = c.cli("status", "--state", c.state)
+    assert "cpus 0 " in st.stdout and "cpus 1 " in st.stdout and "quota 2500 period 10000" in st.stdout
+    assert _cgroups(c.prefix)
+    assert c.down().returncode == 0
+    assert _cgroups(c.prefix) == []
+
+
+def test_tiers_refused_cpus_leave_nothing(cluster, dataset, models):
+    src, _ = dataset
+    c = cluster()
+    r = c.up(src, models(), "--storage-cpus", "9999", check=False)
+    if "need cgroups" in r.stderr:
+        pytest.skip(r.stderr.strip())
+    assert r.returncode == 1
+    assert "cannot have CPUs 9999" in r.stderr
+    assert _cgroups(c.prefix) == [] and namespaces(c.prefix) == []
+    r = c.up(src, models(), "--compute-quota", "0.01", check=False)
+    assert r.returncode == 1 and "less than 1 ms" in r.stderr

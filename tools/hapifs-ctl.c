@@ -28,6 +28,11 @@ static const char usage_text[] =
     "                       keep theirs, the next open sees the new shape\n"
     "    set-batch N|auto   the storage-side batch\n"
     "    set-link RATE      tell the policy the link's rate (e.g. 1Gbit, 100Mbit, 125MB/s)\n"
+    "    set-rtt TIME       ... the link's round-trip time (e.g. 1ms, 0)\n"
+    "    set-client-speed X ... the compute tier's speed relative to this node, as measured\n"
+    "                       there (examples/probe-speed.py prints it)\n"
+    "    set-compute-cache SIZE  ... how many bytes of .feat files the compute tier keeps\n"
+    "                       between epochs (its page cache; 0: none)\n"
     "    warm [PATH]        compute the features of PATH (default: everything), showing progress\n"
     "    evict [all|PATH]   drop cached features of the mount, or of PATH\n"
     "\n"
@@ -543,6 +548,53 @@ static int cmd_profile(const char *mnt)
     return 0;
 }
 
+/* The terms of the chosen candidate's estimate, one tier a line, from .hapifs/policy. */
+static void explain_terms(json_t *p)
+{
+    json_t *c = NULL, *k;
+    size_t i;
+    json_array_foreach(json_object_get(p, "candidates"), i, k)
+        if (json_is_true(json_object_get(k, "chosen")))
+            c = k;
+    if (!c)
+        return;
+    char a[32], b[32], t1[32], t2[32], t3[32];
+    int pack = strcmp(str(p, "inputs.transport"), "pack") == 0;
+    printf("\nterms of split %.0f (%s), per sample:\n", num(c, "split"), str(c, "stage"));
+    printf("  storage  %.3f ms: decode and stages [0, %.0f) at batch %.0f, from the profile; a\n"
+           "           cached feature costs %.3f ms instead (%.0f%% cached now, %.0f%% by a later\n"
+           "           epoch); plus %.3f ms of transport CPU per file (sftp server, ssh)\n",
+           num(c, "storage_ms"), num(c, "split"), num(c, "batch"), num(p, "inputs.hit_ms"),
+           100 * num(c, "cached"), 100 * num(c, "storage_fit"), num(p, "inputs.storage_file_ms"));
+    if (pack)
+        printf("  link     %.3f ms: the features' row and index entry in a pack at %s; later\n"
+               "           epochs read the compute-side cache\n",
+               num(c, "link_pack_ms"), str(p, "inputs.link"));
+    else
+        printf("  link     %.3f ms, the larger of\n"
+               "             bytes %.3f ms: %s and %.0f B of requests at %s\n"
+               "             round trips %.3f ms: %.0f x (%.3g ms rtt + %.3g ms a request) over "
+               "%.0f readers\n"
+               "           a later epoch %.3f ms: the compute tier keeps %.0f%% of the files "
+               "(%s);\n"
+               "           a kept file costs only its open and close\n",
+               num(c, "link_file_ms"), num(c, "link_bytes_ms"),
+               human_size(num(c, "file_bytes"), a, sizeof(a)), num(p, "inputs.file_overhead_bytes"),
+               str(p, "inputs.link"), num(c, "link_trips_ms"), num(p, "inputs.file_round_trips"),
+               num(p, "inputs.rtt_ms"), num(p, "inputs.request_ms"), num(p, "inputs.readers"),
+               num(c, "link_warm_ms"), 100 * num(c, "compute_kept"),
+               human_size(num(p, "inputs.compute_cache"), b, sizeof(b)));
+    printf("  compute  %.3f ms: stages [%.0f, %.0f) at %.3gx this node's speed (client_speed);\n"
+           "           plus %.3f ms per file read (ssh, sshfs, the loader)\n",
+           num(c, "compute_ms"), num(c, "split"), num(p, "inputs.freeze"),
+           num(p, "inputs.client_speed"), num(p, "inputs.compute_file_ms"));
+    printf("  an epoch takes its slowest tier: first %s (%s-bound), later %s (%s-bound);\n"
+           "  %.0f epochs %s\n",
+           human_time(num(c, "cold_epoch_s"), t1, sizeof(t1)), str(c, "cold_bound"),
+           human_time(num(c, "warm_epoch_s"), t2, sizeof(t2)), str(c, "warm_bound"),
+           num(p, "inputs.epochs"), human_time(num(c, "total_s"), t3, sizeof(t3)));
+}
+
 static int cmd_policy(const char *mnt)
 {
     json_t *p = load(mnt, "policy");
@@ -563,6 +615,9 @@ static int cmd_policy(const char *mnt)
            str(p, "inputs.link"), num(p, "inputs.client_speed"), num(p, "inputs.epochs"),
            human_size(num(p, "inputs.mem_budget"), a, sizeof(a)), num(p, "inputs.freeze"),
            str(p, "inputs.dtype"));
+    printf("transport %s, rtt %.3g ms, %.0f readers, compute tier keeps %s of .feat files\n",
+           str(p, "inputs.transport"), num(p, "inputs.rtt_ms"), num(p, "inputs.readers"),
+           human_size(num(p, "inputs.compute_cache"), a, sizeof(a)));
     printf("epochs of %.0f samples%s\n\n", samples,
            num(p, "inputs.samples") > 0 ? "" : " (the tree is not counted yet: per 1000)");
     printf("  %-3s %-10s %5s %10s %9s %9s %9s %10s %10s %10s %7s  %s\n", "#", "stage", "batch",
@@ -590,6 +645,7 @@ static int cmd_policy(const char *mnt)
     }
     json_decref(all);
     printf("\n* %s\n", str(p, "why"));
+    explain_terms(p);
     if (get(p, "current"))
         printf("\nserving split %.0f (%s), batch %.0f, set by the %s%s\n", num(p, "current.split"),
                str(p, "current.stage"), num(p, "current.batch"), str(p, "current.by"),
@@ -600,12 +656,16 @@ static int cmd_policy(const char *mnt)
     return 0;
 }
 
-/* set-split, set-batch, set-link: one control command, then what the mount says now. */
+/* set-split, set-batch, set-link, set-rtt, set-client-speed, set-compute-cache: one control
+   command, then what the mount says now. */
 static int cmd_set(const char *mnt, const char *cmd, const char *value)
 {
-    const char *command = strcmp(cmd, "set-split") == 0   ? "split"
-                          : strcmp(cmd, "set-batch") == 0 ? "batch"
-                                                          : "link";
+    const char *command = strcmp(cmd, "set-split") == 0          ? "split"
+                          : strcmp(cmd, "set-batch") == 0        ? "batch"
+                          : strcmp(cmd, "set-rtt") == 0          ? "rtt"
+                          : strcmp(cmd, "set-client-speed") == 0 ? "client_speed"
+                          : strcmp(cmd, "set-compute-cache") == 0 ? "compute_cache"
+                                                                 : "link";
     int rc = send(mnt, command, value);
     if (rc)
         return rc;
@@ -621,12 +681,14 @@ static int cmd_set(const char *mnt, const char *cmd, const char *value)
     } else {
         char *shape = json_dumps(get(config, "split.shape"), JSON_COMPACT);
         char s1[32];
-        printf("split %.0f (%s, by %s): .feat of %s, shape %s; batch %.0f%s; link %s\n",
+        printf("split %.0f (%s, by %s): .feat of %s, shape %s; batch %.0f%s; link %s, rtt %.3g "
+               "ms, client_speed %.3g\n",
                num(config, "split.index"), str(config, "split.stage"), str(config, "split.by"),
                human_size(num(config, "split.feat_size"), s1, sizeof(s1)), shape ? shape : "?",
                num(config, "runtime.batch"),
                json_is_true(get(config, "runtime.batch_auto")) ? " (auto)" : "",
-               str(config, "policy.link"));
+               str(config, "policy.link"), num(config, "policy.rtt_ms"),
+               num(config, "policy.client_speed"));
         free(shape);
     }
     json_decref(config);
@@ -658,7 +720,8 @@ int main(int argc, char *argv[])
                 strcmp(cmd, "config") == 0 || strcmp(cmd, "errors") == 0 ||
                 strcmp(cmd, "profile") == 0 || strcmp(cmd, "policy") == 0 ||
                 strcmp(cmd, "set-split") == 0 || strcmp(cmd, "set-batch") == 0 ||
-                strcmp(cmd, "set-link") == 0;
+                strcmp(cmd, "set-link") == 0 || strcmp(cmd, "set-rtt") == 0 ||
+                strcmp(cmd, "set-client-speed") == 0 || strcmp(cmd, "set-compute-cache") == 0;
     if (!known)
         return say("unknown command '%s'", cmd), fputs(usage_text, stderr), EXIT_USAGE;
     if (takes_value) {

@@ -1,0 +1,48 @@
+"""tools/bench-policy --grid --quick end to end: tiers on their own CPUs, the measured client
+speed, every run of the cell, and the grid's table.
+
+A smoke test of the benchmark, not of its figures' size: it checks that the cell was measured
+with the compute tier faster than the throttled storage tier, that the quota held the storage
+tier back, that the earliest split moved more bytes than the last, and that the table, the runs
+and the summary are printed and agree with the JSON.
+"""
+import json
+import os
+import subprocess
+
+import pytest
+
+from test_cluster import need_cluster
+from conftest import PYTHON, SOURCE_ROOT
+
+BENCH = SOURCE_ROOT / "tools" / "bench-policy"
+
+
+def test_grid_quick(tmp_path):
+    need_cluster()
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the grid's tiers need a CPU each")
+    out = tmp_path / "grid.json"
+    r = subprocess.run([PYTHON, str(BENCH), "--grid", "--quick", "--work", str(tmp_path / "work"),
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cells = json.loads(out.read_text())["cells"]
+    assert len(cells) == 1
+    c = cells[0]
+    assert (c["model"], c["link"], c["rtt"], c["speed_set"]) == ("resnet18", "1gbit", "0", 4.0)
+    # measured, not assumed: the storage tier runs at a quarter of a core
+    assert c["client_speed"] > 1.5, c["client_speed"]
+    runs = {run["split"]: run for run in c["runs"]}
+    assert c["pick"] in runs and c["best"] in runs and c["freeze"] in runs and 1 in runs
+    for run in runs.values():
+        assert run["epochs_s"] > 0 and run["predicted_s"] > 0 and len(run["epoch_s"]) == 2
+        assert run["link_bytes"] > 0 and run["compute_cpu_s"] > 0
+        assert run["storage_throttled_s"] > 0, run  # the quota held the storage tier back
+        assert run["profile"] == "stored", run  # the cell's profile, not measured again
+    assert runs[1]["link_bytes"] > runs[c["freeze"]]["link_bytes"]  # stem's features are larger
+    assert c["time_ratio"] >= 1.0
+    assert abs(c["time_ratio"] - runs[c["pick"]]["epochs_s"] / runs[c["best"]]["epochs_s"]) < 1e-9
+    row = [line for line in r.stdout.splitlines() if line.startswith("| resnet18 | 1gbit | 0 |")]
+    assert len(row) == 1 and f"| {c['pick']} {c['pick_stage']} |" in row[0], r.stdout
+    assert "1 cells: pick within 5% of the measured best in" in r.stdout
+    assert f"every split measured ({len(runs)} runs)" in r.stdout, r.stdout
