@@ -155,10 +155,80 @@ static char *node_name(const struct node *nd)
     return asprintf(&name, "%s.feat", slash ? slash + 1 : nd->path) < 0 ? NULL : name;
 }
 
+/* The name the kernel knows node nd by in its parent, or NULL (malloc'd). */
+static char *node_entry_name(const struct node *nd)
+{
+    if (nd->kind == HAPI_NODE_FEAT || nd->kind == HAPI_NODE_PACK)
+        return node_name(nd);
+    if (nd->kind == HAPI_NODE_PACK_INDEX)
+        return strdup(HAPI_PACK_INDEX_NAME);
+    const char *slash = strrchr(nd->path, '/');
+    return *nd->path ? strdup(slash ? slash + 1 : nd->path) : NULL;
+}
+
+/* What forget_nodes() tells the kernel to forget of a node. */
+enum forget_how { FORGET_NOTHING, FORGET_NAME, FORGET_INODE };
+
 struct stale {
     uint64_t id, parent;
-    char *name;  /* NULL: invalidate the inode (a remote .feat, an index) */
+    char *name;  /* NULL: the inode (its attributes, pages, listing) */
 };
+
+/*
+ * Tells the kernel to forget, of every node, what how() says (how runs under
+ * the table's lock and may change the node): its name in its parent, or its
+ * inode. A node whose name cannot be made (out of memory) is left out. The
+ * notices go outside the lock: the kernel may look things up again meanwhile.
+ */
+static void forget_nodes(hapi_fs *fs, enum forget_how (*how)(struct node *nd))
+{
+    struct node_table *t = fs->nodes;
+    struct stale *todo = NULL;
+    size_t n = 0, cap = 0;
+    pthread_mutex_lock(&t->lock);
+    for (size_t i = 0; i < t->nbuckets; i++)
+        for (struct node *nd = t->buckets[i]; nd; nd = nd->next) {
+            enum forget_how h = how(nd);
+            if (h == FORGET_NOTHING)
+                continue;
+            if (n == cap) {
+                struct stale *bigger = realloc(todo, (cap = cap ? cap * 2 : 256) * sizeof(*todo));
+                if (!bigger)
+                    break;
+                todo = bigger;
+            }
+            todo[n] = (struct stale){ nd->id, nd->parent, NULL };
+            if (h == FORGET_NAME && !(todo[n].name = node_entry_name(nd)))
+                continue;
+            n++;
+        }
+    pthread_mutex_unlock(&t->lock);
+    size_t failed = 0;
+    for (size_t i = 0; i < n; i++) {
+        int rc = todo[i].name ? fuse_lowlevel_notify_inval_entry(fs->se, todo[i].parent,
+                                                                 todo[i].name,
+                                                                 strlen(todo[i].name))
+                              : fuse_lowlevel_notify_inval_inode(fs->se, todo[i].id, 0, 0);
+        failed += rc < 0;
+        free(todo[i].name);
+    }
+    if (failed)
+        hapi_log(HAPI_LOG_DEBUG, "%zu of %zu names or inodes were not in the kernel's cache",
+                 failed, n);
+    free(todo);
+}
+
+/* A split change: .feat and pack names; listings, remote .feat and indexes by inode. */
+static enum forget_how split_change_how(struct node *nd)
+{
+    if (nd->kind == HAPI_NODE_FEAT || nd->kind == HAPI_NODE_PACK)
+        return FORGET_NAME;
+    /* a listing the kernel keeps (a watched directory) has the .feat's old ids */
+    if ((nd->kind == HAPI_NODE_DIR && nd->wd >= 0) || nd->kind == HAPI_NODE_PACK_INDEX ||
+        nd->kind == HAPI_NODE_REMOTE_FEAT)
+        return FORGET_INODE;
+    return FORGET_NOTHING;
+}
 
 /*
  * tune.c's (and remote.c's) split-change callback, so that the next open
@@ -171,51 +241,22 @@ struct stale {
 static void invalidate_feats(void *arg)
 {
     hapi_fs *fs = arg;
-    struct node_table *t = fs->nodes;
-    struct stale *todo = NULL;
-    size_t n = 0, cap = 0;
-    if (!fs->se)
-        return;
-    pthread_mutex_lock(&t->lock);
-    for (size_t i = 0; i < t->nbuckets; i++)
-        for (struct node *nd = t->buckets[i]; nd; nd = nd->next) {
-            int by_name = nd->kind == HAPI_NODE_FEAT || nd->kind == HAPI_NODE_PACK;
-            /* a listing the kernel keeps (a watched directory) has the .feat's old ids */
-            int listing = nd->kind == HAPI_NODE_DIR && nd->wd >= 0;
-            if (!by_name && !listing && nd->kind != HAPI_NODE_PACK_INDEX &&
-                nd->kind != HAPI_NODE_REMOTE_FEAT)
-                continue;
-            if (n == cap) {
-                struct stale *bigger = realloc(todo, (cap = cap ? cap * 2 : 256) * sizeof(*todo));
-                if (!bigger)
-                    break;
-                todo = bigger;
-            }
-            todo[n] = (struct stale){ nd->id, nd->content.parent, NULL };
-            if (by_name && !(todo[n].name = node_name(nd)))
-                continue;
-            n++;
-        }
-    pthread_mutex_unlock(&t->lock);
-    /* Outside the lock: the kernel may look things up again meanwhile. */
-    size_t failed = 0;
-    for (size_t i = 0; i < n; i++) {
-        int rc = todo[i].name ? fuse_lowlevel_notify_inval_entry(fs->se, todo[i].parent,
-                                                                 todo[i].name,
-                                                                 strlen(todo[i].name))
-                              : fuse_lowlevel_notify_inval_inode(fs->se, todo[i].id, 0, 0);
-        failed += rc < 0;
-        free(todo[i].name);
-    }
-    if (failed)
-        hapi_log(HAPI_LOG_DEBUG, "%zu of %zu .feat names or inodes were not in the kernel's cache",
-                 failed, n);
-    free(todo);
+    if (fs->se)
+        forget_nodes(fs, split_change_how);
 }
 
 static size_t node_bucket(const struct node_table *t, uint64_t id)
 {
     return (size_t)(XXH3_64bits(&id, sizeof(id)) & (t->nbuckets - 1));
+}
+
+/* The node of id, or NULL; under t->lock. */
+static struct node *node_find(struct node_table *t, uint64_t id)
+{
+    struct node *n = t->buckets[node_bucket(t, id)];
+    while (n && n->id != id)
+        n = n->next;
+    return n;
 }
 
 /*
@@ -257,10 +298,7 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
     if (!copy)
         return -ENOMEM;
     pthread_mutex_lock(&t->lock);
-    size_t b = node_bucket(t, id);
-    struct node *n = t->buckets[b];
-    while (n && n->id != id)
-        n = n->next;
+    struct node *n = node_find(t, id);
     if (!n) {
         n = calloc(1, sizeof(*n));
         if (!n) {
@@ -270,6 +308,7 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
         }
         n->id = id;
         n->wd = NO_WATCH;
+        size_t b = node_bucket(t, id);
         n->next = t->buckets[b];
         t->buckets[b] = n;
         t->count++;
@@ -324,15 +363,13 @@ static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path,
     struct node_table *t = fs->nodes;
     int rc = -ENOENT;
     pthread_mutex_lock(&t->lock);
-    for (struct node *n = t->buckets[node_bucket(t, id)]; n; n = n->next) {
-        if (n->id == id) {
-            *kind = n->kind;
-            *path = strdup(n->path);
-            if (content)
-                *content = n->content;
-            rc = *path ? 0 : -ENOMEM;
-            break;
-        }
+    struct node *n = node_find(t, id);
+    if (n) {
+        *kind = n->kind;
+        *path = strdup(n->path);
+        if (content)
+            *content = n->content;
+        rc = *path ? 0 : -ENOMEM;
     }
     pthread_mutex_unlock(&t->lock);
     return rc;
@@ -352,13 +389,12 @@ static double dir_timeout(hapi_fs *fs, uint64_t dir, uint64_t *changes)
     double timeout = ENTRY_TIMEOUT;
     *changes = 0;
     pthread_mutex_lock(&t->lock);
-    for (struct node *n = t->buckets[node_bucket(t, dir)]; n; n = n->next)
-        if (n->id == dir) {
-            if (n->wd >= 0)
-                timeout = WATCHED_TIMEOUT;
-            *changes = n->changes;
-            break;
-        }
+    struct node *n = node_find(t, dir);
+    if (n) {
+        if (n->wd >= 0)
+            timeout = WATCHED_TIMEOUT;
+        *changes = n->changes;
+    }
     pthread_mutex_unlock(&t->lock);
     return timeout;
 }
@@ -369,11 +405,9 @@ static double node_timeout(hapi_fs *fs, uint64_t id)
     struct node_table *t = fs->nodes;
     double timeout = ATTR_TIMEOUT;
     pthread_mutex_lock(&t->lock);
-    for (struct node *n = t->buckets[node_bucket(t, id)]; n; n = n->next)
-        if (n->id == id) {
-            timeout = n->timeout > 0 ? n->timeout : ATTR_TIMEOUT;
-            break;
-        }
+    struct node *n = node_find(t, id);
+    if (n && n->timeout > 0)
+        timeout = n->timeout;
     pthread_mutex_unlock(&t->lock);
     return timeout;
 }
@@ -403,9 +437,7 @@ static void watch_dir(hapi_fs *fs, uint64_t id, const char *path)
     if (wd < 0 && wd != -EREMOTE && wd != -ENOSPC && wd != -ENOENT)
         hapi_log(HAPI_LOG_DEBUG, "watch: %s: %s", *path ? path : ".", strerror(-wd));
     pthread_mutex_lock(&t->lock);
-    struct node *n = t->buckets[node_bucket(t, id)];
-    while (n && n->id != id)
-        n = n->next;
+    struct node *n = node_find(t, id);
     if (n && n->wd == NO_WATCH) {
         n->wd = wd >= 0 ? wd : CANNOT_WATCH;
         wd = -1;
@@ -415,57 +447,12 @@ static void watch_dir(hapi_fs *fs, uint64_t id, const char *path)
         hapi_watch_remove(t->watch, wd); /* forgotten meanwhile */
 }
 
-struct forget_one {
-    uint64_t parent, id;
-    char *name; /* NULL: the inode only */
-};
-
-/* The name the kernel knows node nd by in its parent, or NULL (malloc'd). */
-static char *node_entry_name(const struct node *nd)
+/* Events were lost: every name (the root: its inode), and every directory counts a change. */
+static enum forget_how everything_how(struct node *nd)
 {
-    if (nd->kind == HAPI_NODE_FEAT || nd->kind == HAPI_NODE_PACK)
-        return node_name(nd);
-    if (nd->kind == HAPI_NODE_PACK_INDEX)
-        return strdup(HAPI_PACK_INDEX_NAME);
-    const char *slash = strrchr(nd->path, '/');
-    return *nd->path ? strdup(slash ? slash + 1 : nd->path) : NULL;
-}
-
-/*
- * Events were lost (watch.c's queue overflowed): the kernel forgets every
- * name and every directory's attributes and listing, so that everything is
- * looked up again.
- */
-static void forget_everything(hapi_fs *fs)
-{
-    struct node_table *t = fs->nodes;
-    struct forget_one *todo = NULL;
-    size_t n = 0, cap = 0;
-    pthread_mutex_lock(&t->lock);
-    for (size_t i = 0; i < t->nbuckets; i++)
-        for (struct node *nd = t->buckets[i]; nd; nd = nd->next) {
-            if (nd->kind == HAPI_NODE_DIR)
-                nd->changes++;
-            if (n == cap) {
-                struct forget_one *bigger =
-                    realloc(todo, (cap = cap ? cap * 2 : 256) * sizeof(*todo));
-                if (!bigger)
-                    break;
-                todo = bigger;
-            }
-            todo[n++] = (struct forget_one){ nd->parent, nd->id,
-                                             nd->parent ? node_entry_name(nd) : NULL };
-        }
-    pthread_mutex_unlock(&t->lock);
-    for (size_t i = 0; i < n; i++) {
-        if (todo[i].name)
-            fuse_lowlevel_notify_inval_entry(fs->se, todo[i].parent, todo[i].name,
-                                             strlen(todo[i].name));
-        else
-            fuse_lowlevel_notify_inval_inode(fs->se, todo[i].id, 0, 0);
-        free(todo[i].name);
-    }
-    free(todo);
+    if (nd->kind == HAPI_NODE_DIR)
+        nd->changes++;
+    return nd->parent ? FORGET_NAME : FORGET_INODE;
 }
 
 static void forget_name(hapi_fs *fs, uint64_t dir, const char *name)
@@ -487,20 +474,20 @@ static void on_change(void *arg, uint64_t dir, const char *name, uint32_t mask)
     hapi_fs *fs = arg;
     struct node_table *t = fs->nodes;
     if (!name) {
+        /* the kernel's queue overflowed: everything is looked up again */
         if (fs->se)
-            forget_everything(fs);
+            forget_nodes(fs, everything_how);
         return;
     }
     char *dir_path = NULL;
     pthread_mutex_lock(&t->lock);
-    for (struct node *n = t->buckets[node_bucket(t, dir)]; n; n = n->next)
-        if (n->id == dir) {
-            n->changes++;
-            if (mask & IN_IGNORED)
-                n->wd = NO_WATCH; /* gone; a directory made again there is watched anew */
-            dir_path = strdup(n->path);
-            break;
-        }
+    struct node *n = node_find(t, dir);
+    if (n) {
+        n->changes++;
+        if (mask & IN_IGNORED)
+            n->wd = NO_WATCH; /* gone; a directory made again there is watched anew */
+        dir_path = strdup(n->path);
+    }
     pthread_mutex_unlock(&t->lock);
     if (fs->se && *name) {
         /* A directory changed in place keeps its name (and the names under it). */
@@ -1002,7 +989,8 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     if (rc < 0)
         fuse_reply_err(req, -rc);
     else
-        fuse_reply_attr(req, &st, kind == HAPI_NODE_PACK_INDEX ? ATTR_TIMEOUT : node_timeout(fs, ino));
+        fuse_reply_attr(req, &st,
+                        kind == HAPI_NODE_PACK_INDEX ? ATTR_TIMEOUT : node_timeout(fs, ino));
     free(path);
 }
 
