@@ -142,6 +142,15 @@ static struct watched *find(hapi_watch *w, int wd, struct watched ***link)
     return *l;
 }
 
+/* Takes the entry at *link out of the table (under w->lock). */
+static void unlink_entry(hapi_watch *w, struct watched **link)
+{
+    struct watched *x = *link;
+    *link = x->next;
+    free(x);
+    atomic_fetch_sub(&w->stats.dirs, 1);
+}
+
 int hapi_watch_add(hapi_watch *w, int dirfd, uint64_t dir_id)
 {
     struct statfs sf;
@@ -187,11 +196,8 @@ void hapi_watch_remove(hapi_watch *w, int wd)
     struct watched **link;
     pthread_mutex_lock(&w->lock);
     struct watched *x = find(w, wd, &link);
-    if (x) {
-        *link = x->next;
-        free(x);
-        atomic_fetch_sub(&w->stats.dirs, 1);
-    }
+    if (x)
+        unlink_entry(w, link);
     pthread_mutex_unlock(&w->lock);
     /* A directory removed has lost its watch already (EINVAL): nothing to undo. */
     if (x)
@@ -221,12 +227,8 @@ static void dispatch(hapi_watch *w, const struct inotify_event *ev)
     pthread_mutex_lock(&w->lock);
     struct watched *x = find(w, ev->wd, &link);
     uint64_t dir_id = x ? x->dir_id : 0;
-    if (x && (ev->mask & IN_IGNORED)) {
-        /* The directory is gone (or its filesystem unmounted): the kernel dropped the watch. */
-        *link = x->next;
-        free(x);
-        atomic_fetch_sub(&w->stats.dirs, 1);
-    }
+    if (x && (ev->mask & IN_IGNORED))
+        unlink_entry(w, link); /* the directory is gone, or its filesystem: so is the watch */
     pthread_mutex_unlock(&w->lock);
     if (x)
         w->fn(w->arg, dir_id, ev->len ? ev->name : "", ev->mask);
