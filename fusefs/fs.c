@@ -101,8 +101,34 @@ struct node {
     double timeout;              /* the entry and attribute timeout it was given last */
     int wd;                      /* DIR: its inotify watch, NO_WATCH or CANNOT_WATCH */
     uint64_t changes;            /* DIR: changes seen in it (on_change) */
+    struct node_pack *pack;      /* PACK, no_open: its snapshot, opened at the first read */
+    hapi_ctl_text *text;         /* PACK_INDEX, no_open: made at its last lookup */
+    uint64_t serial;             /* and which one it is (its mtime) */
     struct node *next;
 };
+
+/* A node's pack snapshot, shared by the reads under way (no_open). */
+struct node_pack {
+    atomic_int refs;
+    hapi_pack *pack;
+};
+
+static void node_pack_put(struct node_pack *p)
+{
+    if (p && atomic_fetch_sub(&p->refs, 1) == 1) {
+        hapi_pack_close(p->pack);
+        free(p);
+    }
+}
+
+/* Frees a node out of the table (its pack and text may take other locks: not under t->lock). */
+static void node_free(struct node *n)
+{
+    node_pack_put(n->pack);
+    hapi_ctl_text_put(n->text);
+    free(n->path);
+    free(n);
+}
 #define NO_WATCH (-1)      /* not watched yet (or any more): the next lookup tries */
 #define CANNOT_WATCH (-2)  /* a network filesystem, or no watches left */
 
@@ -129,6 +155,18 @@ static struct node_table *node_table_new(void)
     return t;
 }
 
+/* Closes the packs nodes hold (before the packs' layer goes). */
+static void node_table_drop_packs(struct node_table *t)
+{
+    if (!t)
+        return;
+    for (size_t i = 0; i < t->nbuckets; i++)
+        for (struct node *n = t->buckets[i]; n; n = n->next) {
+            node_pack_put(n->pack);
+            n->pack = NULL;
+        }
+}
+
 static void node_table_free(struct node_table *t)
 {
     if (!t)
@@ -136,8 +174,7 @@ static void node_table_free(struct node_table *t)
     for (size_t i = 0; i < t->nbuckets; i++) {
         for (struct node *n = t->buckets[i], *next; n; n = next) {
             next = n->next;
-            free(n->path);
-            free(n);
+            node_free(n);
         }
     }
     pthread_mutex_destroy(&t->lock);
@@ -241,6 +278,8 @@ static enum forget_how split_change_how(struct node *nd)
 static void invalidate_feats(void *arg)
 {
     hapi_fs *fs = arg;
+    /* first: a lookup under way may have made a node of the old split (see op_lookup) */
+    atomic_fetch_add(&fs->split_changes, 1);
     if (fs->se)
         forget_nodes(fs, split_change_how);
 }
@@ -333,7 +372,7 @@ static void node_unref(struct node_table *t, uint64_t id, uint64_t count)
     struct node **link = &t->buckets[node_bucket(t, id)];
     while (*link && (*link)->id != id)
         link = &(*link)->next;
-    struct node *n = *link;
+    struct node *n = *link, *gone = NULL;
     if (n) {
         n->nlookup = n->nlookup > count ? n->nlookup - count : 0;
         if (n->nlookup == 0) {
@@ -341,11 +380,12 @@ static void node_unref(struct node_table *t, uint64_t id, uint64_t count)
             t->count--;
             if (n->wd >= 0 && t->watch)
                 hapi_watch_remove(t->watch, n->wd);
-            free(n->path);
-            free(n);
+            gone = n;
         }
     }
     pthread_mutex_unlock(&t->lock);
+    if (gone)
+        node_free(gone);
 }
 
 /*
@@ -659,8 +699,8 @@ static int ctl_index(const char *name)
 /* The index in hapi_ctl_files of a control file's node id, or -1. */
 static int ctl_file_index(fuse_ino_t ino)
 {
-    uint64_t i = (ino & ~CTL_BASE) - 2;
-    if (ino == CTL_DIR_ID || (ino & ~CTL_BASE) < 2)
+    uint64_t i = (ino & 0xffffffffu) - 2; /* the high bits name a viewer (no_open) */
+    if (ino == CTL_DIR_ID || (ino & 0xffffffffu) < 2)
         return -1;
     for (uint64_t k = 0; hapi_ctl_files[k]; k++)
         if (k == i)
@@ -720,6 +760,16 @@ int hapi_fs_errno(int code)
 
 /* ----------------------------------------------------------- operations */
 
+/* Without opens (no_open): see that section, below the opens. */
+static void ctl_lookup_no_open(fuse_req_t req, hapi_fs *fs, int i);
+static int ctl_attr_no_open(hapi_fs *fs, fuse_ino_t ino, struct stat *st);
+static int node_set_text(hapi_fs *fs, uint64_t id, hapi_ctl_text *text, uint64_t *serial);
+static hapi_ctl_text *node_text(hapi_fs *fs, uint64_t id, uint64_t *serial);
+static void made_attr(const hapi_fs *fs, struct stat *st, size_t len, uint64_t serial);
+static void viewer_forget(hapi_fs *fs, int v, uint64_t count);
+static int ctl_viewer_of(fuse_ino_t ino);
+static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t off);
+
 const char *const hapi_fs_request_names[HAPI_REQ_COUNT] = {
     "lookup", "forget", "getattr", "opendir", "readdir", "releasedir", "open", "read",
     "release", "statfs", "other",
@@ -741,14 +791,21 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     /* Many DataLoader workers read at once: let the kernel keep many requests in flight. */
     conn->max_background = 256;
     conn->congestion_threshold = 192;
-    if (conn->capable & FUSE_CAP_ATOMIC_O_TRUNC)
+    /*
+     * Not without opens: the kernel would then truncate a .feat's pages and size on
+     * open(O_TRUNC) by root without asking; instead a truncation comes as a setattr, refused.
+     */
+    if ((conn->capable & FUSE_CAP_ATOMIC_O_TRUNC) && !fs->no_open)
         conn->want |= FUSE_CAP_ATOMIC_O_TRUNC;
+    if ((conn->capable & FUSE_CAP_NO_OPEN_SUPPORT) && fs->no_open)
+        conn->want |= FUSE_CAP_NO_OPEN_SUPPORT;
     if (fs->remote)
         hapi_log(HAPI_LOG_INFO, "mounted %s on %s (remote)", fs->opt->source,
                  fs->opt->mountpoint);
     else
-        hapi_log(HAPI_LOG_INFO, "mounted %s on %s (model %s)", fs->opt->source,
-                 fs->opt->mountpoint, fs->opt->model);
+        hapi_log(HAPI_LOG_INFO, "mounted %s on %s (model %s)%s", fs->opt->source,
+                 fs->opt->mountpoint, fs->opt->model,
+                 fs->no_open ? "; the kernel opens files without asking (no_open)" : "");
 }
 
 /*
@@ -868,6 +925,10 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
             fuse_reply_err(req, ENOENT);
             return;
         }
+        if (fs->no_open) {
+            ctl_lookup_no_open(req, fs, i);
+            return;
+        }
         memset(&e, 0, sizeof(e));
         e.ino = CTL_FILE_ID(i);
         ctl_file_attr(fs, i, &e.attr);
@@ -882,19 +943,45 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     }
     struct node_content c;
     int has_content;
-    uint64_t changes;
+    uint64_t changes, splits = atomic_load(&fs->split_changes);
     double timeout = fs->nodes->watch ? dir_timeout(fs, parent, &changes) : ENTRY_TIMEOUT;
     if ((rc = resolve(fs, parent, parent_path, name, fuse_req_ctx(req)->pid, &e, &kind, &path,
                       &c, &has_content)) < 0)
         goto out;
     if (path && timeout == WATCHED_TIMEOUT)
         e.entry_timeout = e.attr_timeout = watched_timeout(fs, parent, timeout, changes);
+    /*
+     * A split change while it looked: its node may be of the old split, and the kernel may
+     * have been told to forget names before this one reached it. Without opens nothing
+     * else would catch that: it is looked up again at its next open.
+     */
+    if (has_content && atomic_load(&fs->split_changes) != splits)
+        e.entry_timeout = e.attr_timeout = 0;
     if (path && (rc = node_ref(fs->nodes, e.ino, kind, path, has_content ? &c : NULL, parent,
                                e.attr_timeout)) < 0)
         goto out;
     if (rc == 1)
         watch_dir(fs, e.ino, path);
     rc = 0;
+    if (kind == HAPI_NODE_PACK_INDEX && fs->no_open) {
+        /* made now, read until the next lookup (each open(2): no timeout) */
+        char *text = NULL;
+        size_t len = 0;
+        uint64_t serial = 0;
+        hapi_ctl_text *t = NULL;
+        if ((rc = hapi_pack_index(fs->packs, path, &text, &len)) == 0 &&
+            !(t = hapi_ctl_text_new(text, len)))
+            rc = -ENOMEM;
+        free(text);
+        if (rc == 0)
+            rc = node_set_text(fs, e.ino, t, &serial);
+        if (rc < 0) {
+            node_unref(fs->nodes, e.ino, 1);
+            goto out;
+        }
+        made_attr(fs, &e.attr, len, serial);
+        e.entry_timeout = e.attr_timeout = 0;
+    }
     fuse_reply_entry(req, &e);
 out:
     if (rc < 0)
@@ -909,6 +996,8 @@ static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
     hapi_fs *fs = fuse_req_userdata(req);
     if (ino != FUSE_ROOT_ID && !(ino & CTL_BASE))
         node_unref(fs->nodes, ino, nlookup);
+    else if ((ino & CTL_BASE) && ino != CTL_DIR_ID && fs->no_open)
+        viewer_forget(fs, ctl_viewer_of(ino), nlookup);
     fuse_reply_none(req);
 }
 
@@ -919,6 +1008,8 @@ static void op_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_dat
     for (size_t i = 0; i < count; i++)
         if (forgets[i].ino != FUSE_ROOT_ID && !(forgets[i].ino & CTL_BASE))
             node_unref(fs->nodes, forgets[i].ino, forgets[i].nlookup);
+        else if ((forgets[i].ino & CTL_BASE) && forgets[i].ino != CTL_DIR_ID && fs->no_open)
+            viewer_forget(fs, ctl_viewer_of(forgets[i].ino), forgets[i].nlookup);
     fuse_reply_none(req);
 }
 
@@ -956,6 +1047,13 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
             fuse_reply_err(req, ENOENT);
             return;
         }
+        if (fs->no_open) {
+            if ((rc = ctl_attr_no_open(fs, ino, &st)) < 0)
+                fuse_reply_err(req, -rc);
+            else
+                fuse_reply_attr(req, &st, 0);
+            return;
+        }
         ctl_file_attr(fs, i, &st);
         fuse_reply_attr(req, &st, 0);
         return;
@@ -980,17 +1078,23 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         free(path);
         return;
     }
-    if (kind == HAPI_NODE_FEAT || kind == HAPI_NODE_PACK)
+    if (kind == HAPI_NODE_FEAT || kind == HAPI_NODE_PACK) {
         content_attr(&c, &src, &st);
-    else if (kind == HAPI_NODE_PACK_INDEX)
+    } else if (kind == HAPI_NODE_PACK_INDEX) {
         rc = pack_attr(fs, path, &src, kind, 0, 0, &st, &c);
-    else
+        uint64_t serial;
+        hapi_ctl_text *t = fs->no_open && rc == 0 ? node_text(fs, ino, &serial) : NULL;
+        if (t) /* what its last lookup made (no_open) */
+            made_attr(fs, &st, t->len, serial);
+        hapi_ctl_text_put(t);
+    } else
         source_attr(fs, &src, ino, &st);
     if (rc < 0)
         fuse_reply_err(req, -rc);
     else
-        fuse_reply_attr(req, &st,
-                        kind == HAPI_NODE_PACK_INDEX ? ATTR_TIMEOUT : node_timeout(fs, ino));
+        fuse_reply_attr(req, &st, kind != HAPI_NODE_PACK_INDEX ? node_timeout(fs, ino)
+                                  : fs->no_open                 ? 0
+                                                                : ATTR_TIMEOUT);
     free(path);
 }
 
@@ -1033,6 +1137,7 @@ struct dir_handle {
     char *path;         /* a source directory not listed yet (at its first readdir) */
     double timeout;     /* dir_timeout() before the listing, and its changes */
     uint64_t changes;
+    uint64_t splits;    /* split_changes before the listing: its .feat's split is old if not */
 };
 
 /* Adds name + suffix; path (may be NULL) is copied; c (may be NULL) is a .feat's content. */
@@ -1192,6 +1297,7 @@ static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
             goto fail;
         }
         d->self = ino;
+        d->splits = atomic_load(&fs->split_changes);
         d->timeout = fs->nodes->watch ? dir_timeout(fs, ino, &d->changes) : ENTRY_TIMEOUT;
         if (d->timeout == WATCHED_TIMEOUT) {
             /*
@@ -1241,6 +1347,7 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
     double timeout = d->timeout == WATCHED_TIMEOUT
                          ? watched_timeout(fs, d->self, d->timeout, d->changes)
                          : ENTRY_TIMEOUT;
+    int old_split = atomic_load(&fs->split_changes) != d->splits; /* see op_lookup */
     char *buf = malloc(size);
     if (!buf) {
         fuse_reply_err(req, ENOMEM);
@@ -1263,8 +1370,8 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
         int counted = 0;
         if (de->kind >= 0) {
             e.ino = de->attr.st_ino;
-            e.attr_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : timeout;
-            e.entry_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : timeout;
+            int none = de->kind == HAPI_NODE_CTL_FILE || (de->kind == HAPI_NODE_FEAT && old_split);
+            e.attr_timeout = e.entry_timeout = none ? 0 : timeout;
             if (de->path) {
                 struct node_content c = {
                     .split = de->split, .id = de->id, .attr = de->attr, .parent = d->self,
@@ -1413,10 +1520,397 @@ static int other_bytes(fuse_req_t req, const struct node_content *c, struct fuse
     return 0;
 }
 
+/* ---------------------------------------------------------- without opens */
+
+/*
+ * With no_open, every open answers ENOSYS: the kernel then opens every
+ * regular file of the mount without asking (FUSE_CAP_NO_OPEN_SUPPORT), keeps
+ * its pages (keep_cache), and sends no release; reads and writes come with
+ * fh 0 and name the node. So what an open used to fix is fixed by the node:
+ *   - a .feat: its split and its image's identity (struct node_content); a
+ *     read of a split no longer served comes from the cache, or fails ESTALE;
+ *   - a pack: its snapshot, opened at the node's first read (its key must be
+ *     the node's); for a user other than root and the owner a snapshot is
+ *     taken for each read, with that user's check;
+ *   - a pack's index and the control files: made at each lookup, which the
+ *     kernel sends at each open(2) since they are given no timeout; a read
+ *     returns what the last lookup made (their size and mtime say which, so
+ *     the kernel drops pages of an older one). The control files are nodes
+ *     per user (ctl_viewer): they show what each may see;
+ *   - a write to ctl: its outcome replaces what that user's ctl shows;
+ *   - a plain file: opened for each read.
+ * Freshness comes from watch.c: a name whose bytes changed is forgotten by
+ * the kernel as the change is seen, so the next open(2) looks it up again.
+ */
+#define CTL_VIEWERS 64
+#define CTL_FILES_MAX 16
+#define CTL_VIEWER_ID(v, i) (CTL_BASE | (uint64_t)(v) << 32 | (2 + (uint64_t)(i)))
+
+struct ctl_viewer {
+    int used;
+    int anyone;           /* root and the mount's owner: viewer 0, no cred */
+    hapi_cred cred;
+    uint64_t lookups;     /* the kernel's references to this viewer's nodes */
+    hapi_ctl_text *text[CTL_FILES_MAX];
+    uint64_t serial[CTL_FILES_MAX];
+};
+
+static int ctl_viewer_of(fuse_ino_t ino)
+{
+    return (int)((ino >> 32) & 0x7fffffff);
+}
+
+static int same_cred(const hapi_cred *a, const hapi_cred *b)
+{
+    return a->uid == b->uid && a->gid == b->gid && a->ngroups == b->ngroups &&
+           memcmp(a->groups, b->groups, (size_t)a->ngroups * sizeof(gid_t)) == 0;
+}
+
+/* The viewer of who (NULL: root or the owner) with one more lookup; -EUSERS when all are taken. */
+static int viewer_get(hapi_fs *fs, const hapi_cred *who)
+{
+    int found = -EUSERS;
+    pthread_mutex_lock(&fs->viewers_lock);
+    if (!who) {
+        found = 0;
+    } else {
+        for (int v = 1; v < CTL_VIEWERS && found < 0; v++)
+            if (fs->viewers[v].used && same_cred(&fs->viewers[v].cred, who))
+                found = v;
+        for (int v = 1; v < CTL_VIEWERS && found < 0; v++)
+            if (!fs->viewers[v].used) {
+                fs->viewers[v].used = 1;
+                fs->viewers[v].cred = *who;
+                found = v;
+            }
+    }
+    if (found >= 0) {
+        fs->viewers[found].used = 1;
+        fs->viewers[found].anyone = !who;
+        fs->viewers[found].lookups++;
+    }
+    pthread_mutex_unlock(&fs->viewers_lock);
+    return found;
+}
+
+/* The kernel forgot count lookups of a viewer's node: the last frees the viewer (not 0). */
+static void viewer_forget(hapi_fs *fs, int v, uint64_t count)
+{
+    hapi_ctl_text *drop[CTL_FILES_MAX] = { 0 };
+    if (v < 0 || v >= CTL_VIEWERS)
+        return;
+    pthread_mutex_lock(&fs->viewers_lock);
+    struct ctl_viewer *w = &fs->viewers[v];
+    w->lookups = w->lookups > count ? w->lookups - count : 0;
+    if (w->used && w->lookups == 0 && v != 0) {
+        memcpy(drop, w->text, sizeof(drop));
+        memset(w, 0, sizeof(*w));
+    }
+    pthread_mutex_unlock(&fs->viewers_lock);
+    for (int i = 0; i < CTL_FILES_MAX; i++)
+        hapi_ctl_text_put(drop[i]);
+}
+
+/* Replaces what viewer v's file i shows (takes text); returns its serial. */
+static uint64_t viewer_set(hapi_fs *fs, int v, int i, hapi_ctl_text *text)
+{
+    pthread_mutex_lock(&fs->viewers_lock);
+    struct ctl_viewer *w = &fs->viewers[v];
+    hapi_ctl_text *old = w->text[i];
+    w->text[i] = text;
+    uint64_t serial = ++w->serial[i];
+    pthread_mutex_unlock(&fs->viewers_lock);
+    hapi_ctl_text_put(old);
+    return serial;
+}
+
+/* What viewer v's file i shows (a reference), its serial and whether it may write ctl; NULL if none. */
+static hapi_ctl_text *viewer_text(hapi_fs *fs, int v, int i, uint64_t *serial, hapi_cred *cred,
+                                  int *anyone)
+{
+    hapi_ctl_text *t = NULL;
+    if (v < 0 || v >= CTL_VIEWERS || i < 0 || i >= CTL_FILES_MAX)
+        return NULL;
+    pthread_mutex_lock(&fs->viewers_lock);
+    struct ctl_viewer *w = &fs->viewers[v];
+    if (w->used && w->text[i]) {
+        t = hapi_ctl_text_ref(w->text[i]);
+        *serial = w->serial[i];
+        if (cred)
+            *cred = w->cred;
+        if (anyone)
+            *anyone = w->anyone;
+    }
+    pthread_mutex_unlock(&fs->viewers_lock);
+    return t;
+}
+
+/* Attributes of made content: its size, and an mtime per version (the kernel drops older pages). */
+static void made_attr(const hapi_fs *fs, struct stat *st, size_t len, uint64_t serial)
+{
+    st->st_size = (off_t)len;
+    st->st_blocks = (blkcnt_t)((len + 511) / 512);
+    st->st_mtim.tv_sec = fs->started_realtime + (time_t)(serial / 1000000000u);
+    st->st_mtim.tv_nsec = (long)(serial % 1000000000u);
+    st->st_ctim = st->st_mtim;
+}
+
+/* Looks up control file i for the caller (no_open): made now, for who it is. */
+static void ctl_lookup_no_open(fuse_req_t req, hapi_fs *fs, int i)
+{
+    hapi_cred cred;
+    const hapi_cred *who = req_who(req, &cred);
+    int v = viewer_get(fs, who);
+    if (v < 0) {
+        hapi_log(HAPI_LOG_WARNING, "more than %d users read .hapifs at once", CTL_VIEWERS - 1);
+        fuse_reply_err(req, -v);
+        return;
+    }
+    struct fuse_entry_param e = { 0 };
+    ctl_file_attr(fs, i, &e.attr);
+    e.ino = e.attr.st_ino = CTL_VIEWER_ID(v, i);
+    if (strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) != 0) {
+        hapi_ctl_text *text = hapi_ctl_render(fs->ctl, hapi_ctl_files[i], who);
+        if (!text) {
+            viewer_forget(fs, v, 1);
+            fuse_reply_err(req, ENOMEM);
+            return;
+        }
+        size_t len = text->len;
+        made_attr(fs, &e.attr, len, viewer_set(fs, v, i, text));
+    }
+    if (fuse_reply_entry(req, &e) < 0)
+        viewer_forget(fs, v, 1);
+}
+
+/* Attributes of a control file's node (no_open): what its last lookup made. */
+static int ctl_attr_no_open(hapi_fs *fs, fuse_ino_t ino, struct stat *st)
+{
+    int i = ctl_file_index(ino), v = ctl_viewer_of(ino);
+    if (i < 0)
+        return -ENOENT;
+    ctl_file_attr(fs, i, st);
+    st->st_ino = ino;
+    if (strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) == 0)
+        return 0;
+    uint64_t serial;
+    hapi_ctl_text *t = viewer_text(fs, v, i, &serial, NULL, NULL);
+    if (!t)
+        return -ENOENT;
+    made_attr(fs, st, t->len, serial);
+    hapi_ctl_text_put(t);
+    return 0;
+}
+
+static void reply_text(fuse_req_t req, const hapi_ctl_text *text, size_t size, off_t off)
+{
+    if ((size_t)off >= text->len)
+        fuse_reply_buf(req, NULL, 0);
+    else
+        fuse_reply_buf(req, text->data + off,
+                       text->len - (size_t)off < size ? text->len - (size_t)off : size);
+}
+
+/* Replies with bytes [off, off + size) of file descriptor fd (borrowed). */
+static void reply_fd(fuse_req_t req, int fd, size_t size, off_t off)
+{
+    struct fuse_bufvec buf = FUSE_BUFVEC_INIT(size);
+    buf.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK;
+    buf.buf[0].fd = fd;
+    buf.buf[0].pos = off;
+    fuse_reply_data(req, &buf, FUSE_BUF_SPLICE_MOVE);
+}
+
+/* The pack snapshot node id stands for (a reference), opened at its first read; or a code. */
+static int node_pack_get(hapi_fs *fs, uint64_t id, const char *path, uint64_t key,
+                         struct node_pack **out)
+{
+    struct node_table *t = fs->nodes;
+    struct node *n;
+    *out = NULL;
+    pthread_mutex_lock(&t->lock);
+    for (n = t->buckets[node_bucket(t, id)]; n && n->id != id; n = n->next)
+        ;
+    if (n && n->pack) {
+        atomic_fetch_add(&n->pack->refs, 1);
+        *out = n->pack;
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (*out)
+        return 0;
+    struct node_pack *p = calloc(1, sizeof(*p));
+    if (!p)
+        return -ENOMEM;
+    atomic_init(&p->refs, 1);
+    int rc = hapi_pack_open(fs->packs, path, NULL, &p->pack);
+    if (rc < 0 || hapi_pack_key(p->pack) != key) {
+        node_pack_put(p);
+        return rc < 0 ? rc : -ESTALE; /* the directory changed since the kernel looked it up */
+    }
+    pthread_mutex_lock(&t->lock);
+    for (n = t->buckets[node_bucket(t, id)]; n && n->id != id; n = n->next)
+        ;
+    if (n && !n->pack) {
+        atomic_fetch_add(&p->refs, 1);
+        n->pack = p;
+    } else if (n) {
+        /* another read opened it meanwhile: use that one */
+        node_pack_put(p);
+        atomic_fetch_add(&n->pack->refs, 1);
+        p = n->pack;
+    }
+    pthread_mutex_unlock(&t->lock);
+    *out = p;
+    return 0;
+}
+
+/* A pack's index node made at its lookup (no_open): stored in the node; *serial is its version. */
+static int node_set_text(hapi_fs *fs, uint64_t id, hapi_ctl_text *text, uint64_t *serial)
+{
+    struct node_table *t = fs->nodes;
+    struct node *n;
+    hapi_ctl_text *old = text;
+    pthread_mutex_lock(&t->lock);
+    for (n = t->buckets[node_bucket(t, id)]; n && n->id != id; n = n->next)
+        ;
+    if (n) {
+        old = n->text;
+        n->text = text;
+        *serial = ++n->serial;
+    }
+    pthread_mutex_unlock(&t->lock);
+    hapi_ctl_text_put(old);
+    return n ? 0 : -ENOENT;
+}
+
+static hapi_ctl_text *node_text(hapi_fs *fs, uint64_t id, uint64_t *serial)
+{
+    struct node_table *t = fs->nodes;
+    struct node *n;
+    hapi_ctl_text *text = NULL;
+    pthread_mutex_lock(&t->lock);
+    for (n = t->buckets[node_bucket(t, id)]; n && n->id != id; n = n->next)
+        ;
+    if (n && n->text) {
+        text = hapi_ctl_text_ref(n->text);
+        *serial = n->serial;
+    }
+    pthread_mutex_unlock(&t->lock);
+    return text;
+}
+
+static void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off);
+static void read_pack(fuse_req_t req, struct open_file *h, size_t size, off_t off);
+
+/* A read with no handle (no_open): what node ino is, as the lookup that made it fixed it. */
+static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t off)
+{
+    if (ino & CTL_BASE) {
+        int i = ctl_file_index(ino);
+        if (i >= 0 && strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) == 0) {
+            if (fs->model_fd < 0)
+                fuse_reply_err(req, ENOENT);
+            else
+                reply_fd(req, fs->model_fd, size, off);
+            return;
+        }
+        uint64_t serial;
+        hapi_ctl_text *t = viewer_text(fs, ctl_viewer_of(ino), i, &serial, NULL, NULL);
+        if (!t) {
+            fuse_reply_err(req, ENOENT);
+            return;
+        }
+        reply_text(req, t, size, off);
+        hapi_ctl_text_put(t);
+        return;
+    }
+    struct node_content c;
+    char *path = NULL;
+    int kind, rc;
+    if ((rc = node_get(fs, ino, &kind, &path, &c)) < 0) {
+        fuse_reply_err(req, -rc);
+        return;
+    }
+    struct open_file h = { .kind = kind, .fd = -1, .path = path, .id = c.id };
+    hapi_cred cred;
+    const hapi_cred *who;
+    uint64_t serial;
+    struct node_pack *np = NULL;
+    switch (kind) {
+    case HAPI_NODE_FEAT:
+        /* the split the node is of: the current view, or one made for the cache alone */
+        h.view = hapi_views_peek(fs->views);
+        if (h.view && h.view->split != c.split) {
+            hapi_view_put(h.view);
+            h.view = NULL;
+        }
+        if (!h.view) {
+            hapi_error err = { 0 };
+            if ((rc = hapi_view_new(fs->views, c.split, &h.view, &err)) < 0)
+                break;
+        }
+        read_feat(req, fs, &h, size, off);
+        hapi_view_put(h.view);
+        free(path);
+        return;
+    case HAPI_NODE_PACK:
+        if ((who = req_who(req, &cred))) {
+            /* another user: a snapshot of now with its check, which must be the node's */
+            if ((rc = hapi_pack_open(fs->packs, path, who, &h.pack)) < 0)
+                break;
+            if (hapi_pack_key(h.pack) != c.pack_key) {
+                hapi_pack_close(h.pack);
+                rc = -ESTALE;
+                break;
+            }
+            read_pack(req, &h, size, off);
+            hapi_pack_close(h.pack);
+        } else {
+            if ((rc = node_pack_get(fs, ino, path, c.pack_key, &np)) < 0)
+                break;
+            h.pack = np->pack;
+            read_pack(req, &h, size, off);
+            node_pack_put(np);
+        }
+        free(path);
+        return;
+    case HAPI_NODE_PACK_INDEX: {
+        hapi_ctl_text *t = node_text(fs, ino, &serial);
+        if (!t) {
+            rc = -ENOENT;
+            break;
+        }
+        reply_text(req, t, size, off);
+        hapi_ctl_text_put(t);
+        free(path);
+        return;
+    }
+    case HAPI_NODE_FILE:
+        if ((rc = hapi_source_open_beneath(fs->source, path, O_RDONLY)) < 0)
+            break;
+        if (fs->serve)
+            hapi_serve_note_passthrough(fs->serve, size);
+        reply_fd(req, rc, size, off);
+        close(rc);
+        free(path);
+        return;
+    default:
+        rc = -EISDIR;
+        break;
+    }
+    free(path);
+    fuse_reply_err(req, hapi_fs_errno(rc));
+}
+
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     COUNT(req, HAPI_REQ_OPEN);
     hapi_fs *fs = fuse_req_userdata(req);
+    if (fs->no_open) {
+        /* from now on the kernel opens without asking (see "without opens") */
+        fuse_reply_err(req, ENOSYS);
+        return;
+    }
     struct open_file *h = NULL;
     char *path = NULL;
     int kind, rc;
@@ -1605,7 +2099,10 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     COUNT(req, HAPI_REQ_READ);
     hapi_fs *fs = fuse_req_userdata(req);
     struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
-    (void)ino;
+    if (!h) {
+        read_node(req, fs, ino, size, off); /* opened by the kernel alone (no_open) */
+        return;
+    }
 
     switch (h->kind) {
     case HAPI_NODE_FEAT:
@@ -1649,6 +2146,10 @@ static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     COUNT(req, HAPI_REQ_RELEASE);
     struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
     (void)ino;
+    if (!h) {
+        fuse_reply_err(req, 0);
+        return;
+    }
     handle_unlink(fuse_req_userdata(req), &h->link);
     open_file_free(h);
     fuse_reply_err(req, 0);
@@ -1688,20 +2189,27 @@ static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to
                     FUSE_SET_ATTR_CTIME)) == 0) {
         struct stat st;
         ctl_file_attr(fs, i, &st);
+        if (fs->no_open && ctl_attr_no_open(fs, ino, &st) < 0)
+            ctl_file_attr(fs, i, &st);
         fuse_reply_attr(req, &st, 0);
         return;
     }
     fuse_reply_err(req, EROFS);
 }
 
-/* Sets what a read of the ctl handle h returns now: the outcome of its last write. */
-static void set_outcome(struct open_file *h, int rc, const char *reason)
+/* What a read of ctl returns after a write: "ok" or "error: REASON" (NULL: out of memory). */
+static hapi_ctl_text *outcome(int rc, const char *reason)
 {
     char line[512];
     int len = rc < 0 ? snprintf(line, sizeof(line), "error: %s\n", reason)
                      : snprintf(line, sizeof(line), "ok\n");
-    hapi_ctl_text *text = hapi_ctl_text_new(line, len < (int)sizeof(line) ? (size_t)len
-                                                                           : sizeof(line) - 1);
+    return hapi_ctl_text_new(line, len < (int)sizeof(line) ? (size_t)len : sizeof(line) - 1);
+}
+
+/* Sets what a read of the ctl handle h returns now: the outcome of its last write. */
+static void set_outcome(struct open_file *h, int rc, const char *reason)
+{
+    hapi_ctl_text *text = outcome(rc, reason);
     if (!text)
         return; /* the write's own result still says it failed */
     pthread_mutex_lock(&h->lock);
@@ -1718,14 +2226,30 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
     hapi_fs *fs = fuse_req_userdata(req);
     struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
     hapi_error err = { 0 };
-    (void)ino, (void)off;
-    if (!h || h->kind != HAPI_NODE_CTL_FILE) {
+    (void)off;
+    int i = (ino & CTL_BASE) ? ctl_file_index(ino) : -1;
+    if (!h && fs->no_open && i >= 0 && strcmp(hapi_ctl_files[i], HAPI_CTL_WRITABLE) == 0) {
+        /* no open checked who writes: the write does (root, the owner, ctl_group) */
+        hapi_cred cred;
+        const hapi_cred *who = req_who(req, &cred);
+        if (who && !(fs->opt->ctl_gid != (gid_t)-1 && hapi_cred_in_group(who, fs->opt->ctl_gid))) {
+            fuse_reply_err(req, EACCES);
+            return;
+        }
+    } else if (!h || h->kind != HAPI_NODE_CTL_FILE) {
         fuse_reply_err(req, EROFS);
         return;
     }
     /* Each write carries whole command lines; a failed one changes nothing. */
     int rc = hapi_ctl_command(fs->ctl, buf, size, &err);
-    set_outcome(h, rc, err.message);
+    if (h) {
+        set_outcome(h, rc, err.message);
+    } else {
+        /* what this user's ctl shows now (its size and mtime tell the kernel) */
+        hapi_ctl_text *text = outcome(rc, err.message);
+        if (text)
+            viewer_set(fs, ctl_viewer_of(ino), i, text);
+    }
     if (rc < 0) {
         /* logged, and kept in .hapifs/errors */
         hapi_error_ring_add(fs->errors, ".hapifs/ctl", rc, err.message);
@@ -1961,6 +2485,15 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     }
     if (rc == 1)
         watch_dir(fs, FUSE_ROOT_ID, "");
+    /* Without opens, freshness rests on the watch: only over a watched source. */
+    uint64_t changes;
+    fs->no_open = opt->no_open && fs->watch &&
+                  dir_timeout(fs, FUSE_ROOT_ID, &changes) == WATCHED_TIMEOUT;
+    pthread_mutex_init(&fs->viewers_lock, NULL);
+    if (!(fs->viewers = calloc(CTL_VIEWERS, sizeof(*fs->viewers)))) {
+        rc = hapi_error_set(err, -ENOMEM, "out of memory");
+        goto fail;
+    }
     if ((rc = hapi_views_new(fs->ex, opt->dtype, opt->precision, &fs->views, err)) < 0)
         goto fail;
     hapi_serve_config scfg = {
@@ -2026,6 +2559,14 @@ void hapi_fs_destroy(hapi_fs *fs)
         return; /* never set up, or destroyed already */
     hapi_fs_stop_watching(fs);
     handles_free_all(fs); /* they hold views, packs, the remote's files */
+    node_table_drop_packs(fs->nodes);
+    if (fs->viewers) {
+        for (int v = 0; v < CTL_VIEWERS; v++)
+            for (int i = 0; i < CTL_FILES_MAX; i++)
+                hapi_ctl_text_put(fs->viewers[v].text[i]);
+        free(fs->viewers);
+        pthread_mutex_destroy(&fs->viewers_lock);
+    }
     hapi_ctl_free(fs->ctl);
     hapi_remote_close(fs->remote);
     hapi_tune_stop(fs->tune);

@@ -56,6 +56,7 @@ typedef struct hapi_fs_options {
     int profile_redo;      /* measure the model even if a profile is stored */
     int show_raw;
     int watch;             /* watch the source with inotify (watch.c) */
+    int no_open;           /* let the kernel skip opens (with watch, on a storage mount) */
     int foreground;
     int debug;
     int fake;              /* mount helper called with -f: do nothing */
@@ -425,8 +426,10 @@ void hapi_serve_on_miss(hapi_serve *s, void (*fn)(void *arg, hapi_view *v, const
 /*
  * Fills buf with bytes [off, off + size) of the .feat of image path, opened
  * with identity *id at view v: from the cache, or computed by v's batcher
- * (waiting; one computation however many readers wait). Returns the bytes
- * written (0 at or past the end), or a negative code: the image's failure
+ * (waiting; one computation however many readers wait); a view without a
+ * batcher (an old split's, made for the read) reads the cache only, -ESTALE
+ * on a miss. Returns the bytes written (0 at or past the end), or a negative
+ * code: the image's failure
  * (HAPI_EDECODE, ...), recorded in the error ring, or -ECANCELED when
  * unmounting. Thread-safe.
  */
@@ -1012,6 +1015,10 @@ typedef struct hapi_fs {
     hapi_fs_requests requests;
     pthread_mutex_t handles_lock;
     struct hapi_fs_handle handles; /* the list's head; next NULL before init */
+    int no_open;                 /* opens answer ENOSYS: reads name their node, not a handle */
+    atomic_uint_fast64_t split_changes; /* split changes told to the kernel (invalidate_feats) */
+    pthread_mutex_t viewers_lock;
+    struct ctl_viewer *viewers;  /* no_open: what the control files show each user */
     struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
     uint64_t started_ns;
     time_t started_realtime;
