@@ -43,6 +43,14 @@
 #define CTL_BASE (1ull << 63)
 #define CTL_DIR_ID (CTL_BASE | 1)
 #define CTL_FILE_ID(i) (CTL_BASE | (2 + (uint64_t)(i)))
+/*
+ * A control file made for one lookup: node id CTL_BASE | serial << 8 | 2 + i,
+ * serial unique (made_serial), so that every open(2), which looks the name up
+ * (no timeout), has a node, pages and content of its own, as an open file had.
+ * serial 0 is the control file as listed, and the model.
+ */
+#define CTL_MADE_ID(serial, i) (CTL_BASE | (uint64_t)(serial) << 8 | (2 + (uint64_t)(i)))
+#define CTL_SERIAL(ino) (((ino) & ~CTL_BASE) >> 8)
 #define HASHED_BASE (1ull << 62)
 
 /*
@@ -89,6 +97,12 @@ struct node_content {
     struct stat attr;          /* the attributes the kernel was given */
     uint64_t parent;           /* the directory's node id the kernel has it in */
     pid_t looked_up_by;        /* the thread of the lookup (or listing) that returned it last */
+    /*
+     * FEAT with no_open: the view of its split. In a node, a reference of its
+     * own (a file read after a split change keeps computing at its split); in
+     * a copy from node_get(), NULL.
+     */
+    hapi_view *view;
 };
 
 struct node {
@@ -124,6 +138,7 @@ static void node_pack_put(struct node_pack *p)
 /* Frees a node out of the table (its pack and text may take other locks: not under t->lock). */
 static void node_free(struct node *n)
 {
+    hapi_view_put(n->content.view);
     node_pack_put(n->pack);
     hapi_ctl_text_put(n->text);
     free(n->path);
@@ -155,7 +170,7 @@ static struct node_table *node_table_new(void)
     return t;
 }
 
-/* Closes the packs nodes hold (before the packs' layer goes). */
+/* Closes the packs and puts the views nodes hold (before those layers go). */
 static void node_table_drop_packs(struct node_table *t)
 {
     if (!t)
@@ -164,6 +179,8 @@ static void node_table_drop_packs(struct node_table *t)
         for (struct node *n = t->buckets[i]; n; n = n->next) {
             node_pack_put(n->pack);
             n->pack = NULL;
+            hapi_view_put(n->content.view);
+            n->content.view = NULL;
         }
 }
 
@@ -357,12 +374,18 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
     n->kind = kind;
     free(n->path);
     n->path = copy;
-    if (content)
+    hapi_view *old_view = NULL;
+    if (content) {
+        old_view = n->content.view;
         n->content = *content;
+        if (n->content.view)
+            hapi_view_ref(n->content.view);
+    }
     n->parent = parent;
     n->timeout = timeout;
     int unwatched = kind == HAPI_NODE_DIR && t->watch && n->wd == NO_WATCH;
     pthread_mutex_unlock(&t->lock);
+    hapi_view_put(old_view); /* the last reference frees a batcher: not under the lock */
     return unwatched;
 }
 
@@ -407,8 +430,10 @@ static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path,
     if (n) {
         *kind = n->kind;
         *path = strdup(n->path);
-        if (content)
+        if (content) {
             *content = n->content;
+            content->view = NULL; /* the node's own: see node_view() */
+        }
         rc = *path ? 0 : -ENOMEM;
     }
     pthread_mutex_unlock(&t->lock);
@@ -699,8 +724,8 @@ static int ctl_index(const char *name)
 /* The index in hapi_ctl_files of a control file's node id, or -1. */
 static int ctl_file_index(fuse_ino_t ino)
 {
-    uint64_t i = (ino & 0xffffffffu) - 2; /* the high bits name a viewer (no_open) */
-    if (ino == CTL_DIR_ID || (ino & 0xffffffffu) < 2)
+    uint64_t i = (ino & 0xffu) - 2; /* the bits above are a made file's serial (no_open) */
+    if (ino == CTL_DIR_ID || (ino & 0xffu) < 2)
         return -1;
     for (uint64_t k = 0; hapi_ctl_files[k]; k++)
         if (k == i)
@@ -765,9 +790,7 @@ static void ctl_lookup_no_open(fuse_req_t req, hapi_fs *fs, int i);
 static int ctl_attr_no_open(hapi_fs *fs, fuse_ino_t ino, struct stat *st);
 static int node_set_text(hapi_fs *fs, uint64_t id, hapi_ctl_text *text, uint64_t *serial);
 static hapi_ctl_text *node_text(hapi_fs *fs, uint64_t id, uint64_t *serial);
-static void made_attr(const hapi_fs *fs, struct stat *st, size_t len, uint64_t serial);
-static void viewer_forget(hapi_fs *fs, int v, uint64_t count);
-static int ctl_viewer_of(fuse_ino_t ino);
+static void made_attr(const hapi_fs *fs, struct stat *st, size_t len, uint64_t version);
 static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t off);
 
 const char *const hapi_fs_request_names[HAPI_REQ_COUNT] = {
@@ -876,7 +899,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
             }
             *kind = HAPI_NODE_FEAT;
             feat_node(v, &src, parent, by, &e->attr, c);
-            hapi_view_put(v);
+            c->view = v; /* the caller's reference */
             e->ino = e->attr.st_ino;
             *has_content = 1;
             *path = image;
@@ -916,6 +939,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     COUNT(req, HAPI_REQ_LOOKUP);
     hapi_fs *fs = fuse_req_userdata(req);
     struct fuse_entry_param e;
+    struct node_content c = { 0 };
     char *parent_path = NULL, *path = NULL;
     int kind, rc;
 
@@ -941,7 +965,6 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         rc = -ENOTDIR;
         goto out;
     }
-    struct node_content c;
     int has_content;
     uint64_t changes, splits = atomic_load(&fs->split_changes);
     double timeout = fs->nodes->watch ? dir_timeout(fs, parent, &changes) : ENTRY_TIMEOUT;
@@ -957,6 +980,10 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
      */
     if (has_content && atomic_load(&fs->split_changes) != splits)
         e.entry_timeout = e.attr_timeout = 0;
+    if (!fs->no_open) { /* an open file holds its view: the node need not */
+        hapi_view_put(c.view);
+        c.view = NULL;
+    }
     if (path && (rc = node_ref(fs->nodes, e.ino, kind, path, has_content ? &c : NULL, parent,
                                e.attr_timeout)) < 0)
         goto out;
@@ -964,7 +991,13 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         watch_dir(fs, e.ino, path);
     rc = 0;
     if (kind == HAPI_NODE_PACK_INDEX && fs->no_open) {
-        /* made now, read until the next lookup (each open(2): no timeout) */
+        /* made now, a node of its own (see "without opens"): not the one node_ref made */
+        node_unref(fs->nodes, e.ino, 1);
+        uint64_t key[2] = { e.ino, atomic_fetch_add(&fs->made_serial, 1) + 1 };
+        e.ino = HASHED_BASE | (XXH3_64bits(key, sizeof(key)) & ((1ull << 61) - 1)) << 1;
+        if ((rc = node_ref(fs->nodes, e.ino, kind, path, NULL, parent, 0)) < 0)
+            goto out;
+        rc = 0;
         char *text = NULL;
         size_t len = 0;
         uint64_t serial = 0;
@@ -984,6 +1017,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     }
     fuse_reply_entry(req, &e);
 out:
+    hapi_view_put(c.view);
     if (rc < 0)
         fuse_reply_err(req, -rc);
     free(parent_path);
@@ -996,8 +1030,8 @@ static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
     hapi_fs *fs = fuse_req_userdata(req);
     if (ino != FUSE_ROOT_ID && !(ino & CTL_BASE))
         node_unref(fs->nodes, ino, nlookup);
-    else if ((ino & CTL_BASE) && ino != CTL_DIR_ID && fs->no_open)
-        viewer_forget(fs, ctl_viewer_of(ino), nlookup);
+    else if ((ino & CTL_BASE) && CTL_SERIAL(ino) != 0)
+        node_unref(fs->nodes, ino, nlookup); /* a made control file (no_open) */
     fuse_reply_none(req);
 }
 
@@ -1008,8 +1042,8 @@ static void op_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_dat
     for (size_t i = 0; i < count; i++)
         if (forgets[i].ino != FUSE_ROOT_ID && !(forgets[i].ino & CTL_BASE))
             node_unref(fs->nodes, forgets[i].ino, forgets[i].nlookup);
-        else if ((forgets[i].ino & CTL_BASE) && forgets[i].ino != CTL_DIR_ID && fs->no_open)
-            viewer_forget(fs, ctl_viewer_of(forgets[i].ino), forgets[i].nlookup);
+        else if ((forgets[i].ino & CTL_BASE) && CTL_SERIAL(forgets[i].ino) != 0)
+            node_unref(fs->nodes, forgets[i].ino, forgets[i].nlookup);
     fuse_reply_none(req);
 }
 
@@ -1084,8 +1118,10 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         rc = pack_attr(fs, path, &src, kind, 0, 0, &st, &c);
         uint64_t serial;
         hapi_ctl_text *t = fs->no_open && rc == 0 ? node_text(fs, ino, &serial) : NULL;
-        if (t) /* what its last lookup made (no_open) */
+        if (t) { /* what its lookup made (no_open) */
             made_attr(fs, &st, t->len, serial);
+            st.st_ino = ino;
+        }
         hapi_ctl_text_put(t);
     } else
         source_attr(fs, &src, ino, &st);
@@ -1138,6 +1174,7 @@ struct dir_handle {
     double timeout;     /* dir_timeout() before the listing, and its changes */
     uint64_t changes;
     uint64_t splits;    /* split_changes before the listing: its .feat's split is old if not */
+    hapi_view *view;    /* the view the listing's .feat are of (a reference), or NULL */
 };
 
 /* Adds name + suffix; path (may be NULL) is copied; c (may be NULL) is a .feat's content. */
@@ -1181,6 +1218,7 @@ static void dir_free(struct dir_handle *d)
     }
     free(d->entries);
     free(d->path);
+    hapi_view_put(d->view);
     free(d);
 }
 
@@ -1262,7 +1300,7 @@ static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct 
     if (rc == 0)
         rc = hapi_source_walk(fs->source, path, HAPI_WALK_STAT | HAPI_WALK_ALL, NULL, list_one,
                               &w);
-    hapi_view_put(w.view);
+    d->view = w.view; /* the listing's .feat are of its split (no_open: their nodes keep it) */
     return rc;
 }
 
@@ -1368,7 +1406,8 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
         struct fuse_entry_param e = { 0 };
         e.attr = de->attr;
         int counted = 0;
-        if (de->kind >= 0) {
+        /* no_open: a control file's node is made by its lookup (see "without opens") */
+        if (de->kind >= 0 && !(de->kind == HAPI_NODE_CTL_FILE && fs->no_open)) {
             e.ino = de->attr.st_ino;
             int none = de->kind == HAPI_NODE_CTL_FILE || (de->kind == HAPI_NODE_FEAT && old_split);
             e.attr_timeout = e.entry_timeout = none ? 0 : timeout;
@@ -1376,6 +1415,7 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
                 struct node_content c = {
                     .split = de->split, .id = de->id, .attr = de->attr, .parent = d->self,
                     .looked_up_by = fuse_req_ctx(req)->pid,
+                    .view = fs->no_open ? d->view : NULL, /* node_ref takes its own */
                 };
                 int rc = node_ref(fs->nodes, e.ino, de->kind, de->path,
                                   de->kind == HAPI_NODE_FEAT ? &c : NULL, d->self, timeout);
@@ -1527,177 +1567,79 @@ static int other_bytes(fuse_req_t req, const struct node_content *c, struct fuse
  * regular file of the mount without asking (FUSE_CAP_NO_OPEN_SUPPORT), keeps
  * its pages (keep_cache), and sends no release; reads and writes come with
  * fh 0 and name the node. So what an open used to fix is fixed by the node:
- *   - a .feat: its split and its image's identity (struct node_content); a
- *     read of a split no longer served comes from the cache, or fails ESTALE;
+ *   - a .feat: its split and its image's identity (struct node_content), and
+ *     the view of its split, which the node keeps: a file read after a split
+ *     change is still computed at its split;
  *   - a pack: its snapshot, opened at the node's first read (its key must be
  *     the node's); for a user other than root and the owner a snapshot is
  *     taken for each read, with that user's check;
  *   - a pack's index and the control files: made at each lookup, which the
- *     kernel sends at each open(2) since they are given no timeout; a read
- *     returns what the last lookup made (their size and mtime say which, so
- *     the kernel drops pages of an older one). The control files are nodes
- *     per user (ctl_viewer): they show what each may see;
- *   - a write to ctl: its outcome replaces what that user's ctl shows;
+ *     kernel sends at each open(2) since they are given no timeout, as a node
+ *     of its own (a unique id): so every open(2) has its own content, made
+ *     for its user, and pages, as with an open file; the kernel forgets such
+ *     a node once its name is looked up again and no file holds it;
+ *   - a write to ctl: its outcome replaces what that node shows (the writer's
+ *     open file reads it back);
  *   - a plain file: opened for each read.
  * Freshness comes from watch.c: a name whose bytes changed is forgotten by
  * the kernel as the change is seen, so the next open(2) looks it up again.
  */
-#define CTL_VIEWERS 64
-#define CTL_FILES_MAX 16
-#define CTL_VIEWER_ID(v, i) (CTL_BASE | (uint64_t)(v) << 32 | (2 + (uint64_t)(i)))
-
-struct ctl_viewer {
-    int used;
-    int anyone;           /* root and the mount's owner: viewer 0, no cred */
-    hapi_cred cred;
-    uint64_t lookups;     /* the kernel's references to this viewer's nodes */
-    hapi_ctl_text *text[CTL_FILES_MAX];
-    uint64_t serial[CTL_FILES_MAX];
-};
-
-static int ctl_viewer_of(fuse_ino_t ino)
-{
-    return (int)((ino >> 32) & 0x7fffffff);
-}
-
-static int same_cred(const hapi_cred *a, const hapi_cred *b)
-{
-    return a->uid == b->uid && a->gid == b->gid && a->ngroups == b->ngroups &&
-           memcmp(a->groups, b->groups, (size_t)a->ngroups * sizeof(gid_t)) == 0;
-}
-
-/* The viewer of who (NULL: root or the owner) with one more lookup; -EUSERS when all are taken. */
-static int viewer_get(hapi_fs *fs, const hapi_cred *who)
-{
-    int found = -EUSERS;
-    pthread_mutex_lock(&fs->viewers_lock);
-    if (!who) {
-        found = 0;
-    } else {
-        for (int v = 1; v < CTL_VIEWERS && found < 0; v++)
-            if (fs->viewers[v].used && same_cred(&fs->viewers[v].cred, who))
-                found = v;
-        for (int v = 1; v < CTL_VIEWERS && found < 0; v++)
-            if (!fs->viewers[v].used) {
-                fs->viewers[v].used = 1;
-                fs->viewers[v].cred = *who;
-                found = v;
-            }
-    }
-    if (found >= 0) {
-        fs->viewers[found].used = 1;
-        fs->viewers[found].anyone = !who;
-        fs->viewers[found].lookups++;
-    }
-    pthread_mutex_unlock(&fs->viewers_lock);
-    return found;
-}
-
-/* The kernel forgot count lookups of a viewer's node: the last frees the viewer (not 0). */
-static void viewer_forget(hapi_fs *fs, int v, uint64_t count)
-{
-    hapi_ctl_text *drop[CTL_FILES_MAX] = { 0 };
-    if (v < 0 || v >= CTL_VIEWERS)
-        return;
-    pthread_mutex_lock(&fs->viewers_lock);
-    struct ctl_viewer *w = &fs->viewers[v];
-    w->lookups = w->lookups > count ? w->lookups - count : 0;
-    if (w->used && w->lookups == 0 && v != 0) {
-        memcpy(drop, w->text, sizeof(drop));
-        memset(w, 0, sizeof(*w));
-    }
-    pthread_mutex_unlock(&fs->viewers_lock);
-    for (int i = 0; i < CTL_FILES_MAX; i++)
-        hapi_ctl_text_put(drop[i]);
-}
-
-/* Replaces what viewer v's file i shows (takes text); returns its serial. */
-static uint64_t viewer_set(hapi_fs *fs, int v, int i, hapi_ctl_text *text)
-{
-    pthread_mutex_lock(&fs->viewers_lock);
-    struct ctl_viewer *w = &fs->viewers[v];
-    hapi_ctl_text *old = w->text[i];
-    w->text[i] = text;
-    uint64_t serial = ++w->serial[i];
-    pthread_mutex_unlock(&fs->viewers_lock);
-    hapi_ctl_text_put(old);
-    return serial;
-}
-
-/* What viewer v's file i shows (a reference), its serial and whether it may write ctl; NULL if none. */
-static hapi_ctl_text *viewer_text(hapi_fs *fs, int v, int i, uint64_t *serial, hapi_cred *cred,
-                                  int *anyone)
-{
-    hapi_ctl_text *t = NULL;
-    if (v < 0 || v >= CTL_VIEWERS || i < 0 || i >= CTL_FILES_MAX)
-        return NULL;
-    pthread_mutex_lock(&fs->viewers_lock);
-    struct ctl_viewer *w = &fs->viewers[v];
-    if (w->used && w->text[i]) {
-        t = hapi_ctl_text_ref(w->text[i]);
-        *serial = w->serial[i];
-        if (cred)
-            *cred = w->cred;
-        if (anyone)
-            *anyone = w->anyone;
-    }
-    pthread_mutex_unlock(&fs->viewers_lock);
-    return t;
-}
 
 /* Attributes of made content: its size, and an mtime per version (the kernel drops older pages). */
-static void made_attr(const hapi_fs *fs, struct stat *st, size_t len, uint64_t serial)
+static void made_attr(const hapi_fs *fs, struct stat *st, size_t len, uint64_t version)
 {
     st->st_size = (off_t)len;
     st->st_blocks = (blkcnt_t)((len + 511) / 512);
-    st->st_mtim.tv_sec = fs->started_realtime + (time_t)(serial / 1000000000u);
-    st->st_mtim.tv_nsec = (long)(serial % 1000000000u);
+    st->st_mtim.tv_sec = fs->started_realtime + (time_t)(version / 1000000000u);
+    st->st_mtim.tv_nsec = (long)(version % 1000000000u);
     st->st_ctim = st->st_mtim;
 }
 
-/* Looks up control file i for the caller (no_open): made now, for who it is. */
+/* Looks up control file i for the caller (no_open): a node of its own, made now, for who it is. */
 static void ctl_lookup_no_open(fuse_req_t req, hapi_fs *fs, int i)
 {
     hapi_cred cred;
     const hapi_cred *who = req_who(req, &cred);
-    int v = viewer_get(fs, who);
-    if (v < 0) {
-        hapi_log(HAPI_LOG_WARNING, "more than %d users read .hapifs at once", CTL_VIEWERS - 1);
-        fuse_reply_err(req, -v);
-        return;
-    }
     struct fuse_entry_param e = { 0 };
     ctl_file_attr(fs, i, &e.attr);
-    e.ino = e.attr.st_ino = CTL_VIEWER_ID(v, i);
+    e.ino = CTL_FILE_ID(i);
     if (strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) != 0) {
+        uint64_t version = 0;
         hapi_ctl_text *text = hapi_ctl_render(fs->ctl, hapi_ctl_files[i], who);
         if (!text) {
-            viewer_forget(fs, v, 1);
             fuse_reply_err(req, ENOMEM);
             return;
         }
         size_t len = text->len;
-        made_attr(fs, &e.attr, len, viewer_set(fs, v, i, text));
+        e.ino = CTL_MADE_ID(atomic_fetch_add(&fs->made_serial, 1) + 1, i);
+        if (node_ref(fs->nodes, e.ino, HAPI_NODE_CTL_FILE, "", NULL, CTL_DIR_ID, 0) < 0) {
+            hapi_ctl_text_put(text);
+            fuse_reply_err(req, ENOMEM);
+            return;
+        }
+        node_set_text(fs, e.ino, text, &version); /* the node is there: it takes text */
+        made_attr(fs, &e.attr, len, version);
     }
-    if (fuse_reply_entry(req, &e) < 0)
-        viewer_forget(fs, v, 1);
+    e.attr.st_ino = e.ino;
+    if (fuse_reply_entry(req, &e) < 0 && e.ino != CTL_FILE_ID(i))
+        node_unref(fs->nodes, e.ino, 1);
 }
 
-/* Attributes of a control file's node (no_open): what its last lookup made. */
+/* Attributes of a control file's node (no_open): what its lookup made, or its last write. */
 static int ctl_attr_no_open(hapi_fs *fs, fuse_ino_t ino, struct stat *st)
 {
-    int i = ctl_file_index(ino), v = ctl_viewer_of(ino);
+    int i = ctl_file_index(ino);
     if (i < 0)
         return -ENOENT;
     ctl_file_attr(fs, i, st);
     st->st_ino = ino;
-    if (strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) == 0)
-        return 0;
-    uint64_t serial;
-    hapi_ctl_text *t = viewer_text(fs, v, i, &serial, NULL, NULL);
+    if (CTL_SERIAL(ino) == 0)
+        return 0; /* the model, or a name as listed */
+    uint64_t version;
+    hapi_ctl_text *t = node_text(fs, ino, &version);
     if (!t)
         return -ENOENT;
-    made_attr(fs, st, t->len, serial);
+    made_attr(fs, st, t->len, version);
     hapi_ctl_text_put(t);
     return 0;
 }
@@ -1764,7 +1706,10 @@ static int node_pack_get(hapi_fs *fs, uint64_t id, const char *path, uint64_t ke
     return 0;
 }
 
-/* A pack's index node made at its lookup (no_open): stored in the node; *serial is its version. */
+/*
+ * What a made node (a control file or pack index, no_open) shows now: takes
+ * text (put if the node is gone); *serial is its new version. Returns 0 or -ENOENT.
+ */
 static int node_set_text(hapi_fs *fs, uint64_t id, hapi_ctl_text *text, uint64_t *serial)
 {
     struct node_table *t = fs->nodes;
@@ -1781,6 +1726,23 @@ static int node_set_text(hapi_fs *fs, uint64_t id, hapi_ctl_text *text, uint64_t
     pthread_mutex_unlock(&t->lock);
     hapi_ctl_text_put(old);
     return n ? 0 : -ENOENT;
+}
+
+/* The view a .feat node keeps (a reference), or NULL. */
+static hapi_view *node_view(hapi_fs *fs, uint64_t id)
+{
+    struct node_table *t = fs->nodes;
+    struct node *n;
+    hapi_view *v = NULL;
+    pthread_mutex_lock(&t->lock);
+    for (n = t->buckets[node_bucket(t, id)]; n && n->id != id; n = n->next)
+        ;
+    if (n && n->content.view) {
+        v = n->content.view;
+        hapi_view_ref(v);
+    }
+    pthread_mutex_unlock(&t->lock);
+    return v;
 }
 
 static hapi_ctl_text *node_text(hapi_fs *fs, uint64_t id, uint64_t *serial)
@@ -1814,8 +1776,8 @@ static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, 
                 reply_fd(req, fs->model_fd, size, off);
             return;
         }
-        uint64_t serial;
-        hapi_ctl_text *t = viewer_text(fs, ctl_viewer_of(ino), i, &serial, NULL, NULL);
+        uint64_t version;
+        hapi_ctl_text *t = node_text(fs, ino, &version);
         if (!t) {
             fuse_reply_err(req, ENOENT);
             return;
@@ -1838,8 +1800,14 @@ static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, 
     struct node_pack *np = NULL;
     switch (kind) {
     case HAPI_NODE_FEAT:
-        /* the split the node is of: the current view, or one made for the cache alone */
-        h.view = hapi_views_peek(fs->views);
+        /*
+         * the view of the node's split: its own (kept since its lookup, so a file read
+         * after a split change is still computed at its split), the current one, or one
+         * made for the cache alone
+         */
+        h.view = node_view(fs, ino);
+        if (!h.view)
+            h.view = hapi_views_peek(fs->views);
         if (h.view && h.view->split != c.split) {
             hapi_view_put(h.view);
             h.view = NULL;
@@ -1848,6 +1816,19 @@ static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, 
             hapi_error err = { 0 };
             if ((rc = hapi_view_new(fs->views, c.split, &h.view, &err)) < 0)
                 break;
+        }
+        /*
+         * The image changed before the kernel was told (watch.c has not seen it yet): its
+         * old features if they are cached, else ESTALE now (computing would make the new
+         * version, which is not this node's).
+         */
+        hapi_source_id now;
+        if (!hapi_serve_cached(fs->serve, h.view, path, &c.id) &&
+            ((rc = hapi_source_identity(fs->source, path, &now)) < 0 ||
+             memcmp(&now, &c.id, sizeof(now)) != 0)) {
+            hapi_view_put(h.view);
+            rc = rc < 0 ? rc : -ESTALE; /* deleted: ENOENT */
+            break;
         }
         read_feat(req, fs, &h, size, off);
         hapi_view_put(h.view);
@@ -2247,8 +2228,9 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
     } else {
         /* what this user's ctl shows now (its size and mtime tell the kernel) */
         hapi_ctl_text *text = outcome(rc, err.message);
+        uint64_t version;
         if (text)
-            viewer_set(fs, ctl_viewer_of(ino), i, text);
+            node_set_text(fs, ino, text, &version); /* takes text, even if the node is gone */
     }
     if (rc < 0) {
         /* logged, and kept in .hapifs/errors */
@@ -2489,11 +2471,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     uint64_t changes;
     fs->no_open = opt->no_open && fs->watch &&
                   dir_timeout(fs, FUSE_ROOT_ID, &changes) == WATCHED_TIMEOUT;
-    pthread_mutex_init(&fs->viewers_lock, NULL);
-    if (!(fs->viewers = calloc(CTL_VIEWERS, sizeof(*fs->viewers)))) {
-        rc = hapi_error_set(err, -ENOMEM, "out of memory");
-        goto fail;
-    }
+
     if ((rc = hapi_views_new(fs->ex, opt->dtype, opt->precision, &fs->views, err)) < 0)
         goto fail;
     hapi_serve_config scfg = {
@@ -2560,13 +2538,6 @@ void hapi_fs_destroy(hapi_fs *fs)
     hapi_fs_stop_watching(fs);
     handles_free_all(fs); /* they hold views, packs, the remote's files */
     node_table_drop_packs(fs->nodes);
-    if (fs->viewers) {
-        for (int v = 0; v < CTL_VIEWERS; v++)
-            for (int i = 0; i < CTL_FILES_MAX; i++)
-                hapi_ctl_text_put(fs->viewers[v].text[i]);
-        free(fs->viewers);
-        pthread_mutex_destroy(&fs->viewers_lock);
-    }
     hapi_ctl_free(fs->ctl);
     hapi_remote_close(fs->remote);
     hapi_tune_stop(fs->tune);

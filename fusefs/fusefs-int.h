@@ -1017,8 +1017,7 @@ typedef struct hapi_fs {
     struct hapi_fs_handle handles; /* the list's head; next NULL before init */
     int no_open;                 /* opens answer ENOSYS: reads name their node, not a handle */
     atomic_uint_fast64_t split_changes; /* split changes told to the kernel (invalidate_feats) */
-    pthread_mutex_t viewers_lock;
-    struct ctl_viewer *viewers;  /* no_open: what the control files show each user */
+    atomic_uint_fast64_t made_serial; /* no_open: control files and indexes made so far */
     struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
     uint64_t started_ns;
     time_t started_realtime;
