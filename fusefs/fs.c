@@ -479,16 +479,18 @@ static double node_timeout(hapi_fs *fs, uint64_t id)
 
 /*
  * The timeout for what a lookup or listing in dir found, given dir_timeout()'s
- * before it looked: ENTRY_TIMEOUT if a change was seen in dir meanwhile (its
- * notice to the kernel may have come before our reply, which would then be
- * trusted with what it found before the change).
+ * before it looked: none if a change was seen in dir meanwhile (its notice to
+ * the kernel may have come before our reply, which would then be trusted with
+ * what it found before the change: the next open looks it up again), and
+ * ENTRY_TIMEOUT if dir is no longer watched.
  */
 static double watched_timeout(hapi_fs *fs, uint64_t dir, double timeout, uint64_t changes)
 {
     uint64_t now;
     double t2 = dir_timeout(fs, dir, &now);
-    return timeout == WATCHED_TIMEOUT && t2 == WATCHED_TIMEOUT && now == changes ? timeout
-                                                                                : ENTRY_TIMEOUT;
+    if (timeout != WATCHED_TIMEOUT || t2 != WATCHED_TIMEOUT)
+        return ENTRY_TIMEOUT;
+    return now == changes ? timeout : 0;
 }
 
 /* Watches directory node id (source path path), if it is not watched yet and can be. */
