@@ -103,6 +103,11 @@ struct node_content {
      * a copy from node_get(), NULL.
      */
     hapi_view *view;
+    /*
+     * PACK with no_open, from resolve() to node_ref() only: the snapshot the
+     * lookup took, which the node keeps (its reads are of what the lookup saw).
+     */
+    hapi_pack *snapshot;
 };
 
 struct node {
@@ -350,9 +355,20 @@ static void node_table_grow(struct node_table *t)
 static int node_ref(struct node_table *t, uint64_t id, int kind, const char *path,
                     const struct node_content *content, uint64_t parent, double timeout)
 {
+    hapi_pack *snapshot = content ? content->snapshot : NULL; /* always taken */
+    struct node_pack *np = NULL;
     char *copy = strdup(path);
-    if (!copy)
+    if (snapshot && (np = calloc(1, sizeof(*np)))) {
+        atomic_init(&np->refs, 1);
+        np->pack = snapshot;
+        snapshot = NULL;
+    }
+    if (!copy || snapshot) {
+        free(copy);
+        hapi_pack_close(snapshot);
+        node_pack_put(np);
         return -ENOMEM;
+    }
     pthread_mutex_lock(&t->lock);
     struct node *n = node_find(t, id);
     if (!n) {
@@ -360,6 +376,7 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
         if (!n) {
             pthread_mutex_unlock(&t->lock);
             free(copy);
+            node_pack_put(np);
             return -ENOMEM;
         }
         n->id = id;
@@ -378,14 +395,20 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
     if (content) {
         old_view = n->content.view;
         n->content = *content;
+        n->content.snapshot = NULL;
         if (n->content.view)
             hapi_view_ref(n->content.view);
+    }
+    if (np && !n->pack) { /* a node named by its key: one it has already is the same */
+        n->pack = np;
+        np = NULL;
     }
     n->parent = parent;
     n->timeout = timeout;
     int unwatched = kind == HAPI_NODE_DIR && t->watch && n->wd == NO_WATCH;
     pthread_mutex_unlock(&t->lock);
     hapi_view_put(old_view); /* the last reference frees a batcher: not under the lock */
+    node_pack_put(np);
     return unwatched;
 }
 
@@ -433,6 +456,7 @@ static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path,
         if (content) {
             *content = n->content;
             content->view = NULL; /* the node's own: see node_view() */
+            content->snapshot = NULL;
         }
         rc = *path ? 0 : -ENOMEM;
     }
@@ -493,25 +517,30 @@ static double watched_timeout(hapi_fs *fs, uint64_t dir, double timeout, uint64_
     return now == changes ? timeout : 0;
 }
 
-/* Watches directory node id (source path path), if it is not watched yet and can be. */
+/*
+ * Watches directory node id (source path path), if it is not watched yet and
+ * can be. The watch is added under the table's lock, as node_unref() removes
+ * it: inotify gives a directory watched twice the same watch, so one added
+ * outside it could be removed by the forget of an older node of the directory
+ * while a newer one took it as its own, and nothing would tell it of changes.
+ */
 static void watch_dir(hapi_fs *fs, uint64_t id, const char *path)
 {
     struct node_table *t = fs->nodes;
     int fd = hapi_source_open_beneath(fs->source, path, O_PATH | O_DIRECTORY);
-    int wd = fd >= 0 ? hapi_watch_add(t->watch, fd, id) : fd;
+    int wd = fd;
+    pthread_mutex_lock(&t->lock);
+    struct node *n = node_find(t, id);
+    if (n && n->wd == NO_WATCH) {
+        if (fd >= 0)
+            wd = hapi_watch_add(t->watch, fd, id);
+        n->wd = wd >= 0 ? wd : CANNOT_WATCH;
+    }
+    pthread_mutex_unlock(&t->lock);
     if (fd >= 0)
         close(fd);
     if (wd < 0 && wd != -EREMOTE && wd != -ENOSPC && wd != -ENOENT)
         hapi_log(HAPI_LOG_DEBUG, "watch: %s: %s", *path ? path : ".", strerror(-wd));
-    pthread_mutex_lock(&t->lock);
-    struct node *n = node_find(t, id);
-    if (n && n->wd == NO_WATCH) {
-        n->wd = wd >= 0 ? wd : CANNOT_WATCH;
-        wd = -1;
-    }
-    pthread_mutex_unlock(&t->lock);
-    if (wd >= 0 && !n)
-        hapi_watch_remove(t->watch, wd); /* forgotten meanwhile */
 }
 
 /* Events were lost: every name (the root: its inode), and every directory counts a change. */
@@ -680,15 +709,21 @@ static void feat_node(const hapi_view *v, const struct stat *src, uint64_t paren
  * Attributes of a directory's pack or index: exact size of the pack (no
  * computation; the index shows a bound, and is read with direct I/O like
  * a control file), readable as the directory is, times of the latest image;
- * its id (st_ino) and what it is (c, for a pack).
+ * its id (st_ino) and what it is (c, for a pack). With keep, a pack's
+ * snapshot is taken and kept in c->snapshot (the caller's), as it is named.
  */
 static int pack_attr(hapi_fs *fs, const char *dir, const struct stat *dir_st, int kind,
-                     uint64_t parent, pid_t by, struct stat *st, struct node_content *c)
+                     uint64_t parent, pid_t by, int keep, struct stat *st,
+                     struct node_content *c)
 {
     hapi_pack_info info;
-    int rc = hapi_pack_info_get(fs->packs, dir, &info);
+    hapi_pack *snapshot = NULL;
+    int rc = keep && kind == HAPI_NODE_PACK ? hapi_pack_open(fs->packs, dir, NULL, &snapshot)
+                                            : hapi_pack_info_get(fs->packs, dir, &info);
     if (rc < 0)
         return rc;
+    if (snapshot)
+        hapi_pack_describe(snapshot, &info);
     *st = *dir_st;
     st->st_ino = pack_node_id(dir_st, kind, kind == HAPI_NODE_PACK ? info.key : 0);
     st->st_mode = S_IFREG | (dir_st->st_mode & 0444);
@@ -702,6 +737,7 @@ static int pack_attr(hapi_fs *fs, const char *dir, const struct stat *dir_st, in
     c->attr = *st;
     c->parent = parent;
     c->looked_up_by = by;
+    c->snapshot = snapshot;
     return 0;
 }
 
@@ -876,12 +912,18 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
         /* Not listed, reachable by name; it shadows a source file of that name. */
         if ((rc = hapi_source_stat(fs->source, parent_path, &src)) < 0)
             return rc;
-        if ((rc = pack_attr(fs, parent_path, &src, pack, parent, by, &e->attr, c)) < 0)
+        /* without opens, what the lookup names is what its reads get (see "without opens") */
+        if ((rc = pack_attr(fs, parent_path, &src, pack, parent, by, fs->no_open, &e->attr,
+                            c)) < 0)
             return rc;
         e->ino = e->attr.st_ino;
         *kind = pack;
         *has_content = pack == HAPI_NODE_PACK;
-        return (*path = strdup(parent_path)) ? 0 : -ENOMEM;
+        if ((*path = strdup(parent_path)))
+            return 0;
+        hapi_pack_close(c->snapshot);
+        c->snapshot = NULL;
+        return -ENOMEM;
     }
 
     size_t stem = hapi_feat_stem_len(name);
@@ -1117,7 +1159,7 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     if (kind == HAPI_NODE_FEAT || kind == HAPI_NODE_PACK) {
         content_attr(&c, &src, &st);
     } else if (kind == HAPI_NODE_PACK_INDEX) {
-        rc = pack_attr(fs, path, &src, kind, 0, 0, &st, &c);
+        rc = pack_attr(fs, path, &src, kind, 0, 0, 0, &st, &c);
         uint64_t serial;
         hapi_ctl_text *t = fs->no_open && rc == 0 ? node_text(fs, ino, &serial) : NULL;
         if (t) { /* what its lookup made (no_open) */
@@ -1820,17 +1862,23 @@ static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, 
                 break;
         }
         /*
-         * The image changed before the kernel was told (watch.c has not seen it yet): its
-         * old features if they are cached, else ESTALE now (computing would make the new
-         * version, which is not this node's).
+         * The image changed after the kernel looked the .feat up (watch.c had not seen it
+         * yet, or the file was found before and read after): its old features if they are
+         * cached; else the new ones if this read is the whole file (the kernel reads a
+         * .feat in one request; same split, same size), so that no page of one version
+         * meets one of another; else ESTALE (ENOENT if it was deleted).
          */
         hapi_source_id now;
         if (!hapi_serve_cached(fs->serve, h.view, path, &c.id) &&
             ((rc = hapi_source_identity(fs->source, path, &now)) < 0 ||
              memcmp(&now, &c.id, sizeof(now)) != 0)) {
-            hapi_view_put(h.view);
-            rc = rc < 0 ? rc : -ESTALE; /* deleted: ENOENT */
-            break;
+            if (rc == 0 && off == 0 && size >= (size_t)c.attr.st_size) {
+                h.id = now;
+            } else {
+                hapi_view_put(h.view);
+                rc = rc < 0 ? rc : -ESTALE;
+                break;
+            }
         }
         read_feat(req, fs, &h, size, off);
         hapi_view_put(h.view);
@@ -2508,7 +2556,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .packs = fs->packs, .background = fs->background,
         .tune = fs->tune, .errors = fs->errors, .node = fs->node_share, .watch = fs->watch,
-        .started_ns = fs->started_ns,
+        .no_open = fs->no_open, .started_ns = fs->started_ns,
     };
     if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0) {
         hapi_error_set(err, rc, "out of memory");

@@ -538,6 +538,8 @@ int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info);
  * returns; *out NULL on failure.
  */
 int hapi_pack_open(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_pack **out);
+/* What an open pack is (as hapi_pack_info_get() told before it was opened). */
+void hapi_pack_describe(const hapi_pack *k, hapi_pack_info *info);
 /* The pack's size in bytes. */
 uint64_t hapi_pack_size(const hapi_pack *k);
 /*
@@ -923,6 +925,7 @@ typedef struct hapi_ctl_config {
     hapi_error_ring *errors;
     hapi_node *node;             /* the node's shared budget and cores; NULL: none */
     hapi_watch *watch;           /* the source's watch; NULL: none (watch=0, remote) */
+    int no_open;                 /* the kernel opens files without asking (in effect) */
     uint64_t started_ns;
 } hapi_ctl_config;
 
