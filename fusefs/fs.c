@@ -1869,9 +1869,9 @@ static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, 
          * meets one of another; else ESTALE (ENOENT if it was deleted).
          */
         hapi_source_id now;
-        if (!hapi_serve_cached(fs->serve, h.view, path, &c.id) &&
-            ((rc = hapi_source_identity(fs->source, path, &now)) < 0 ||
-             memcmp(&now, &c.id, sizeof(now)) != 0)) {
+        if (((rc = hapi_source_identity(fs->source, path, &now)) < 0 ||
+             memcmp(&now, &c.id, sizeof(now)) != 0) &&
+            !hapi_serve_cached(fs->serve, h.view, path, &c.id)) {
             if (rc == 0 && off == 0 && size >= (size_t)c.attr.st_size) {
                 h.id = now;
             } else {
@@ -1880,6 +1880,7 @@ static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, 
                 break;
             }
         }
+        rc = 0;
         read_feat(req, fs, &h, size, off);
         hapi_view_put(h.view);
         free(path);
