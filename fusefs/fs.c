@@ -1707,7 +1707,11 @@ static void reply_fd(fuse_req_t req, int fd, size_t size, off_t off)
     fuse_reply_data(req, &buf, FUSE_BUF_SPLICE_MOVE);
 }
 
-/* The pack snapshot node id stands for (a reference), opened at its first read; or a code. */
+/*
+ * The pack snapshot node id stands for (a reference): the one its lookup took
+ * (node_ref()), or one opened now, which must have the node's key (-ESTALE if
+ * not); or a code.
+ */
 static int node_pack_get(hapi_fs *fs, uint64_t id, const char *path, uint64_t key,
                          struct node_pack **out)
 {
@@ -1715,8 +1719,7 @@ static int node_pack_get(hapi_fs *fs, uint64_t id, const char *path, uint64_t ke
     struct node *n;
     *out = NULL;
     pthread_mutex_lock(&t->lock);
-    for (n = t->buckets[node_bucket(t, id)]; n && n->id != id; n = n->next)
-        ;
+    n = node_find(t, id);
     if (n && n->pack) {
         atomic_fetch_add(&n->pack->refs, 1);
         *out = n->pack;
@@ -1734,8 +1737,7 @@ static int node_pack_get(hapi_fs *fs, uint64_t id, const char *path, uint64_t ke
         return rc < 0 ? rc : -ESTALE; /* the directory changed since the kernel looked it up */
     }
     pthread_mutex_lock(&t->lock);
-    for (n = t->buckets[node_bucket(t, id)]; n && n->id != id; n = n->next)
-        ;
+    n = node_find(t, id);
     if (n && !n->pack) {
         atomic_fetch_add(&p->refs, 1);
         n->pack = p;
@@ -1760,8 +1762,7 @@ static int node_set_text(hapi_fs *fs, uint64_t id, hapi_ctl_text *text, uint64_t
     struct node *n;
     hapi_ctl_text *old = text;
     pthread_mutex_lock(&t->lock);
-    for (n = t->buckets[node_bucket(t, id)]; n && n->id != id; n = n->next)
-        ;
+    n = node_find(t, id);
     if (n) {
         old = n->text;
         n->text = text;
@@ -1779,8 +1780,7 @@ static hapi_view *node_view(hapi_fs *fs, uint64_t id)
     struct node *n;
     hapi_view *v = NULL;
     pthread_mutex_lock(&t->lock);
-    for (n = t->buckets[node_bucket(t, id)]; n && n->id != id; n = n->next)
-        ;
+    n = node_find(t, id);
     if (n && n->content.view) {
         v = n->content.view;
         hapi_view_ref(v);
@@ -1795,8 +1795,7 @@ static hapi_ctl_text *node_text(hapi_fs *fs, uint64_t id, uint64_t *serial)
     struct node *n;
     hapi_ctl_text *text = NULL;
     pthread_mutex_lock(&t->lock);
-    for (n = t->buckets[node_bucket(t, id)]; n && n->id != id; n = n->next)
-        ;
+    n = node_find(t, id);
     if (n && n->text) {
         text = hapi_ctl_text_ref(n->text);
         *serial = n->serial;
