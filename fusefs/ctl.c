@@ -107,7 +107,7 @@ static json_t *render_config(hapi_ctl *c)
     return json_pack(
         "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s, s:o}, s:o, "
         "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
-        "s:{s:s, s:f, s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
+        "s:{s:s, s:f, s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
         "source", o->source,
         "mountpoint", o->mountpoint,
@@ -129,7 +129,7 @@ static json_t *render_config(hapi_ctl *c)
           "client_speed", ts.client_speed, "epochs", ts.epochs,
         "runtime",
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
-          "watch", o->watch, "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch,
+          "watch", o->watch, "no_open", c->cfg.no_open, "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch,
           "batch_auto", ts.batch_auto,
           "batch_wait_ms", o->batch_wait_us / 1000,
           "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget,

@@ -43,6 +43,14 @@
 #define CTL_BASE (1ull << 63)
 #define CTL_DIR_ID (CTL_BASE | 1)
 #define CTL_FILE_ID(i) (CTL_BASE | (2 + (uint64_t)(i)))
+/*
+ * A control file made for one lookup: node id CTL_BASE | serial << 8 | 2 + i,
+ * serial unique (made_serial), so that every open(2), which looks the name up
+ * (no timeout), has a node, pages and content of its own, as an open file had.
+ * serial 0 is the control file as listed, and the model.
+ */
+#define CTL_MADE_ID(serial, i) (CTL_BASE | (uint64_t)(serial) << 8 | (2 + (uint64_t)(i)))
+#define CTL_SERIAL(ino) (((ino) & ~CTL_BASE) >> 8)
 #define HASHED_BASE (1ull << 62)
 
 /*
@@ -89,6 +97,17 @@ struct node_content {
     struct stat attr;          /* the attributes the kernel was given */
     uint64_t parent;           /* the directory's node id the kernel has it in */
     pid_t looked_up_by;        /* the thread of the lookup (or listing) that returned it last */
+    /*
+     * FEAT with no_open: the view of its split. In a node, a reference of its
+     * own (a file read after a split change keeps computing at its split); in
+     * a copy from node_get(), NULL.
+     */
+    hapi_view *view;
+    /*
+     * PACK with no_open, from resolve() to node_ref() only: the snapshot the
+     * lookup took, which the node keeps (its reads are of what the lookup saw).
+     */
+    hapi_pack *snapshot;
 };
 
 struct node {
@@ -101,8 +120,35 @@ struct node {
     double timeout;              /* the entry and attribute timeout it was given last */
     int wd;                      /* DIR: its inotify watch, NO_WATCH or CANNOT_WATCH */
     uint64_t changes;            /* DIR: changes seen in it (on_change) */
+    struct node_pack *pack;      /* PACK, no_open: its snapshot, opened at the first read */
+    hapi_ctl_text *text;         /* PACK_INDEX, no_open: made at its last lookup */
+    uint64_t serial;             /* and which one it is (its mtime) */
     struct node *next;
 };
+
+/* A node's pack snapshot, shared by the reads under way (no_open). */
+struct node_pack {
+    atomic_int refs;
+    hapi_pack *pack;
+};
+
+static void node_pack_put(struct node_pack *p)
+{
+    if (p && atomic_fetch_sub(&p->refs, 1) == 1) {
+        hapi_pack_close(p->pack);
+        free(p);
+    }
+}
+
+/* Frees a node out of the table (its pack and text may take other locks: not under t->lock). */
+static void node_free(struct node *n)
+{
+    hapi_view_put(n->content.view);
+    node_pack_put(n->pack);
+    hapi_ctl_text_put(n->text);
+    free(n->path);
+    free(n);
+}
 #define NO_WATCH (-1)      /* not watched yet (or any more): the next lookup tries */
 #define CANNOT_WATCH (-2)  /* a network filesystem, or no watches left */
 
@@ -129,6 +175,20 @@ static struct node_table *node_table_new(void)
     return t;
 }
 
+/* Closes the packs and puts the views nodes hold (before those layers go). */
+static void node_table_drop_packs(struct node_table *t)
+{
+    if (!t)
+        return;
+    for (size_t i = 0; i < t->nbuckets; i++)
+        for (struct node *n = t->buckets[i]; n; n = n->next) {
+            node_pack_put(n->pack);
+            n->pack = NULL;
+            hapi_view_put(n->content.view);
+            n->content.view = NULL;
+        }
+}
+
 static void node_table_free(struct node_table *t)
 {
     if (!t)
@@ -136,8 +196,7 @@ static void node_table_free(struct node_table *t)
     for (size_t i = 0; i < t->nbuckets; i++) {
         for (struct node *n = t->buckets[i], *next; n; n = next) {
             next = n->next;
-            free(n->path);
-            free(n);
+            node_free(n);
         }
     }
     pthread_mutex_destroy(&t->lock);
@@ -241,6 +300,8 @@ static enum forget_how split_change_how(struct node *nd)
 static void invalidate_feats(void *arg)
 {
     hapi_fs *fs = arg;
+    /* first: a lookup under way may have made a node of the old split (see op_lookup) */
+    atomic_fetch_add(&fs->split_changes, 1);
     if (fs->se)
         forget_nodes(fs, split_change_how);
 }
@@ -294,9 +355,20 @@ static void node_table_grow(struct node_table *t)
 static int node_ref(struct node_table *t, uint64_t id, int kind, const char *path,
                     const struct node_content *content, uint64_t parent, double timeout)
 {
+    hapi_pack *snapshot = content ? content->snapshot : NULL; /* always taken */
+    struct node_pack *np = NULL;
     char *copy = strdup(path);
-    if (!copy)
+    if (snapshot && (np = calloc(1, sizeof(*np)))) {
+        atomic_init(&np->refs, 1);
+        np->pack = snapshot;
+        snapshot = NULL;
+    }
+    if (!copy || snapshot) {
+        free(copy);
+        hapi_pack_close(snapshot);
+        node_pack_put(np);
         return -ENOMEM;
+    }
     pthread_mutex_lock(&t->lock);
     struct node *n = node_find(t, id);
     if (!n) {
@@ -304,6 +376,7 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
         if (!n) {
             pthread_mutex_unlock(&t->lock);
             free(copy);
+            node_pack_put(np);
             return -ENOMEM;
         }
         n->id = id;
@@ -318,12 +391,24 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
     n->kind = kind;
     free(n->path);
     n->path = copy;
-    if (content)
+    hapi_view *old_view = NULL;
+    if (content) {
+        old_view = n->content.view;
         n->content = *content;
+        n->content.snapshot = NULL;
+        if (n->content.view)
+            hapi_view_ref(n->content.view);
+    }
+    if (np && !n->pack) { /* a node named by its key: one it has already is the same */
+        n->pack = np;
+        np = NULL;
+    }
     n->parent = parent;
     n->timeout = timeout;
     int unwatched = kind == HAPI_NODE_DIR && t->watch && n->wd == NO_WATCH;
     pthread_mutex_unlock(&t->lock);
+    hapi_view_put(old_view); /* the last reference frees a batcher: not under the lock */
+    node_pack_put(np);
     return unwatched;
 }
 
@@ -333,7 +418,7 @@ static void node_unref(struct node_table *t, uint64_t id, uint64_t count)
     struct node **link = &t->buckets[node_bucket(t, id)];
     while (*link && (*link)->id != id)
         link = &(*link)->next;
-    struct node *n = *link;
+    struct node *n = *link, *gone = NULL;
     if (n) {
         n->nlookup = n->nlookup > count ? n->nlookup - count : 0;
         if (n->nlookup == 0) {
@@ -341,11 +426,12 @@ static void node_unref(struct node_table *t, uint64_t id, uint64_t count)
             t->count--;
             if (n->wd >= 0 && t->watch)
                 hapi_watch_remove(t->watch, n->wd);
-            free(n->path);
-            free(n);
+            gone = n;
         }
     }
     pthread_mutex_unlock(&t->lock);
+    if (gone)
+        node_free(gone);
 }
 
 /*
@@ -367,8 +453,11 @@ static int node_get(hapi_fs *fs, uint64_t id, int *kind, char **path,
     if (n) {
         *kind = n->kind;
         *path = strdup(n->path);
-        if (content)
+        if (content) {
             *content = n->content;
+            content->view = NULL; /* the node's own: see node_view() */
+            content->snapshot = NULL;
+        }
         rc = *path ? 0 : -ENOMEM;
     }
     pthread_mutex_unlock(&t->lock);
@@ -414,37 +503,44 @@ static double node_timeout(hapi_fs *fs, uint64_t id)
 
 /*
  * The timeout for what a lookup or listing in dir found, given dir_timeout()'s
- * before it looked: ENTRY_TIMEOUT if a change was seen in dir meanwhile (its
- * notice to the kernel may have come before our reply, which would then be
- * trusted with what it found before the change).
+ * before it looked: none if a change was seen in dir meanwhile (its notice to
+ * the kernel may have come before our reply, which would then be trusted with
+ * what it found before the change: the next open looks it up again), and
+ * ENTRY_TIMEOUT if dir is no longer watched.
  */
 static double watched_timeout(hapi_fs *fs, uint64_t dir, double timeout, uint64_t changes)
 {
     uint64_t now;
     double t2 = dir_timeout(fs, dir, &now);
-    return timeout == WATCHED_TIMEOUT && t2 == WATCHED_TIMEOUT && now == changes ? timeout
-                                                                                : ENTRY_TIMEOUT;
+    if (timeout != WATCHED_TIMEOUT || t2 != WATCHED_TIMEOUT)
+        return ENTRY_TIMEOUT;
+    return now == changes ? timeout : 0;
 }
 
-/* Watches directory node id (source path path), if it is not watched yet and can be. */
+/*
+ * Watches directory node id (source path path), if it is not watched yet and
+ * can be. The watch is added under the table's lock, as node_unref() removes
+ * it: inotify gives a directory watched twice the same watch, so one added
+ * outside it could be removed by the forget of an older node of the directory
+ * while a newer one took it as its own, and nothing would tell it of changes.
+ */
 static void watch_dir(hapi_fs *fs, uint64_t id, const char *path)
 {
     struct node_table *t = fs->nodes;
     int fd = hapi_source_open_beneath(fs->source, path, O_PATH | O_DIRECTORY);
-    int wd = fd >= 0 ? hapi_watch_add(t->watch, fd, id) : fd;
+    int wd = fd;
+    pthread_mutex_lock(&t->lock);
+    struct node *n = node_find(t, id);
+    if (n && n->wd == NO_WATCH) {
+        if (fd >= 0)
+            wd = hapi_watch_add(t->watch, fd, id);
+        n->wd = wd >= 0 ? wd : CANNOT_WATCH;
+    }
+    pthread_mutex_unlock(&t->lock);
     if (fd >= 0)
         close(fd);
     if (wd < 0 && wd != -EREMOTE && wd != -ENOSPC && wd != -ENOENT)
         hapi_log(HAPI_LOG_DEBUG, "watch: %s: %s", *path ? path : ".", strerror(-wd));
-    pthread_mutex_lock(&t->lock);
-    struct node *n = node_find(t, id);
-    if (n && n->wd == NO_WATCH) {
-        n->wd = wd >= 0 ? wd : CANNOT_WATCH;
-        wd = -1;
-    }
-    pthread_mutex_unlock(&t->lock);
-    if (wd >= 0 && !n)
-        hapi_watch_remove(t->watch, wd); /* forgotten meanwhile */
 }
 
 /* Events were lost: every name (the root: its inode), and every directory counts a change. */
@@ -613,15 +709,21 @@ static void feat_node(const hapi_view *v, const struct stat *src, uint64_t paren
  * Attributes of a directory's pack or index: exact size of the pack (no
  * computation; the index shows a bound, and is read with direct I/O like
  * a control file), readable as the directory is, times of the latest image;
- * its id (st_ino) and what it is (c, for a pack).
+ * its id (st_ino) and what it is (c, for a pack). With keep, a pack's
+ * snapshot is taken and kept in c->snapshot (the caller's), as it is named.
  */
 static int pack_attr(hapi_fs *fs, const char *dir, const struct stat *dir_st, int kind,
-                     uint64_t parent, pid_t by, struct stat *st, struct node_content *c)
+                     uint64_t parent, pid_t by, int keep, struct stat *st,
+                     struct node_content *c)
 {
     hapi_pack_info info;
-    int rc = hapi_pack_info_get(fs->packs, dir, &info);
+    hapi_pack *snapshot = NULL;
+    int rc = keep && kind == HAPI_NODE_PACK ? hapi_pack_open(fs->packs, dir, NULL, &snapshot)
+                                            : hapi_pack_info_get(fs->packs, dir, &info);
     if (rc < 0)
         return rc;
+    if (snapshot)
+        hapi_pack_describe(snapshot, &info);
     *st = *dir_st;
     st->st_ino = pack_node_id(dir_st, kind, kind == HAPI_NODE_PACK ? info.key : 0);
     st->st_mode = S_IFREG | (dir_st->st_mode & 0444);
@@ -635,6 +737,7 @@ static int pack_attr(hapi_fs *fs, const char *dir, const struct stat *dir_st, in
     c->attr = *st;
     c->parent = parent;
     c->looked_up_by = by;
+    c->snapshot = snapshot;
     return 0;
 }
 
@@ -659,8 +762,8 @@ static int ctl_index(const char *name)
 /* The index in hapi_ctl_files of a control file's node id, or -1. */
 static int ctl_file_index(fuse_ino_t ino)
 {
-    uint64_t i = (ino & ~CTL_BASE) - 2;
-    if (ino == CTL_DIR_ID || (ino & ~CTL_BASE) < 2)
+    uint64_t i = (ino & 0xffu) - 2; /* the bits above are a made file's serial (no_open) */
+    if (ino == CTL_DIR_ID || (ino & 0xffu) < 2)
         return -1;
     for (uint64_t k = 0; hapi_ctl_files[k]; k++)
         if (k == i)
@@ -720,6 +823,14 @@ int hapi_fs_errno(int code)
 
 /* ----------------------------------------------------------- operations */
 
+/* Without opens (no_open): see that section, below the opens. */
+static void ctl_lookup_no_open(fuse_req_t req, hapi_fs *fs, int i);
+static int ctl_attr_no_open(hapi_fs *fs, fuse_ino_t ino, struct stat *st);
+static int node_set_text(hapi_fs *fs, uint64_t id, hapi_ctl_text *text, uint64_t *serial);
+static hapi_ctl_text *node_text(hapi_fs *fs, uint64_t id, uint64_t *serial);
+static void made_attr(const hapi_fs *fs, struct stat *st, size_t len, uint64_t version);
+static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t off);
+
 const char *const hapi_fs_request_names[HAPI_REQ_COUNT] = {
     "lookup", "forget", "getattr", "opendir", "readdir", "releasedir", "open", "read",
     "release", "statfs", "other",
@@ -741,14 +852,21 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     /* Many DataLoader workers read at once: let the kernel keep many requests in flight. */
     conn->max_background = 256;
     conn->congestion_threshold = 192;
-    if (conn->capable & FUSE_CAP_ATOMIC_O_TRUNC)
+    /*
+     * Not without opens: the kernel would then truncate a .feat's pages and size on
+     * open(O_TRUNC) by root without asking; instead a truncation comes as a setattr, refused.
+     */
+    if ((conn->capable & FUSE_CAP_ATOMIC_O_TRUNC) && !fs->no_open)
         conn->want |= FUSE_CAP_ATOMIC_O_TRUNC;
+    if ((conn->capable & FUSE_CAP_NO_OPEN_SUPPORT) && fs->no_open)
+        conn->want |= FUSE_CAP_NO_OPEN_SUPPORT;
     if (fs->remote)
         hapi_log(HAPI_LOG_INFO, "mounted %s on %s (remote)", fs->opt->source,
                  fs->opt->mountpoint);
     else
-        hapi_log(HAPI_LOG_INFO, "mounted %s on %s (model %s)", fs->opt->source,
-                 fs->opt->mountpoint, fs->opt->model);
+        hapi_log(HAPI_LOG_INFO, "mounted %s on %s (model %s)%s", fs->opt->source,
+                 fs->opt->mountpoint, fs->opt->model,
+                 fs->no_open ? "; the kernel opens files without asking (no_open)" : "");
 }
 
 /*
@@ -794,12 +912,18 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
         /* Not listed, reachable by name; it shadows a source file of that name. */
         if ((rc = hapi_source_stat(fs->source, parent_path, &src)) < 0)
             return rc;
-        if ((rc = pack_attr(fs, parent_path, &src, pack, parent, by, &e->attr, c)) < 0)
+        /* without opens, what the lookup names is what its reads get (see "without opens") */
+        if ((rc = pack_attr(fs, parent_path, &src, pack, parent, by, fs->no_open, &e->attr,
+                            c)) < 0)
             return rc;
         e->ino = e->attr.st_ino;
         *kind = pack;
         *has_content = pack == HAPI_NODE_PACK;
-        return (*path = strdup(parent_path)) ? 0 : -ENOMEM;
+        if ((*path = strdup(parent_path)))
+            return 0;
+        hapi_pack_close(c->snapshot);
+        c->snapshot = NULL;
+        return -ENOMEM;
     }
 
     size_t stem = hapi_feat_stem_len(name);
@@ -819,7 +943,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
             }
             *kind = HAPI_NODE_FEAT;
             feat_node(v, &src, parent, by, &e->attr, c);
-            hapi_view_put(v);
+            c->view = v; /* the caller's reference */
             e->ino = e->attr.st_ino;
             *has_content = 1;
             *path = image;
@@ -859,6 +983,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     COUNT(req, HAPI_REQ_LOOKUP);
     hapi_fs *fs = fuse_req_userdata(req);
     struct fuse_entry_param e;
+    struct node_content c = { 0 };
     char *parent_path = NULL, *path = NULL;
     int kind, rc;
 
@@ -866,6 +991,10 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         int i = ctl_index(name);
         if (i < 0) {
             fuse_reply_err(req, ENOENT);
+            return;
+        }
+        if (fs->no_open) {
+            ctl_lookup_no_open(req, fs, i);
             return;
         }
         memset(&e, 0, sizeof(e));
@@ -880,23 +1009,59 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         rc = -ENOTDIR;
         goto out;
     }
-    struct node_content c;
     int has_content;
-    uint64_t changes;
+    uint64_t changes, splits = atomic_load(&fs->split_changes);
     double timeout = fs->nodes->watch ? dir_timeout(fs, parent, &changes) : ENTRY_TIMEOUT;
     if ((rc = resolve(fs, parent, parent_path, name, fuse_req_ctx(req)->pid, &e, &kind, &path,
                       &c, &has_content)) < 0)
         goto out;
     if (path && timeout == WATCHED_TIMEOUT)
         e.entry_timeout = e.attr_timeout = watched_timeout(fs, parent, timeout, changes);
+    /*
+     * A split change while it looked: its node may be of the old split, and the kernel may
+     * have been told to forget names before this one reached it. Without opens nothing
+     * else would catch that: it is looked up again at its next open.
+     */
+    if (has_content && atomic_load(&fs->split_changes) != splits)
+        e.entry_timeout = e.attr_timeout = 0;
+    if (!fs->no_open) { /* an open file holds its view: the node need not */
+        hapi_view_put(c.view);
+        c.view = NULL;
+    }
     if (path && (rc = node_ref(fs->nodes, e.ino, kind, path, has_content ? &c : NULL, parent,
                                e.attr_timeout)) < 0)
         goto out;
     if (rc == 1)
         watch_dir(fs, e.ino, path);
     rc = 0;
+    if (kind == HAPI_NODE_PACK_INDEX && fs->no_open) {
+        /* made now, a node of its own (see "without opens"): not the one node_ref made */
+        node_unref(fs->nodes, e.ino, 1);
+        uint64_t key[2] = { e.ino, atomic_fetch_add(&fs->made_serial, 1) + 1 };
+        e.ino = HASHED_BASE | (XXH3_64bits(key, sizeof(key)) & ((1ull << 61) - 1)) << 1;
+        if ((rc = node_ref(fs->nodes, e.ino, kind, path, NULL, parent, 0)) < 0)
+            goto out;
+        rc = 0;
+        char *text = NULL;
+        size_t len = 0;
+        uint64_t serial = 0;
+        hapi_ctl_text *t = NULL;
+        if ((rc = hapi_pack_index(fs->packs, path, &text, &len)) == 0 &&
+            !(t = hapi_ctl_text_new(text, len)))
+            rc = -ENOMEM;
+        free(text);
+        if (rc == 0)
+            rc = node_set_text(fs, e.ino, t, &serial);
+        if (rc < 0) {
+            node_unref(fs->nodes, e.ino, 1);
+            goto out;
+        }
+        made_attr(fs, &e.attr, len, serial);
+        e.entry_timeout = e.attr_timeout = 0;
+    }
     fuse_reply_entry(req, &e);
 out:
+    hapi_view_put(c.view);
     if (rc < 0)
         fuse_reply_err(req, -rc);
     free(parent_path);
@@ -909,6 +1074,8 @@ static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
     hapi_fs *fs = fuse_req_userdata(req);
     if (ino != FUSE_ROOT_ID && !(ino & CTL_BASE))
         node_unref(fs->nodes, ino, nlookup);
+    else if ((ino & CTL_BASE) && CTL_SERIAL(ino) != 0)
+        node_unref(fs->nodes, ino, nlookup); /* a made control file (no_open) */
     fuse_reply_none(req);
 }
 
@@ -918,6 +1085,8 @@ static void op_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_dat
     hapi_fs *fs = fuse_req_userdata(req);
     for (size_t i = 0; i < count; i++)
         if (forgets[i].ino != FUSE_ROOT_ID && !(forgets[i].ino & CTL_BASE))
+            node_unref(fs->nodes, forgets[i].ino, forgets[i].nlookup);
+        else if ((forgets[i].ino & CTL_BASE) && CTL_SERIAL(forgets[i].ino) != 0)
             node_unref(fs->nodes, forgets[i].ino, forgets[i].nlookup);
     fuse_reply_none(req);
 }
@@ -956,6 +1125,13 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
             fuse_reply_err(req, ENOENT);
             return;
         }
+        if (fs->no_open) {
+            if ((rc = ctl_attr_no_open(fs, ino, &st)) < 0)
+                fuse_reply_err(req, -rc);
+            else
+                fuse_reply_attr(req, &st, 0);
+            return;
+        }
         ctl_file_attr(fs, i, &st);
         fuse_reply_attr(req, &st, 0);
         return;
@@ -980,17 +1156,25 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         free(path);
         return;
     }
-    if (kind == HAPI_NODE_FEAT || kind == HAPI_NODE_PACK)
+    if (kind == HAPI_NODE_FEAT || kind == HAPI_NODE_PACK) {
         content_attr(&c, &src, &st);
-    else if (kind == HAPI_NODE_PACK_INDEX)
-        rc = pack_attr(fs, path, &src, kind, 0, 0, &st, &c);
-    else
+    } else if (kind == HAPI_NODE_PACK_INDEX) {
+        rc = pack_attr(fs, path, &src, kind, 0, 0, 0, &st, &c);
+        uint64_t serial;
+        hapi_ctl_text *t = fs->no_open && rc == 0 ? node_text(fs, ino, &serial) : NULL;
+        if (t) { /* what its lookup made (no_open) */
+            made_attr(fs, &st, t->len, serial);
+            st.st_ino = ino;
+        }
+        hapi_ctl_text_put(t);
+    } else
         source_attr(fs, &src, ino, &st);
     if (rc < 0)
         fuse_reply_err(req, -rc);
     else
-        fuse_reply_attr(req, &st,
-                        kind == HAPI_NODE_PACK_INDEX ? ATTR_TIMEOUT : node_timeout(fs, ino));
+        fuse_reply_attr(req, &st, kind != HAPI_NODE_PACK_INDEX ? node_timeout(fs, ino)
+                                  : fs->no_open                 ? 0
+                                                                : ATTR_TIMEOUT);
     free(path);
 }
 
@@ -1033,6 +1217,8 @@ struct dir_handle {
     char *path;         /* a source directory not listed yet (at its first readdir) */
     double timeout;     /* dir_timeout() before the listing, and its changes */
     uint64_t changes;
+    uint64_t splits;    /* split_changes before the listing: its .feat's split is old if not */
+    hapi_view *view;    /* the view the listing's .feat are of (a reference), or NULL */
 };
 
 /* Adds name + suffix; path (may be NULL) is copied; c (may be NULL) is a .feat's content. */
@@ -1076,6 +1262,7 @@ static void dir_free(struct dir_handle *d)
     }
     free(d->entries);
     free(d->path);
+    hapi_view_put(d->view);
     free(d);
 }
 
@@ -1157,7 +1344,7 @@ static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct 
     if (rc == 0)
         rc = hapi_source_walk(fs->source, path, HAPI_WALK_STAT | HAPI_WALK_ALL, NULL, list_one,
                               &w);
-    hapi_view_put(w.view);
+    d->view = w.view; /* the listing's .feat are of its split (no_open: their nodes keep it) */
     return rc;
 }
 
@@ -1192,6 +1379,7 @@ static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
             goto fail;
         }
         d->self = ino;
+        d->splits = atomic_load(&fs->split_changes);
         d->timeout = fs->nodes->watch ? dir_timeout(fs, ino, &d->changes) : ENTRY_TIMEOUT;
         if (d->timeout == WATCHED_TIMEOUT) {
             /*
@@ -1241,6 +1429,7 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
     double timeout = d->timeout == WATCHED_TIMEOUT
                          ? watched_timeout(fs, d->self, d->timeout, d->changes)
                          : ENTRY_TIMEOUT;
+    int old_split = atomic_load(&fs->split_changes) != d->splits; /* see op_lookup */
     char *buf = malloc(size);
     if (!buf) {
         fuse_reply_err(req, ENOMEM);
@@ -1261,14 +1450,16 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
         struct fuse_entry_param e = { 0 };
         e.attr = de->attr;
         int counted = 0;
-        if (de->kind >= 0) {
+        /* no_open: a control file's node is made by its lookup (see "without opens") */
+        if (de->kind >= 0 && !(de->kind == HAPI_NODE_CTL_FILE && fs->no_open)) {
             e.ino = de->attr.st_ino;
-            e.attr_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : timeout;
-            e.entry_timeout = de->kind == HAPI_NODE_CTL_FILE ? 0 : timeout;
+            int none = de->kind == HAPI_NODE_CTL_FILE || (de->kind == HAPI_NODE_FEAT && old_split);
+            e.attr_timeout = e.entry_timeout = none ? 0 : timeout;
             if (de->path) {
                 struct node_content c = {
                     .split = de->split, .id = de->id, .attr = de->attr, .parent = d->self,
                     .looked_up_by = fuse_req_ctx(req)->pid,
+                    .view = fs->no_open ? d->view : NULL, /* node_ref takes its own */
                 };
                 int rc = node_ref(fs->nodes, e.ino, de->kind, de->path,
                                   de->kind == HAPI_NODE_FEAT ? &c : NULL, d->self, timeout);
@@ -1413,10 +1604,344 @@ static int other_bytes(fuse_req_t req, const struct node_content *c, struct fuse
     return 0;
 }
 
+/* ---------------------------------------------------------- without opens */
+
+/*
+ * With no_open, every open answers ENOSYS: the kernel then opens every
+ * regular file of the mount without asking (FUSE_CAP_NO_OPEN_SUPPORT), keeps
+ * its pages (keep_cache), and sends no release; reads and writes come with
+ * fh 0 and name the node. So what an open used to fix is fixed by the node:
+ *   - a .feat: its split and its image's identity (struct node_content), and
+ *     the view of its split, which the node keeps: a file read after a split
+ *     change is still computed at its split;
+ *   - a pack: its snapshot, opened at the node's first read (its key must be
+ *     the node's); for a user other than root and the owner a snapshot is
+ *     taken for each read, with that user's check;
+ *   - a pack's index and the control files: made at each lookup, which the
+ *     kernel sends at each open(2) since they are given no timeout, as a node
+ *     of its own (a unique id): so every open(2) has its own content, made
+ *     for its user, and pages, as with an open file; the kernel forgets such
+ *     a node once its name is looked up again and no file holds it;
+ *   - a write to ctl: its outcome replaces what that node shows (the writer's
+ *     open file reads it back);
+ *   - a plain file: opened for each read.
+ * Freshness comes from watch.c: a name whose bytes changed is forgotten by
+ * the kernel as the change is seen, so the next open(2) looks it up again.
+ */
+
+/* Attributes of made content: its size, and an mtime per version (the kernel drops older pages). */
+static void made_attr(const hapi_fs *fs, struct stat *st, size_t len, uint64_t version)
+{
+    st->st_size = (off_t)len;
+    st->st_blocks = (blkcnt_t)((len + 511) / 512);
+    st->st_mtim.tv_sec = fs->started_realtime + (time_t)(version / 1000000000u);
+    st->st_mtim.tv_nsec = (long)(version % 1000000000u);
+    st->st_ctim = st->st_mtim;
+}
+
+/* Looks up control file i for the caller (no_open): a node of its own, made now, for who it is. */
+static void ctl_lookup_no_open(fuse_req_t req, hapi_fs *fs, int i)
+{
+    hapi_cred cred;
+    const hapi_cred *who = req_who(req, &cred);
+    struct fuse_entry_param e = { 0 };
+    ctl_file_attr(fs, i, &e.attr);
+    e.ino = CTL_FILE_ID(i);
+    if (strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) != 0) {
+        uint64_t version = 0;
+        hapi_ctl_text *text = hapi_ctl_render(fs->ctl, hapi_ctl_files[i], who);
+        if (!text) {
+            fuse_reply_err(req, ENOMEM);
+            return;
+        }
+        size_t len = text->len;
+        e.ino = CTL_MADE_ID(atomic_fetch_add(&fs->made_serial, 1) + 1, i);
+        if (node_ref(fs->nodes, e.ino, HAPI_NODE_CTL_FILE, "", NULL, CTL_DIR_ID, 0) < 0) {
+            hapi_ctl_text_put(text);
+            fuse_reply_err(req, ENOMEM);
+            return;
+        }
+        node_set_text(fs, e.ino, text, &version); /* the node is there: it takes text */
+        made_attr(fs, &e.attr, len, version);
+    }
+    e.attr.st_ino = e.ino;
+    if (fuse_reply_entry(req, &e) < 0 && e.ino != CTL_FILE_ID(i))
+        node_unref(fs->nodes, e.ino, 1);
+}
+
+/* Attributes of a control file's node (no_open): what its lookup made, or its last write. */
+static int ctl_attr_no_open(hapi_fs *fs, fuse_ino_t ino, struct stat *st)
+{
+    int i = ctl_file_index(ino);
+    if (i < 0)
+        return -ENOENT;
+    ctl_file_attr(fs, i, st);
+    st->st_ino = ino;
+    if (CTL_SERIAL(ino) == 0)
+        return 0; /* the model, or a name as listed */
+    uint64_t version;
+    hapi_ctl_text *t = node_text(fs, ino, &version);
+    if (!t)
+        return -ENOENT;
+    made_attr(fs, st, t->len, version);
+    hapi_ctl_text_put(t);
+    return 0;
+}
+
+static void reply_text(fuse_req_t req, const hapi_ctl_text *text, size_t size, off_t off)
+{
+    if ((size_t)off >= text->len)
+        fuse_reply_buf(req, NULL, 0);
+    else
+        fuse_reply_buf(req, text->data + off,
+                       text->len - (size_t)off < size ? text->len - (size_t)off : size);
+}
+
+/* Replies with bytes [off, off + size) of file descriptor fd (borrowed). */
+static void reply_fd(fuse_req_t req, int fd, size_t size, off_t off)
+{
+    struct fuse_bufvec buf = FUSE_BUFVEC_INIT(size);
+    buf.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK;
+    buf.buf[0].fd = fd;
+    buf.buf[0].pos = off;
+    fuse_reply_data(req, &buf, FUSE_BUF_SPLICE_MOVE);
+}
+
+/*
+ * The pack snapshot node id stands for (a reference): the one its lookup took
+ * (node_ref()), or one opened now, which must have the node's key (-ESTALE if
+ * not); or a code.
+ */
+static int node_pack_get(hapi_fs *fs, uint64_t id, const char *path, uint64_t key,
+                         struct node_pack **out)
+{
+    struct node_table *t = fs->nodes;
+    struct node *n;
+    *out = NULL;
+    pthread_mutex_lock(&t->lock);
+    n = node_find(t, id);
+    if (n && n->pack) {
+        atomic_fetch_add(&n->pack->refs, 1);
+        *out = n->pack;
+    }
+    pthread_mutex_unlock(&t->lock);
+    if (*out)
+        return 0;
+    struct node_pack *p = calloc(1, sizeof(*p));
+    if (!p)
+        return -ENOMEM;
+    atomic_init(&p->refs, 1);
+    int rc = hapi_pack_open(fs->packs, path, NULL, &p->pack);
+    if (rc < 0 || hapi_pack_key(p->pack) != key) {
+        node_pack_put(p);
+        return rc < 0 ? rc : -ESTALE; /* the directory changed since the kernel looked it up */
+    }
+    pthread_mutex_lock(&t->lock);
+    n = node_find(t, id);
+    if (n && !n->pack) {
+        atomic_fetch_add(&p->refs, 1);
+        n->pack = p;
+    } else if (n) {
+        /* another read opened it meanwhile: use that one */
+        node_pack_put(p);
+        atomic_fetch_add(&n->pack->refs, 1);
+        p = n->pack;
+    }
+    pthread_mutex_unlock(&t->lock);
+    *out = p;
+    return 0;
+}
+
+/*
+ * What a made node (a control file or pack index, no_open) shows now: takes
+ * text (put if the node is gone); *serial is its new version. Returns 0 or -ENOENT.
+ */
+static int node_set_text(hapi_fs *fs, uint64_t id, hapi_ctl_text *text, uint64_t *serial)
+{
+    struct node_table *t = fs->nodes;
+    struct node *n;
+    hapi_ctl_text *old = text;
+    pthread_mutex_lock(&t->lock);
+    n = node_find(t, id);
+    if (n) {
+        old = n->text;
+        n->text = text;
+        *serial = ++n->serial;
+    }
+    pthread_mutex_unlock(&t->lock);
+    hapi_ctl_text_put(old);
+    return n ? 0 : -ENOENT;
+}
+
+/* The view a .feat node keeps (a reference), or NULL. */
+static hapi_view *node_view(hapi_fs *fs, uint64_t id)
+{
+    struct node_table *t = fs->nodes;
+    struct node *n;
+    hapi_view *v = NULL;
+    pthread_mutex_lock(&t->lock);
+    n = node_find(t, id);
+    if (n && n->content.view) {
+        v = n->content.view;
+        hapi_view_ref(v);
+    }
+    pthread_mutex_unlock(&t->lock);
+    return v;
+}
+
+static hapi_ctl_text *node_text(hapi_fs *fs, uint64_t id, uint64_t *serial)
+{
+    struct node_table *t = fs->nodes;
+    struct node *n;
+    hapi_ctl_text *text = NULL;
+    pthread_mutex_lock(&t->lock);
+    n = node_find(t, id);
+    if (n && n->text) {
+        text = hapi_ctl_text_ref(n->text);
+        *serial = n->serial;
+    }
+    pthread_mutex_unlock(&t->lock);
+    return text;
+}
+
+static void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off);
+static void read_pack(fuse_req_t req, struct open_file *h, size_t size, off_t off);
+
+/* A read with no handle (no_open): what node ino is, as the lookup that made it fixed it. */
+static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t off)
+{
+    if (ino & CTL_BASE) {
+        int i = ctl_file_index(ino);
+        if (i >= 0 && strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) == 0) {
+            if (fs->model_fd < 0)
+                fuse_reply_err(req, ENOENT);
+            else
+                reply_fd(req, fs->model_fd, size, off);
+            return;
+        }
+        uint64_t version;
+        hapi_ctl_text *t = node_text(fs, ino, &version);
+        if (!t) {
+            fuse_reply_err(req, ENOENT);
+            return;
+        }
+        reply_text(req, t, size, off);
+        hapi_ctl_text_put(t);
+        return;
+    }
+    struct node_content c;
+    char *path = NULL;
+    int kind, rc;
+    if ((rc = node_get(fs, ino, &kind, &path, &c)) < 0) {
+        fuse_reply_err(req, -rc);
+        return;
+    }
+    struct open_file h = { .kind = kind, .fd = -1, .path = path, .id = c.id };
+    hapi_cred cred;
+    const hapi_cred *who;
+    uint64_t serial;
+    struct node_pack *np = NULL;
+    switch (kind) {
+    case HAPI_NODE_FEAT:
+        /*
+         * the view of the node's split: its own (kept since its lookup, so a file read
+         * after a split change is still computed at its split), the current one, or one
+         * made for the cache alone
+         */
+        h.view = node_view(fs, ino);
+        if (!h.view)
+            h.view = hapi_views_peek(fs->views);
+        if (h.view && h.view->split != c.split) {
+            hapi_view_put(h.view);
+            h.view = NULL;
+        }
+        if (!h.view) {
+            hapi_error err = { 0 };
+            if ((rc = hapi_view_new(fs->views, c.split, &h.view, &err)) < 0)
+                break;
+        }
+        /*
+         * The image changed after the kernel looked the .feat up (watch.c had not seen it
+         * yet, or the file was found before and read after): its old features if they are
+         * cached; else the new ones if this read is the whole file (the kernel reads a
+         * .feat in one request; same split, same size), so that no page of one version
+         * meets one of another; else ESTALE (ENOENT if it was deleted).
+         */
+        hapi_source_id now;
+        if (((rc = hapi_source_identity(fs->source, path, &now)) < 0 ||
+             memcmp(&now, &c.id, sizeof(now)) != 0) &&
+            !hapi_serve_cached(fs->serve, h.view, path, &c.id)) {
+            if (rc == 0 && off == 0 && size >= (size_t)c.attr.st_size) {
+                h.id = now;
+            } else {
+                hapi_view_put(h.view);
+                rc = rc < 0 ? rc : -ESTALE;
+                break;
+            }
+        }
+        rc = 0;
+        read_feat(req, fs, &h, size, off);
+        hapi_view_put(h.view);
+        free(path);
+        return;
+    case HAPI_NODE_PACK:
+        if ((who = req_who(req, &cred))) {
+            /* another user: a snapshot of now with its check, which must be the node's */
+            if ((rc = hapi_pack_open(fs->packs, path, who, &h.pack)) < 0)
+                break;
+            if (hapi_pack_key(h.pack) != c.pack_key) {
+                hapi_pack_close(h.pack);
+                rc = -ESTALE;
+                break;
+            }
+            read_pack(req, &h, size, off);
+            hapi_pack_close(h.pack);
+        } else {
+            if ((rc = node_pack_get(fs, ino, path, c.pack_key, &np)) < 0)
+                break;
+            h.pack = np->pack;
+            read_pack(req, &h, size, off);
+            node_pack_put(np);
+        }
+        free(path);
+        return;
+    case HAPI_NODE_PACK_INDEX: {
+        hapi_ctl_text *t = node_text(fs, ino, &serial);
+        if (!t) {
+            rc = -ENOENT;
+            break;
+        }
+        reply_text(req, t, size, off);
+        hapi_ctl_text_put(t);
+        free(path);
+        return;
+    }
+    case HAPI_NODE_FILE:
+        if ((rc = hapi_source_open_beneath(fs->source, path, O_RDONLY)) < 0)
+            break;
+        if (fs->serve)
+            hapi_serve_note_passthrough(fs->serve, size);
+        reply_fd(req, rc, size, off);
+        close(rc);
+        free(path);
+        return;
+    default:
+        rc = -EISDIR;
+        break;
+    }
+    free(path);
+    fuse_reply_err(req, hapi_fs_errno(rc));
+}
+
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     COUNT(req, HAPI_REQ_OPEN);
     hapi_fs *fs = fuse_req_userdata(req);
+    if (fs->no_open) {
+        /* from now on the kernel opens without asking (see "without opens") */
+        fuse_reply_err(req, ENOSYS);
+        return;
+    }
     struct open_file *h = NULL;
     char *path = NULL;
     int kind, rc;
@@ -1605,7 +2130,10 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
     COUNT(req, HAPI_REQ_READ);
     hapi_fs *fs = fuse_req_userdata(req);
     struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
-    (void)ino;
+    if (!h) {
+        read_node(req, fs, ino, size, off); /* opened by the kernel alone (no_open) */
+        return;
+    }
 
     switch (h->kind) {
     case HAPI_NODE_FEAT:
@@ -1649,6 +2177,10 @@ static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     COUNT(req, HAPI_REQ_RELEASE);
     struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
     (void)ino;
+    if (!h) {
+        fuse_reply_err(req, 0);
+        return;
+    }
     handle_unlink(fuse_req_userdata(req), &h->link);
     open_file_free(h);
     fuse_reply_err(req, 0);
@@ -1688,20 +2220,27 @@ static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to
                     FUSE_SET_ATTR_CTIME)) == 0) {
         struct stat st;
         ctl_file_attr(fs, i, &st);
+        if (fs->no_open && ctl_attr_no_open(fs, ino, &st) < 0)
+            ctl_file_attr(fs, i, &st);
         fuse_reply_attr(req, &st, 0);
         return;
     }
     fuse_reply_err(req, EROFS);
 }
 
-/* Sets what a read of the ctl handle h returns now: the outcome of its last write. */
-static void set_outcome(struct open_file *h, int rc, const char *reason)
+/* What a read of ctl returns after a write: "ok" or "error: REASON" (NULL: out of memory). */
+static hapi_ctl_text *outcome(int rc, const char *reason)
 {
     char line[512];
     int len = rc < 0 ? snprintf(line, sizeof(line), "error: %s\n", reason)
                      : snprintf(line, sizeof(line), "ok\n");
-    hapi_ctl_text *text = hapi_ctl_text_new(line, len < (int)sizeof(line) ? (size_t)len
-                                                                           : sizeof(line) - 1);
+    return hapi_ctl_text_new(line, len < (int)sizeof(line) ? (size_t)len : sizeof(line) - 1);
+}
+
+/* Sets what a read of the ctl handle h returns now: the outcome of its last write. */
+static void set_outcome(struct open_file *h, int rc, const char *reason)
+{
+    hapi_ctl_text *text = outcome(rc, reason);
     if (!text)
         return; /* the write's own result still says it failed */
     pthread_mutex_lock(&h->lock);
@@ -1718,14 +2257,31 @@ static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
     hapi_fs *fs = fuse_req_userdata(req);
     struct open_file *h = (struct open_file *)(uintptr_t)fi->fh;
     hapi_error err = { 0 };
-    (void)ino, (void)off;
-    if (!h || h->kind != HAPI_NODE_CTL_FILE) {
+    (void)off;
+    int i = (ino & CTL_BASE) ? ctl_file_index(ino) : -1;
+    if (!h && fs->no_open && i >= 0 && strcmp(hapi_ctl_files[i], HAPI_CTL_WRITABLE) == 0) {
+        /* no open checked who writes: the write does (root, the owner, ctl_group) */
+        hapi_cred cred;
+        const hapi_cred *who = req_who(req, &cred);
+        if (who && !(fs->opt->ctl_gid != (gid_t)-1 && hapi_cred_in_group(who, fs->opt->ctl_gid))) {
+            fuse_reply_err(req, EACCES);
+            return;
+        }
+    } else if (!h || h->kind != HAPI_NODE_CTL_FILE) {
         fuse_reply_err(req, EROFS);
         return;
     }
     /* Each write carries whole command lines; a failed one changes nothing. */
     int rc = hapi_ctl_command(fs->ctl, buf, size, &err);
-    set_outcome(h, rc, err.message);
+    if (h) {
+        set_outcome(h, rc, err.message);
+    } else {
+        /* what this user's ctl shows now (its size and mtime tell the kernel) */
+        hapi_ctl_text *text = outcome(rc, err.message);
+        uint64_t version;
+        if (text)
+            node_set_text(fs, ino, text, &version); /* takes text, even if the node is gone */
+    }
     if (rc < 0) {
         /* logged, and kept in .hapifs/errors */
         hapi_error_ring_add(fs->errors, ".hapifs/ctl", rc, err.message);
@@ -1961,6 +2517,11 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     }
     if (rc == 1)
         watch_dir(fs, FUSE_ROOT_ID, "");
+    /* Without opens, freshness rests on the watch: only over a watched source. */
+    uint64_t changes;
+    fs->no_open = opt->no_open && fs->watch &&
+                  dir_timeout(fs, FUSE_ROOT_ID, &changes) == WATCHED_TIMEOUT;
+
     if ((rc = hapi_views_new(fs->ex, opt->dtype, opt->precision, &fs->views, err)) < 0)
         goto fail;
     hapi_serve_config scfg = {
@@ -1995,7 +2556,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .packs = fs->packs, .background = fs->background,
         .tune = fs->tune, .errors = fs->errors, .node = fs->node_share, .watch = fs->watch,
-        .started_ns = fs->started_ns,
+        .no_open = fs->no_open, .started_ns = fs->started_ns,
     };
     if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0) {
         hapi_error_set(err, rc, "out of memory");
@@ -2026,6 +2587,7 @@ void hapi_fs_destroy(hapi_fs *fs)
         return; /* never set up, or destroyed already */
     hapi_fs_stop_watching(fs);
     handles_free_all(fs); /* they hold views, packs, the remote's files */
+    node_table_drop_packs(fs->nodes);
     hapi_ctl_free(fs->ctl);
     hapi_remote_close(fs->remote);
     hapi_tune_stop(fs->tune);

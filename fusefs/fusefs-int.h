@@ -56,6 +56,7 @@ typedef struct hapi_fs_options {
     int profile_redo;      /* measure the model even if a profile is stored */
     int show_raw;
     int watch;             /* watch the source with inotify (watch.c) */
+    int no_open;           /* let the kernel skip opens (with watch, on a storage mount) */
     int foreground;
     int debug;
     int fake;              /* mount helper called with -f: do nothing */
@@ -425,8 +426,10 @@ void hapi_serve_on_miss(hapi_serve *s, void (*fn)(void *arg, hapi_view *v, const
 /*
  * Fills buf with bytes [off, off + size) of the .feat of image path, opened
  * with identity *id at view v: from the cache, or computed by v's batcher
- * (waiting; one computation however many readers wait). Returns the bytes
- * written (0 at or past the end), or a negative code: the image's failure
+ * (waiting; one computation however many readers wait); a view without a
+ * batcher (an old split's, made for the read) reads the cache only, -ESTALE
+ * on a miss. Returns the bytes written (0 at or past the end), or a negative
+ * code: the image's failure
  * (HAPI_EDECODE, ...), recorded in the error ring, or -ECANCELED when
  * unmounting. Thread-safe.
  */
@@ -535,6 +538,8 @@ int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info);
  * returns; *out NULL on failure.
  */
 int hapi_pack_open(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_pack **out);
+/* What an open pack is (as hapi_pack_info_get() told before it was opened). */
+void hapi_pack_describe(const hapi_pack *k, hapi_pack_info *info);
 /* The pack's size in bytes. */
 uint64_t hapi_pack_size(const hapi_pack *k);
 /*
@@ -920,6 +925,7 @@ typedef struct hapi_ctl_config {
     hapi_error_ring *errors;
     hapi_node *node;             /* the node's shared budget and cores; NULL: none */
     hapi_watch *watch;           /* the source's watch; NULL: none (watch=0, remote) */
+    int no_open;                 /* the kernel opens files without asking (in effect) */
     uint64_t started_ns;
 } hapi_ctl_config;
 
@@ -1012,6 +1018,9 @@ typedef struct hapi_fs {
     hapi_fs_requests requests;
     pthread_mutex_t handles_lock;
     struct hapi_fs_handle handles; /* the list's head; next NULL before init */
+    int no_open;                 /* opens answer ENOSYS: reads name their node, not a handle */
+    atomic_uint_fast64_t split_changes; /* split changes told to the kernel (invalidate_feats) */
+    atomic_uint_fast64_t made_serial; /* no_open: control files and indexes made so far */
     struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
     uint64_t started_ns;
     time_t started_realtime;

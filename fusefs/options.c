@@ -22,7 +22,7 @@
 /* Option values as written; validated into hapi_fs_options afterwards. */
 struct raw_options {
     char *model, *split, *freeze, *dtype, *preprocess, *precision, *cache, *cache_size;
-    char *threads, *torch_threads, *show_raw, *watch, *max_pixels, *device, *log;
+    char *threads, *torch_threads, *show_raw, *watch, *no_open, *max_pixels, *device, *log;
     char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
     char *link, *client_speed, *epochs, *profile, *prefetch;
     char *refresh, *fetch_threads, *rtt, *transport, *ctl_group;
@@ -54,6 +54,7 @@ static const struct fuse_opt option_table[] = {
     RAW("torch_threads=%s", torch_threads),
     RAW("show_raw=%s", show_raw),
     RAW("watch=%s", watch),
+    RAW("no_open=%s", no_open),
     RAW("max_pixels=%s", max_pixels),
     RAW("device=%s", device),
     RAW("log=%s", log),
@@ -222,6 +223,8 @@ void hapi_fs_usage(const char *prog)
            "    show_raw=0|1         also show the images themselves (default 0)\n"
            "    watch=0|1            watch the source with inotify: the kernel keeps names and\n"
            "                         listings 300 s and is told of changes (default 1); 0: 1 s\n"
+           "    no_open=0|1          with watch=1, let the kernel read files without opening them\n"
+           "                         in the daemon (default 1)\n"
            "    log=PATH             log to PATH (default: syslog, stderr with -f)\n"
            "    allow_other          let other users read the mount, as the source's own modes,\n"
            "                         owners and groups let them read the source (this turns on\n"
@@ -516,6 +519,7 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
         { "profile", raw->profile }, { "device", raw->device }, { "max_pixels", raw->max_pixels },
         { "rtt", raw->rtt }, { "transport", raw->transport },
         { "show_raw", raw->show_raw }, { "watch", raw->watch },
+        { "no_open", raw->no_open },
     };
     for (size_t i = 0; i < sizeof(storage_only) / sizeof(*storage_only); i++)
         if (storage_only[i][1])
@@ -749,6 +753,12 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
             return hapi_error_set(err, HAPI_EINVAL, "watch=%s: expected 0 or 1", raw->watch);
         o->watch = (int)v;
     }
+    o->no_open = 1;
+    if (raw->no_open) {
+        if (parse_int(raw->no_open, 0, 1, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "no_open=%s: expected 0 or 1", raw->no_open);
+        o->no_open = (int)v;
+    }
     o->max_pixels = HAPI_DEFAULT_MAX_PIXELS;
     if (raw->max_pixels && (hapi_fs_parse_size(raw->max_pixels, &o->max_pixels) < 0 ||
                             o->max_pixels == 0))
@@ -873,6 +883,7 @@ out:
     free(raw.torch_threads);
     free(raw.show_raw);
     free(raw.watch);
+    free(raw.no_open);
     free(raw.max_pixels);
     free(raw.device);
     free(raw.log);

@@ -303,6 +303,18 @@ static int take(hapi_packs *p, const char *dir, const hapi_cred *who, hapi_view 
     return rc;
 }
 
+/* What a pack of snapshot sn, header_len bytes of header, at view v is. */
+static void describe(const hapi_view *v, const struct snapshot *sn, size_t header_len,
+                     hapi_pack_info *info)
+{
+    info->count = sn->count;
+    info->size = header_len + sn->count * (uint64_t)v->sample_bytes;
+    info->index_bound = index_bound(sn);
+    info->mtime = sn->mtime;
+    info->ctime = sn->ctime;
+    info->key = sn->key;
+}
+
 int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info)
 {
     struct snapshot sn;
@@ -311,15 +323,15 @@ int hapi_pack_info_get(hapi_packs *p, const char *dir, hapi_pack_info *info)
     int rc = take(p, dir, NULL, &v, &sn, header);
     if (rc < 0)
         return rc;
-    info->count = sn.count;
-    info->size = (uint64_t)rc + sn.count * (uint64_t)v->sample_bytes;
-    info->index_bound = index_bound(&sn);
-    info->mtime = sn.mtime;
-    info->ctime = sn.ctime;
-    info->key = sn.key;
+    describe(v, &sn, (size_t)rc, info);
     snapshot_free(&sn);
     hapi_view_put(v);
     return 0;
+}
+
+void hapi_pack_describe(const hapi_pack *k, hapi_pack_info *info)
+{
+    describe(k->view, &k->snap, k->header_len, info);
 }
 
 /* ------------------------------------------------------------------ reads */

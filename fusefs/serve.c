@@ -247,6 +247,8 @@ ssize_t hapi_serve_read(hapi_serve *s, hapi_view *v, const char *path, const hap
     if (!lookup(s, v, path, id, dst, dpos, dend)) {
         /* A miss: the batcher computes it once, however many readers wait for it. */
         atomic_fetch_add(&s->stats.misses, 1);
+        if (!v->batcher)
+            return -ESTALE; /* a view of a split no longer served: from the cache only */
         int rc;
         for (int round = 1;; round++) {
             hapi_ticket *t = NULL;

@@ -153,9 +153,12 @@ def test_exit_codes(tree, mounter, models, tmp_path):
         assert line.startswith("hapifs-ctl: ")
 
 
-def test_refusal_reaches_the_writers_handle(tree, mounter, models):
+@pytest.mark.parametrize("no_open", [1, 0])
+def test_refusal_reaches_the_writers_handle(tree, mounter, models, no_open):
+    """A refused command's reason is read back by the writer's open file, and only by it (with
+    no_open=1 each open(2) of ctl looks it up and gets a node of its own)."""
     src, _ = tree
-    m = mounter(src, model=models())
+    m = mounter(src, model=models(), no_open=no_open)
     m.ctl("config")  # waits for the first split: a batch needs it
     ctl_file = m.path / ".hapifs" / "ctl"
     fd = os.open(ctl_file, os.O_RDWR)
@@ -177,11 +180,27 @@ def test_refusal_reaches_the_writers_handle(tree, mounter, models):
     assert m.ctl("config")["runtime"]["batch"] == 8
 
 
-def test_control_files_show_a_bound_not_a_rendering(tree, mounter, models):
-    """stat never renders a control file: every one but model shows the same bound as size,
-    and a read returns the whole content up to its end."""
+def test_control_files_show_their_size_without_opens(tree, mounter, models):
+    """no_open=1: a control file is made when it is looked up (each open(2) and stat(2): it has
+    no timeout); its size is exact, and a read returns what the lookup made."""
     src, _ = tree
     m = mounter(src, model=models())
+    ctl_dir = m.path / ".hapifs"
+    for name in ["config", "stats", "errors", "profile", "policy", "ctl"]:
+        with open(ctl_dir / name, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            text = f.read()
+        assert 0 < len(text) == size and text.endswith(b"\n"), (name, size, len(text))
+        if name != "ctl":
+            json.loads(text)
+    assert (ctl_dir / "model").stat().st_size == os.stat(m.options["model"]).st_size
+
+
+def test_control_files_show_a_bound_not_a_rendering(tree, mounter, models):
+    """no_open=0: stat never renders a control file: every one but model shows the same bound as
+    size, and a read returns the whole content up to its end."""
+    src, _ = tree
+    m = mounter(src, model=models(), no_open=0)
     ctl_dir = m.path / ".hapifs"
     for name in ["config", "stats", "errors", "profile", "policy", "ctl"]:
         st = (ctl_dir / name).stat()
@@ -339,9 +358,8 @@ def test_metrics_are_the_stats_for_prometheus(tree, mounter, models):
     assert value("hapifs_cache_hit_latency_seconds") == pytest.approx(
         stats["cache"]["hit_latency_us"] / 1e6, rel=1e-6, abs=1e-9)
     assert value("hapifs_warm_state", state="idle") == 1
-    # what each file cost in requests: a lookup, an open and a read at least (its release
-    # is sent after close(2) returns)
-    for t in ("lookup", "open", "read"):
+    # what each file cost in requests: a lookup and a read at least (no open: no_open=1)
+    for t in ("lookup", "read"):
         assert stats["requests"][t] >= 5, stats["requests"]
     assert value("hapifs_requests_open_total") >= stats["requests"]["open"]
     assert fams["hapifs_uptime_seconds"][0] == "gauge"

@@ -206,20 +206,29 @@ def test_symlinks_stay_beneath_the_root(tmp_path, models, mounter):
     assert np.array_equal(a, b)
 
 
-def test_writes_are_refused(kinds_tree, models, mounter):
+def write_to(path, mode):
+    with open(path, mode) as f:
+        f.write(b"x" if "b" in mode else "x")
+
+
+@pytest.mark.parametrize("no_open", [1, 0])
+def test_writes_are_refused(kinds_tree, models, mounter, no_open):
+    """EROFS: at open when the daemon is asked (no_open=0, or a truncation), else at the write
+    (no_open=1: the kernel opens files without asking)."""
     src, made = kinds_tree
-    m = mounter(src, model=models())
+    m = mounter(src, model=models(), no_open=no_open)
     feat = m.path / (next(iter(made)) + ".feat")
     attempts = [
-        lambda: open(feat, "wb"),
-        lambda: open(m.path / "labels.csv", "a"),
+        lambda: write_to(feat, "wb"),
+        lambda: write_to(m.path / "labels.csv", "a"),
+        lambda: write_to(feat, "r+"),
         lambda: open(m.path / "new.txt", "w"),
         lambda: os.mkdir(m.path / "newdir"),
         lambda: os.unlink(m.path / "labels.csv"),
         lambda: os.rename(m.path / "labels.csv", m.path / "l2.csv"),
         lambda: os.utime(feat),
         lambda: os.chmod(feat, 0o777),
-        lambda: open(m.path / ".hapifs" / "stats", "w"),
+        lambda: write_to(m.path / ".hapifs" / "stats", "w"),
     ]
     for attempt in attempts:
         with pytest.raises(OSError) as e:
@@ -329,8 +338,9 @@ def test_stopped_with_files_open(kinds_tree, models, tmp_path):
     """
     need_hapifs()
     src, made = kinds_tree
+    # no_open=0: with opens, the kernel's handles are the daemon's to free
     m = Mount(src, tmp_path / "mnt", {"model": models(), "cache": tmp_path / "c",
-                                      "show_raw": 1})
+                                      "show_raw": 1, "no_open": 0})
     opened = []
     try:
         p = next(iter(made))
