@@ -1708,6 +1708,24 @@ static void reply_fd(fuse_req_t req, int fd, size_t size, off_t off)
 }
 
 /*
+ * A snapshot of directory dir now, for who (NULL: anyone), which must be the
+ * one a node's key names: -ESTALE if the directory changed since the kernel
+ * looked it up (no_open: no open(2) is there to look it up again). *out NULL
+ * on failure.
+ */
+static int pack_open_keyed(hapi_fs *fs, const char *dir, const hapi_cred *who, uint64_t key,
+                           hapi_pack **out)
+{
+    int rc = hapi_pack_open(fs->packs, dir, who, out);
+    if (rc == 0 && hapi_pack_key(*out) != key) {
+        hapi_pack_close(*out);
+        *out = NULL;
+        rc = -ESTALE;
+    }
+    return rc;
+}
+
+/*
  * The pack snapshot node id stands for (a reference): the one its lookup took
  * (node_ref()), or one opened now, which must have the node's key (-ESTALE if
  * not); or a code.
@@ -1731,10 +1749,10 @@ static int node_pack_get(hapi_fs *fs, uint64_t id, const char *path, uint64_t ke
     if (!p)
         return -ENOMEM;
     atomic_init(&p->refs, 1);
-    int rc = hapi_pack_open(fs->packs, path, NULL, &p->pack);
-    if (rc < 0 || hapi_pack_key(p->pack) != key) {
+    int rc = pack_open_keyed(fs, path, NULL, key, &p->pack);
+    if (rc < 0) {
         node_pack_put(p);
-        return rc < 0 ? rc : -ESTALE; /* the directory changed since the kernel looked it up */
+        return rc;
     }
     pthread_mutex_lock(&t->lock);
     n = node_find(t, id);
@@ -1879,7 +1897,6 @@ static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, 
                 break;
             }
         }
-        rc = 0;
         read_feat(req, fs, &h, size, off);
         hapi_view_put(h.view);
         free(path);
@@ -1887,13 +1904,8 @@ static void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, 
     case HAPI_NODE_PACK:
         if ((who = req_who(req, &cred))) {
             /* another user: a snapshot of now with its check, which must be the node's */
-            if ((rc = hapi_pack_open(fs->packs, path, who, &h.pack)) < 0)
+            if ((rc = pack_open_keyed(fs, path, who, c.pack_key, &h.pack)) < 0)
                 break;
-            if (hapi_pack_key(h.pack) != c.pack_key) {
-                hapi_pack_close(h.pack);
-                rc = -ESTALE;
-                break;
-            }
             read_pack(req, &h, size, off);
             hapi_pack_close(h.pack);
         } else {
