@@ -82,6 +82,14 @@ static json_t *render_split(hapi_ctl *c)
     return j;
 }
 
+/* Whether the kernel sends requests through the ring (every worker registered). */
+static int uring_active(hapi_ctl *c)
+{
+    hapi_uring_stats u;
+    hapi_uring_stats_get(c->cfg.uring ? *c->cfg.uring : NULL, &u);
+    return u.active;
+}
+
 static json_t *render_config(hapi_ctl *c)
 {
     const hapi_fs_options *o = c->cfg.opt;
@@ -107,7 +115,7 @@ static json_t *render_config(hapi_ctl *c)
     return json_pack(
         "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s, s:o}, s:o, "
         "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
-        "s:{s:s, s:f, s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
+        "s:{s:s, s:f, s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
         "source", o->source,
         "mountpoint", o->mountpoint,
@@ -129,7 +137,7 @@ static json_t *render_config(hapi_ctl *c)
           "client_speed", ts.client_speed, "epochs", ts.epochs,
         "runtime",
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
-          "watch", o->watch, "no_open", c->cfg.no_open, "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch,
+          "watch", o->watch, "no_open", c->cfg.no_open, "uring", uring_active(c), "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch,
           "batch_auto", ts.batch_auto,
           "batch_wait_ms", o->batch_wait_us / 1000,
           "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget,
@@ -281,6 +289,18 @@ static json_t *render_watch(hapi_ctl *c)
                      "refused", (json_int_t)w.refused, "remote", (json_int_t)w.remote);
 }
 
+/*
+ * FUSE over io_uring (uring.c): its workers, the entries the kernel holds,
+ * and the requests served through it rather than /dev/fuse.
+ */
+static json_t *render_uring(hapi_ctl *c)
+{
+    hapi_uring_stats u;
+    hapi_uring_stats_get(c->cfg.uring ? *c->cfg.uring : NULL, &u);
+    return json_pack("{s:i, s:i, s:i, s:I}", "queues", u.queues, "workers", u.workers,
+                     "registered", u.registered, "requests", (json_int_t)u.requests);
+}
+
 static json_t *render_stats(hapi_ctl *c)
 {
     hapi_serve_stats s;
@@ -292,7 +312,7 @@ static json_t *render_stats(hapi_ctl *c)
     double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
     return json_pack(
         "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, "
-        "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o, s:o, s:o}",
+        "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o, s:o, s:o, s:o}",
         "uptime_s", uptime,
         "split_changes", (json_int_t)ts.split_changes,
         "feat",
@@ -321,7 +341,8 @@ static json_t *render_stats(hapi_ctl *c)
           "bytes", (json_int_t)s.passthrough_bytes,
         "node", render_node(c),
         "requests", render_requests(c),
-        "watch", render_watch(c));
+        "watch", render_watch(c),
+        "uring", render_uring(c));
 }
 
 static json_t *render_profile(hapi_ctl *c)
@@ -466,7 +487,7 @@ static json_t *render_remote_stats(hapi_ctl *c)
                                    "elapsed_s", rs.warm_elapsed_s, "eta_s", eta);
     double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
     return json_pack("{s:f, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, "
-                     "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:o}, s:o, s:o, s:o}",
+                     "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:o}, s:o, s:o, s:o, s:o}",
                      "uptime_s", uptime,
                      "feat",
                        "reads", (json_int_t)rs.reads,
@@ -487,7 +508,8 @@ static json_t *render_remote_stats(hapi_ctl *c)
                        "sources", sources,
                      "warm", warm,
                      "cache", render_remote_cache(c),
-                     "requests", render_requests(c));
+                     "requests", render_requests(c),
+                     "uring", render_uring(c));
 }
 
 /*

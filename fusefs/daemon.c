@@ -167,6 +167,11 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         fuse_remove_signal_handlers(se);
         goto out;
     }
+    if (opt.uring && hapi_uring_available()) {
+        hapi_error uerr = { 0 };
+        if (hapi_uring_start(se, opt.threads, &fs.uring, &uerr) < 0)
+            hapi_log(HAPI_LOG_WARNING, "%s; requests go through /dev/fuse", uerr.message);
+    }
     report(status_fd, prog, 0, NULL);
     if (status_fd >= 0) {
         close(status_fd);
@@ -188,6 +193,8 @@ int hapi_fs_main(int argc, char *argv[], int helper)
     hapi_fs_stop_watching(&fs); /* its thread notifies the kernel through se */
     fs.se = NULL; /* nothing may notify the kernel any more */
     fuse_session_unmount(se);
+    hapi_uring_stop(fs.uring); /* after the unmount: its last requests may use the ring */
+    fs.uring = NULL;
     fuse_remove_signal_handlers(se);
 out:
     if (status_fd >= 0)

@@ -847,8 +847,14 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     /* The kernel drops cached pages of a file whose size or mtime changed. */
     if (conn->capable & FUSE_CAP_AUTO_INVAL_DATA)
         conn->want |= FUSE_CAP_AUTO_INVAL_DATA;
-    if (conn->capable & FUSE_CAP_SPLICE_WRITE)
+    /*
+     * Not with io_uring: libfuse 3.14 splices a reply straight to /dev/fuse
+     * whatever the custom io, and a ring request's reply must go to its entry.
+     */
+    if ((conn->capable & FUSE_CAP_SPLICE_WRITE) && !fs->uring)
         conn->want |= FUSE_CAP_SPLICE_WRITE;
+    else
+        conn->want &= ~(unsigned)(FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE);
     /* Many DataLoader workers read at once: let the kernel keep many requests in flight. */
     conn->max_background = 256;
     conn->congestion_threshold = 192;
@@ -860,6 +866,7 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
         conn->want |= FUSE_CAP_ATOMIC_O_TRUNC;
     if ((conn->capable & FUSE_CAP_NO_OPEN_SUPPORT) && fs->no_open)
         conn->want |= FUSE_CAP_NO_OPEN_SUPPORT;
+    hapi_uring_initialized(fs->uring);
     if (fs->remote)
         hapi_log(HAPI_LOG_INFO, "mounted %s on %s (remote)", fs->opt->source,
                  fs->opt->mountpoint);
@@ -2434,7 +2441,7 @@ static int init_remote(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     fs->model_fd = rc >= 0 ? rc : -1;
     hapi_ctl_config ccfg = {
         .opt = opt, .requests = &fs->requests, .cache = fs->cache, .remote = fs->remote,
-        .errors = fs->errors,
+        .errors = fs->errors, .uring = &fs->uring,
         .started_ns = fs->started_ns,
     };
     if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0)
@@ -2568,7 +2575,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .packs = fs->packs, .background = fs->background,
         .tune = fs->tune, .errors = fs->errors, .node = fs->node_share, .watch = fs->watch,
-        .no_open = fs->no_open, .started_ns = fs->started_ns,
+        .no_open = fs->no_open, .uring = &fs->uring, .started_ns = fs->started_ns,
     };
     if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0) {
         hapi_error_set(err, rc, "out of memory");

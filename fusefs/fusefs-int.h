@@ -57,6 +57,7 @@ typedef struct hapi_fs_options {
     int show_raw;
     int watch;             /* watch the source with inotify (watch.c) */
     int no_open;           /* let the kernel skip opens (with watch, on a storage mount) */
+    int uring;             /* serve through io_uring where the kernel offers it */
     int foreground;
     int debug;
     int fake;              /* mount helper called with -f: do nothing */
@@ -889,6 +890,42 @@ void hapi_watch_remove(hapi_watch *w, int wd);
 /* A copy of the counters. */
 void hapi_watch_stats_get(hapi_watch *w, hapi_watch_stats *out);
 
+/* ------------------------------------------------------------- uring.c */
+
+/*
+ * FUSE over io_uring: requests served on the CPU that made them, by worker
+ * threads that each hold one ring entry of that CPU's queue (uring.c says why
+ * and how). Requests the ring does not carry still come through /dev/fuse.
+ */
+typedef struct hapi_uring hapi_uring;
+typedef struct hapi_uring_stats {
+    int queues;        /* one per possible CPU */
+    int workers;       /* threads, each with one entry */
+    int registered;    /* entries the kernel holds now */
+    int active;        /* every worker's entry is registered: the kernel uses the ring */
+    uint64_t requests; /* requests served through the ring */
+} hapi_uring_stats;
+/* 1 if the kernel offers the transport (the fuse module's enable_uring is set). */
+int hapi_uring_available(void);
+/*
+ * Installs the custom io on se (mounted; its /dev/fuse) and starts the
+ * workers, threads per queue (at most 256 in all, at least two per queue);
+ * they register once
+ * hapi_uring_initialized is called. Returns 0 or -errno with err; *out is
+ * NULL on failure, and se is then unchanged.
+ */
+int hapi_uring_start(struct fuse_session *se, int threads, hapi_uring **out, hapi_error *err);
+/* Called from the INIT handler: the workers may register. Accepts NULL. */
+void hapi_uring_initialized(hapi_uring *u);
+/* A copy of the counters; zeros for NULL. */
+void hapi_uring_stats_get(const hapi_uring *u, hapi_uring_stats *s);
+/*
+ * Stops the workers (each finishes the request it serves) and frees u; the
+ * kernel's entries are cancelled. Call after unmounting and before the
+ * session is destroyed. Accepts NULL.
+ */
+void hapi_uring_stop(hapi_uring *u);
+
 /* --------------------------------------------------------------- ctl.c */
 
 /* Names of the control files, NULL-terminated. */
@@ -926,6 +963,7 @@ typedef struct hapi_ctl_config {
     hapi_node *node;             /* the node's shared budget and cores; NULL: none */
     hapi_watch *watch;           /* the source's watch; NULL: none (watch=0, remote) */
     int no_open;                 /* the kernel opens files without asking (in effect) */
+    hapi_uring *const *uring;    /* the session's io_uring workers (*uring NULL: none) */
     uint64_t started_ns;
 } hapi_ctl_config;
 
@@ -1022,6 +1060,7 @@ typedef struct hapi_fs {
     atomic_uint_fast64_t split_changes; /* split changes told to the kernel (invalidate_feats) */
     atomic_uint_fast64_t made_serial; /* no_open: control files and indexes made so far */
     struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
+    hapi_uring *uring;           /* FUSE over io_uring (uring=1, where the kernel has it); NULL: none */
     uint64_t started_ns;
     time_t started_realtime;
 } hapi_fs;

@@ -37,7 +37,8 @@ static const char *const gauges[] = {
     "cache.feat_size", "cache.hit_latency_us", "cache.namespace.*", "feat.hit_latency_us",
     "node.mem_total", "node.mem_used", "node.cores", "node.cores_used", "node.mounts",
     "node.waiting", "node.own_fixed", "node.own_flight", "remote.fetches_running",
-    "remote.fetches_queued", "watch.dirs", NULL,
+    "remote.fetches_queued", "watch.dirs", "uring.queues", "uring.workers", "uring.registered",
+    NULL,
 };
 
 /* Paths whose name would collide with another's once counters end in _total. */

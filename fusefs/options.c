@@ -22,7 +22,7 @@
 /* Option values as written; validated into hapi_fs_options afterwards. */
 struct raw_options {
     char *model, *split, *freeze, *dtype, *preprocess, *precision, *cache, *cache_size;
-    char *threads, *torch_threads, *show_raw, *watch, *no_open, *max_pixels, *device, *log;
+    char *threads, *torch_threads, *show_raw, *watch, *no_open, *uring, *max_pixels, *device, *log;
     char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
     char *link, *client_speed, *epochs, *profile, *prefetch;
     char *refresh, *fetch_threads, *rtt, *transport, *ctl_group;
@@ -55,6 +55,7 @@ static const struct fuse_opt option_table[] = {
     RAW("show_raw=%s", show_raw),
     RAW("watch=%s", watch),
     RAW("no_open=%s", no_open),
+    RAW("uring=%s", uring),
     RAW("max_pixels=%s", max_pixels),
     RAW("device=%s", device),
     RAW("log=%s", log),
@@ -225,6 +226,8 @@ void hapi_fs_usage(const char *prog)
            "                         listings 300 s and is told of changes (default 1); 0: 1 s\n"
            "    no_open=0|1          with watch=1, let the kernel read files without opening them\n"
            "                         in the daemon (default 1)\n"
+           "    uring=0|1            serve requests through io_uring on the caller's CPU where the\n"
+           "                         kernel offers it (fuse.enable_uring; default 1)\n"
            "    log=PATH             log to PATH (default: syslog, stderr with -f)\n"
            "    allow_other          let other users read the mount, as the source's own modes,\n"
            "                         owners and groups let them read the source (this turns on\n"
@@ -236,7 +239,7 @@ void hapi_fs_usage(const char *prog)
            "    -d                   debug output (implies -f)\n"
            "    -h, -V               help, version\n"
            "\n"
-           "remote options (a compute-side mount; cache=, cache_size=, cache_reset=, threads=,\n"
+           "remote options (a compute-side mount; cache=, cache_size=, cache_reset=, threads=, uring=,\n"
            "log= and the FUSE options apply too):\n"
            "    remote               SOURCE[:SOURCE...] are storage mounts seen through a network\n"
            "                         filesystem; features are fetched as per-directory packs\n"
@@ -779,6 +782,12 @@ static int validate_common(struct raw_options *raw, hapi_fs_options *o, hapi_err
             return hapi_error_set(err, HAPI_EINVAL, "threads=%s: expected 1..1024", raw->threads);
         o->threads = (int)v;
     }
+    o->uring = 1;
+    if (raw->uring) {
+        if (parse_int(raw->uring, 0, 1, &v) < 0)
+            return hapi_error_set(err, HAPI_EINVAL, "uring=%s: expected 0 or 1", raw->uring);
+        o->uring = (int)v;
+    }
     if (raw->cache_reset) {
         if (parse_int(raw->cache_reset, 0, 1, &v) < 0)
             return hapi_error_set(err, HAPI_EINVAL, "cache_reset=%s: expected 0 or 1",
@@ -884,6 +893,7 @@ out:
     free(raw.show_raw);
     free(raw.watch);
     free(raw.no_open);
+    free(raw.uring);
     free(raw.max_pixels);
     free(raw.device);
     free(raw.log);
