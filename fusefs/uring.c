@@ -117,7 +117,6 @@ struct hapi_uring {
     int initialized;              /* the kernel has the session's INIT reply (or soon) */
     int stopping;
     atomic_int registered;        /* workers whose entry the kernel accepted */
-    atomic_int failed;            /* workers that gave up (the ring is then incomplete) */
     atomic_uint_fast64_t requests; /* requests served through the ring */
 };
 
@@ -294,13 +293,13 @@ static void *worker_main(void *arg)
             }
             if (res == -ENOTCONN || res == -ECONNABORTED || res == -ECANCELED)
                 break; /* unmounted, or the connection was aborted */
-            if (res == -EAGAIN && retries++ < 2000) {
-                usleep(2000); /* the kernel has not had the INIT reply yet */
-            } else if (res == -EOPNOTSUPP || res == -EINVAL || retries++ >= 2000) {
+            if (res == -EOPNOTSUPP || res == -EINVAL || ++retries > 2000) {
                 hapi_log(HAPI_LOG_WARNING, "io_uring: queue %d: %s; requests go through "
                          "/dev/fuse", w->qid, strerror(-res));
-                atomic_fetch_add(&u->failed, 1);
                 break;
+            }
+            if (res == -EAGAIN) {
+                usleep(2000); /* the kernel has not had the INIT reply yet */
             } else {
                 hapi_log(HAPI_LOG_WARNING, "io_uring: queue %d: %s; registering again",
                          w->qid, strerror(-res));
@@ -448,14 +447,19 @@ fail:
     return rc;
 }
 
-void hapi_uring_initialized(hapi_uring *u)
+/* Sets *flag (u->initialized or u->stopping) and wakes the workers waiting to register. */
+static void set_and_wake(hapi_uring *u, int *flag)
 {
-    if (!u)
-        return;
     pthread_mutex_lock(&u->lock);
-    u->initialized = 1;
+    *flag = 1;
     pthread_cond_broadcast(&u->cond);
     pthread_mutex_unlock(&u->lock);
+}
+
+void hapi_uring_initialized(hapi_uring *u)
+{
+    if (u)
+        set_and_wake(u, &u->initialized);
 }
 
 void hapi_uring_stats_get(const hapi_uring *u, hapi_uring_stats *s)
@@ -474,10 +478,7 @@ void hapi_uring_stop(hapi_uring *u)
 {
     if (!u)
         return;
-    pthread_mutex_lock(&u->lock);
-    u->stopping = 1;
-    pthread_cond_broadcast(&u->cond);
-    pthread_mutex_unlock(&u->lock);
+    set_and_wake(u, &u->stopping);
     uint64_t one = 1;
     if (write(u->stop_fd, &one, sizeof(one)) < 0)
         hapi_log(HAPI_LOG_WARNING, "io_uring: waking the workers: %s", strerror(errno));
