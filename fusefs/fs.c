@@ -9,7 +9,6 @@
 #include <string.h>
 #include <sys/inotify.h>
 #include <sys/statvfs.h>
-#include <sys/uio.h>
 #include <unistd.h>
 #include <xxhash.h>
 
