@@ -556,13 +556,93 @@ static void forget_name(hapi_fs *fs, uint64_t dir, const char *name)
 }
 
 /*
+ * What one batch of watch.c's events changed, told to the kernel at its end
+ * (on_change). Every notice of a name waits for the lookups in flight in its
+ * directory (the kernel takes the directory's lock), hundreds of ms each on a
+ * node busy computing features; so a batch is told once, and in the order
+ * that ends wrong reads soonest: the pages of files changed in place (no
+ * lock), then the .feat names, the packs, the names themselves, the pack
+ * indexes, and last the directories' attributes and listings.
+ */
+struct changed_name {
+    uint64_t dir;
+    char *name;
+    uint32_t mask;
+};
+struct change_batch {
+    struct changed_name *names;
+    size_t n, cap;
+    uint64_t *inodes; /* files changed in place, by node id */
+    size_t ninodes, capinodes;
+    struct changed_dir { uint64_t dir; int members; } *dirs;
+    size_t ndirs, capdirs;
+};
+
+static int grow(void **array, size_t *cap, size_t n, size_t each)
+{
+    if (n < *cap)
+        return 0;
+    size_t c = *cap ? *cap * 2 : 16;
+    void *a = realloc(*array, c * each);
+    if (!a)
+        return -ENOMEM;
+    *array = a;
+    *cap = c;
+    return 0;
+}
+
+static void batch_dir(struct change_batch *b, uint64_t dir, int members)
+{
+    for (size_t i = 0; i < b->ndirs; i++)
+        if (b->dirs[i].dir == dir) {
+            b->dirs[i].members |= members;
+            return;
+        }
+    if (grow((void **)&b->dirs, &b->capdirs, b->ndirs, sizeof(*b->dirs)) == 0)
+        b->dirs[b->ndirs++] = (struct changed_dir){ dir, members };
+}
+
+/* A directory whose name was changed inside it: names are not forgotten in place. */
+static int forgets_name(uint32_t mask)
+{
+    return !(mask & IN_ISDIR) || (mask & (IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO));
+}
+
+/* Tells the kernel what the batch changed (see struct change_batch), and empties it. */
+static void batch_tell(hapi_fs *fs, struct change_batch *b)
+{
+    for (size_t i = 0; i < b->ninodes; i++)
+        fuse_lowlevel_notify_inval_inode(fs->se, b->inodes[i], 0, 0);
+    char *feat = NULL;
+    for (size_t i = 0; i < b->n; i++)
+        if (!(b->names[i].mask & IN_ISDIR) && asprintf(&feat, "%s.feat", b->names[i].name) >= 0) {
+            forget_name(fs, b->names[i].dir, feat);
+            free(feat);
+        }
+    for (size_t i = 0; i < b->ndirs; i++)
+        if (b->dirs[i].members)
+            forget_name(fs, b->dirs[i].dir, HAPI_PACK_NAME);
+    for (size_t i = 0; i < b->n; i++)
+        if (forgets_name(b->names[i].mask))
+            forget_name(fs, b->names[i].dir, b->names[i].name);
+    for (size_t i = 0; i < b->ndirs; i++)
+        if (b->dirs[i].members)
+            forget_name(fs, b->dirs[i].dir, HAPI_PACK_INDEX_NAME);
+    for (size_t i = 0; i < b->ndirs; i++)
+        fuse_lowlevel_notify_inval_inode(fs->se, b->dirs[i].dir, 0, 0);
+    for (size_t i = 0; i < b->n; i++)
+        free(b->names[i].name);
+    b->n = b->ninodes = b->ndirs = 0;
+}
+
+/*
  * watch.c's callback: name changed in directory dir (see hapi_watch_fn). The
  * kernel forgets the name, its .feat, the directory's pack and index (their
  * next lookups find the new nodes: see "Node ids"), the attributes and pages
  * of a file or directory changed in place, and the directory's attributes and
- * listing. Runs on watch.c's thread, never in a request, so the kernel may
- * send requests meanwhile. A notice for what the kernel does not hold fails
- * (ENOENT), and is ignored.
+ * listing, at the end of the batch (struct change_batch). Runs on watch.c's
+ * thread, never in a request, so the kernel may send requests meanwhile. A
+ * notice for what the kernel does not hold fails (ENOENT), and is ignored.
  */
 static void on_change(void *arg, uint64_t dir, const char *name, uint32_t mask)
 {
@@ -572,6 +652,14 @@ static void on_change(void *arg, uint64_t dir, const char *name, uint32_t mask)
         /* the kernel's queue overflowed: everything is looked up again */
         if (fs->se)
             forget_nodes(fs, everything_how);
+        return;
+    }
+    if (!fs->changes && !(fs->changes = calloc(1, sizeof(*fs->changes))))
+        return; /* out of memory: the names keep their timeout */
+    struct change_batch *b = fs->changes;
+    if (!dir) {
+        if (fs->se)
+            batch_tell(fs, b);
         return;
     }
     char *dir_path = NULL;
@@ -584,27 +672,32 @@ static void on_change(void *arg, uint64_t dir, const char *name, uint32_t mask)
         dir_path = strdup(n->path);
     }
     pthread_mutex_unlock(&t->lock);
-    if (fs->se && *name) {
-        /* A directory changed in place keeps its name (and the names under it). */
-        if (!(mask & IN_ISDIR) || (mask & (IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO)))
-            forget_name(fs, dir, name);
-        char *feat = NULL;
-        if (!(mask & IN_ISDIR) && asprintf(&feat, "%s.feat", name) >= 0) {
-            forget_name(fs, dir, feat);
-            free(feat);
-        }
-        forget_name(fs, dir, HAPI_PACK_NAME);
-        forget_name(fs, dir, HAPI_PACK_INDEX_NAME);
-        struct stat st;
-        char *path = dir_path ? hapi_path_join(dir_path, name) : NULL;
-        if ((mask & (IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB)) && path &&
-            hapi_source_stat(fs->source, path, &st) == 0)
-            fuse_lowlevel_notify_inval_inode(fs->se, node_id_for(fs, &st), 0, 0);
-        free(path);
+    batch_dir(b, dir, *name != 0);
+    if (*name && grow((void **)&b->names, &b->cap, b->n, sizeof(*b->names)) == 0 &&
+        (b->names[b->n].name = strdup(name)) != NULL) {
+        b->names[b->n].dir = dir;
+        b->names[b->n++].mask = mask;
     }
-    if (fs->se)
-        fuse_lowlevel_notify_inval_inode(fs->se, dir, 0, 0);
+    struct stat st;
+    char *path = dir_path && *name ? hapi_path_join(dir_path, name) : NULL;
+    if ((mask & (IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB)) && path &&
+        hapi_source_stat(fs->source, path, &st) == 0 &&
+        grow((void **)&b->inodes, &b->capinodes, b->ninodes, sizeof(*b->inodes)) == 0)
+        b->inodes[b->ninodes++] = node_id_for(fs, &st);
+    free(path);
     free(dir_path);
+}
+
+static void change_batch_free(struct change_batch *b)
+{
+    if (!b)
+        return;
+    for (size_t i = 0; i < b->n; i++)
+        free(b->names[i].name);
+    free(b->names);
+    free(b->inodes);
+    free(b->dirs);
+    free(b);
 }
 
 /* ------------------------------------------------------- the source tree */
@@ -2595,6 +2688,8 @@ void hapi_fs_stop_watching(hapi_fs *fs)
 {
     hapi_watch_free(fs->watch);
     fs->watch = NULL;
+    change_batch_free(fs->changes);
+    fs->changes = NULL;
     if (fs->nodes)
         fs->nodes->watch = NULL;
 }

@@ -25,6 +25,8 @@
      IN_ATTRIB | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR | IN_EXCL_UNLINK)
 
 #define WATCH_BUCKETS 4096
+/* Names merged per batch (each event searches the batch: a bound). */
+#define MAX_PENDING 256
 
 /* One watched directory: inotify's descriptor and the node the kernel knows it by. */
 struct watched {
@@ -213,11 +215,36 @@ void hapi_watch_stats_get(hapi_watch *w, hapi_watch_stats *out)
     out->remote = atomic_load(&w->stats.remote);
 }
 
-/* Hands one event to fs.c; an event of a watch gone meanwhile is dropped. */
-static void dispatch(hapi_watch *w, const struct inotify_event *ev)
+/*
+ * The events of one read, merged by (directory, name): what fs.c does for a
+ * name is the same whatever happened to it, and each notice it sends the
+ * kernel waits for the lookups in flight in that directory (hundreds of ms on
+ * a loaded node). A file replaced by a temporary one renamed over it makes
+ * five events of two names; a file written makes runs of IN_MODIFY.
+ */
+struct pending {
+    uint64_t dir_id;
+    uint32_t mask;      /* the events' masks, ORed */
+    uint32_t name_len;  /* 0: the directory itself */
+    const char *name;   /* in the read buffer */
+};
+
+/* Hands the batch to fs.c, then ends it (dir_id 0, name ""); empties it. */
+static void flush(hapi_watch *w, struct pending *p, size_t *n)
+{
+    for (size_t i = 0; i < *n; i++)
+        w->fn(w->arg, p[i].dir_id, p[i].name_len ? p[i].name : "", p[i].mask);
+    if (*n)
+        w->fn(w->arg, 0, "", 0);
+    *n = 0;
+}
+
+/* Adds one event to the batch; an event of a watch gone meanwhile is dropped. */
+static void add(hapi_watch *w, const struct inotify_event *ev, struct pending *p, size_t *n)
 {
     atomic_fetch_add_explicit(&w->stats.events, 1, memory_order_relaxed);
     if (ev->mask & IN_Q_OVERFLOW) {
+        flush(w, p, n);
         atomic_fetch_add(&w->stats.overflows, 1);
         hapi_log(HAPI_LOG_INFO, "watch: the kernel's event queue overflowed: forgetting every name");
         w->fn(w->arg, 0, NULL, ev->mask);
@@ -230,8 +257,18 @@ static void dispatch(hapi_watch *w, const struct inotify_event *ev)
     if (x && (ev->mask & IN_IGNORED))
         unlink_entry(w, link); /* the directory is gone, or its filesystem: so is the watch */
     pthread_mutex_unlock(&w->lock);
-    if (x)
-        w->fn(w->arg, dir_id, ev->len ? ev->name : "", ev->mask);
+    if (!x)
+        return;
+    uint32_t len = ev->len ? (uint32_t)strlen(ev->name) : 0;
+    for (size_t i = *n; i-- > 0;)
+        if (p[i].dir_id == dir_id && p[i].name_len == len &&
+            (len == 0 || memcmp(p[i].name, ev->name, len) == 0)) {
+            p[i].mask |= ev->mask;
+            return;
+        }
+    if (*n == MAX_PENDING)
+        flush(w, p, n);
+    p[(*n)++] = (struct pending){ dir_id, ev->mask, len, ev->name };
 }
 
 static void *watch_main(void *arg)
@@ -239,6 +276,7 @@ static void *watch_main(void *arg)
     hapi_watch *w = arg;
     /* Aligned for struct inotify_event; one read returns as many events as fit. */
     char buf[64 * 1024] __attribute__((aligned(__alignof__(struct inotify_event))));
+    struct pending pending[MAX_PENDING];
     struct pollfd p[2] = { { .fd = w->fd, .events = POLLIN }, { .fd = w->stop_fd, .events = POLLIN } };
     for (;;) {
         if (poll(p, 2, -1) < 0) {
@@ -256,19 +294,12 @@ static void *watch_main(void *arg)
             hapi_log(HAPI_LOG_ERROR, "watch: read: %s; changes are no longer seen", strerror(errno));
             return NULL;
         }
-        /*
-         * Writes come as runs of IN_MODIFY on one name: one is enough for what
-         * fs.c does, so an event the same as the one before it is skipped.
-         */
-        const struct inotify_event *prev = NULL;
+        size_t np = 0;
         for (char *q = buf; q < buf + n;) {
             const struct inotify_event *ev = (const struct inotify_event *)q;
             q += sizeof(*ev) + ev->len;
-            if (prev && prev->wd == ev->wd && prev->mask == ev->mask && prev->len == ev->len &&
-                memcmp(prev->name, ev->name, ev->len) == 0)
-                continue;
-            dispatch(w, ev);
-            prev = ev;
+            add(w, ev, pending, &np);
         }
+        flush(w, pending, &np);
     }
 }
