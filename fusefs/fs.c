@@ -64,6 +64,22 @@
 #define ENTRY_TIMEOUT 1.0
 #define ATTR_TIMEOUT 1.0
 #define WATCHED_TIMEOUT 300.0
+/*
+ * Without opens, the names of a .feat and a pack are trusted for this long
+ * even where watched: nothing else checks them, and a notice of a change can
+ * be late by seconds (it waits for the lookups in flight in its directory,
+ * which wait for workers busy computing features), so this is the bound.
+ * Looking such a name up again finds the same node while its bytes are the
+ * same: the kernel keeps its pages, and the warm epoch pays one lookup.
+ */
+#define DATA_NAME_TIMEOUT 1.0
+
+/* The entry timeout of a name of kind (see DATA_NAME_TIMEOUT). */
+#define NAME_TIMEOUT(fs, kind, t)                                                       \
+    ((fs)->no_open && ((kind) == HAPI_NODE_FEAT || (kind) == HAPI_NODE_PACK) &&        \
+             (t) > DATA_NAME_TIMEOUT                                                    \
+         ? DATA_NAME_TIMEOUT                                                            \
+         : (t))
 
 /* What a node id names. */
 enum hapi_node_kind {
@@ -1116,6 +1132,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         goto out;
     if (path && timeout == WATCHED_TIMEOUT)
         e.entry_timeout = e.attr_timeout = watched_timeout(fs, parent, timeout, changes);
+    e.entry_timeout = NAME_TIMEOUT(fs, kind, e.entry_timeout);
     /*
      * A split change while it looked: its node may be of the old split, and the kernel may
      * have been told to forget names before this one reached it. Without opens nothing
@@ -1554,6 +1571,7 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
             e.ino = de->attr.st_ino;
             int none = de->kind == HAPI_NODE_CTL_FILE || (de->kind == HAPI_NODE_FEAT && old_split);
             e.attr_timeout = e.entry_timeout = none ? 0 : timeout;
+            e.entry_timeout = NAME_TIMEOUT(fs, de->kind, e.entry_timeout);
             if (de->path) {
                 struct node_content c = {
                     .split = de->split, .id = de->id, .attr = de->attr, .parent = d->self,
