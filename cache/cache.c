@@ -141,6 +141,18 @@ static void marks(uint64_t map, uint64_t *high, uint64_t *low)
  * write, 14 MB with 256 accesses a write, 10.5 MB with 64.
  */
 #define FLUSH_BATCH 64
+/*
+ * An access to an entry among the most recently used 1/RECENT_SHARE of the
+ * store moves nothing: every stamp handed out since its own moved one entry
+ * in front of it, so an entry stamped within the last entries/RECENT_SHARE
+ * stamps is among that many newest, far from eviction (which takes the
+ * oldest tenth), and its next access once it falls behind moves it
+ * (memcached's bump interval, in stamps instead of seconds). Random hits
+ * then rewrite half the LRU records and leaves: measured with 100,000
+ * entries of 1,152 bytes and 400,000 random hits (tests/cache-bench), the
+ * store grew by 5.6 MB instead of 10.7 (1.27x the features instead of 1.31x).
+ */
+#define RECENT_SHARE 2
 
 struct hapi_cache {
     MDB_env *env;
@@ -1127,10 +1139,11 @@ static int stamp_first(hapi_cache *c, MDB_txn *txn, uint64_t *stamp)
  * record would, and saves that record); an inline one in "stamps" (its value
  * may span overflow pages, which a rewrite would copy). With must_exist, a
  * key without a stamp (evicted or removed since its access was noted) is
- * left alone and MDB_NOTFOUND returned.
+ * left alone and MDB_NOTFOUND returned. An entry stamped recent_from or
+ * later is left where it is (see RECENT_SHARE).
  */
 static int touch(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
-                 uint64_t *stamp, bool must_exist)
+                 uint64_t *stamp, bool must_exist, uint64_t recent_from)
 {
     MDB_val k = { .mv_size = key_len, .mv_data = (void *)key }, v, old;
     struct slab_ref ref;
@@ -1138,6 +1151,8 @@ static int touch(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
 
     rc = mdb_get(txn, c->features_dbi, &k, &v);
     if (rc == 0 && slab_ref_of(&v, &ref)) {
+        if (recent_from && ref.stamp >= recent_from)
+            return 0;
         if ((rc = drop_lru_stamp(c, txn, ref.stamp)) != 0 ||
             (rc = value_stamp_set(c, txn, &k, &v, *stamp)) != 0)
             return rc;
@@ -1149,6 +1164,9 @@ static int touch(hapi_cache *c, MDB_txn *txn, const void *key, size_t key_len,
     if (rc == MDB_NOTFOUND && must_exist)
         return rc;
     if (rc == 0) {
+        if (recent_from && old.mv_size == HAPI_CACHE__STAMP_SIZE &&
+            get_be64(old.mv_data) >= recent_from)
+            return 0;
         if ((rc = drop_lru_record(c, txn, &old)) != 0)
             return rc;
     } else if (rc != MDB_NOTFOUND) {
@@ -1189,11 +1207,16 @@ static int apply_accesses(hapi_cache *c, MDB_txn *txn, uint64_t *stamp, uint64_t
 {
     const uint8_t *p = c->drain + c->drain_off, *end = c->drain + c->drain_used;
     uint64_t n = 0;
+    /* Entries stamped in the last 1/RECENT_SHARE of the store's stamps stay put. */
+    MDB_stat st;
+    uint64_t recent_from = 0;
+    if (mdb_stat(txn, c->lru_dbi, &st) == 0 && *stamp > st.ms_entries / RECENT_SHARE)
+        recent_from = *stamp - st.ms_entries / RECENT_SHARE;
     for (size_t records = 0; p + 2 <= end && records < max; records++) {
         size_t len = get_le16(p);
         const uint8_t *key = p + 2;
         p += 2 + len;
-        int rc = touch(c, txn, key, len, stamp, true);
+        int rc = touch(c, txn, key, len, stamp, true, recent_from);
         if (rc == MDB_NOTFOUND)
             continue;
         if (rc)
@@ -1527,7 +1550,7 @@ static int upgrade_v1(hapi_cache *c, MDB_txn *txn)
         return rc;
     while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
         op = MDB_NEXT;
-        if ((rc = touch(c, txn, k.mv_data, k.mv_size, &stamp, false)) != 0)
+        if ((rc = touch(c, txn, k.mv_data, k.mv_size, &stamp, false, 0)) != 0)
             break;
     }
     mdb_cursor_close(cur);

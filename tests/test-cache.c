@@ -1157,7 +1157,10 @@ static void lru_end(hapi_cache *c, MDB_cursor_op op, char *path, size_t size)
     mdb_txn_abort(txn);
 }
 
-/* A flush applies the whole log, in writes of a few dozen accesses, in the order of the hits. */
+/*
+ * A flush applies the whole log, in writes of a few dozen accesses, in the order of the hits;
+ * hits on the newer half of the store (put last: 500..999) leave it where it is.
+ */
 START_TEST(flush_applies_the_whole_log)
 {
     hapi_cache *c = open_ok(tmp, 0);
@@ -1176,7 +1179,7 @@ START_TEST(flush_applies_the_whole_log)
     ck_assert_int_eq(hapi_cache_flush_access(c, &err), 0);
     ck_assert_int_eq(check_index(c), N);
     lru_end(c, MDB_FIRST, path, sizeof(path));
-    ck_assert_str_eq(path, "f/999.jpg");
+    ck_assert_str_eq(path, "f/500.jpg");
     lru_end(c, MDB_LAST, path, sizeof(path));
     ck_assert_str_eq(path, "f/0.jpg");
     hapi_cache_close(c);
