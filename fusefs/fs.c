@@ -74,13 +74,6 @@
  */
 #define DATA_NAME_TIMEOUT 1.0
 
-/* The entry timeout of a name of kind (see DATA_NAME_TIMEOUT). */
-#define NAME_TIMEOUT(fs, kind, t)                                                       \
-    ((fs)->no_open && ((kind) == HAPI_NODE_FEAT || (kind) == HAPI_NODE_PACK) &&        \
-             (t) > DATA_NAME_TIMEOUT                                                    \
-         ? DATA_NAME_TIMEOUT                                                            \
-         : (t))
-
 /* What a node id names. */
 enum hapi_node_kind {
     HAPI_NODE_DIR,
@@ -92,6 +85,15 @@ enum hapi_node_kind {
     HAPI_NODE_PACK_INDEX, /* DIR/.hapifs-pack.json */
     HAPI_NODE_REMOTE_FEAT /* a remote mount's .feat; its path is the mount's */
 };
+
+/* The entry timeout of a name of kind that would get timeout (see DATA_NAME_TIMEOUT). */
+static double name_timeout(const hapi_fs *fs, int kind, double timeout)
+{
+    if (fs->no_open && (kind == HAPI_NODE_FEAT || kind == HAPI_NODE_PACK) &&
+        timeout > DATA_NAME_TIMEOUT)
+        return DATA_NAME_TIMEOUT;
+    return timeout;
+}
 
 /* ------------------------------------------------------------ node table */
 
@@ -1132,7 +1134,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
         goto out;
     if (path && timeout == WATCHED_TIMEOUT)
         e.entry_timeout = e.attr_timeout = watched_timeout(fs, parent, timeout, changes);
-    e.entry_timeout = NAME_TIMEOUT(fs, kind, e.entry_timeout);
+    e.entry_timeout = name_timeout(fs, kind, e.entry_timeout);
     /*
      * A split change while it looked: its node may be of the old split, and the kernel may
      * have been told to forget names before this one reached it. Without opens nothing
@@ -1571,7 +1573,7 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
             e.ino = de->attr.st_ino;
             int none = de->kind == HAPI_NODE_CTL_FILE || (de->kind == HAPI_NODE_FEAT && old_split);
             e.attr_timeout = e.entry_timeout = none ? 0 : timeout;
-            e.entry_timeout = NAME_TIMEOUT(fs, de->kind, e.entry_timeout);
+            e.entry_timeout = name_timeout(fs, de->kind, e.entry_timeout);
             if (de->path) {
                 struct node_content c = {
                     .split = de->split, .id = de->id, .attr = de->attr, .parent = d->self,

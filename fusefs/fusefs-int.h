@@ -863,13 +863,11 @@ char *hapi_tune_profile_json(hapi_tune *t);
  * to hapi_watch_add, name "" for the directory itself; dir_id 0 and name NULL
  * when the kernel's queue overflowed (events were lost: anything may have
  * changed). IN_IGNORED (the directory gone) comes last for its dir_id. fn
- * must not call hapi_watch_free.
+ * must not call hapi_watch_free. The events of one read are merged per
+ * (dir_id, name), masks ORed, and handed on together; then fn(arg, 0, "", 0)
+ * ends the batch.
  */
 typedef void (*hapi_watch_fn)(void *arg, uint64_t dir_id, const char *name, uint32_t mask);
-/*
- * (The events of one read are merged per (dir_id, name), masks ORed, and
- * handed on together; then fn(arg, 0, "", 0) ends the batch.)
- */
 typedef struct hapi_watch hapi_watch;
 typedef struct hapi_watch_stats {
     atomic_uint_fast64_t dirs;      /* directories watched now */
