@@ -391,8 +391,9 @@ static void unescape_mount_field(char *s)
 
 /*
  * When path is a hapifs mount whose daemon died (the kernel answers
- * ENOTCONN, "Transport endpoint is not connected", or ECONNABORTED),
- * detaches it, so that a
+ * ENOTCONN, "Transport endpoint is not connected", ECONNABORTED, or for a few
+ * tens of milliseconds ECANCELED while io_uring tears down the dead daemon's
+ * ring), detaches it, so that a
  * restarted daemon (systemd's Restart=, or an operator) mounts again without
  * anyone having to unmount first. Mounts of other filesystems are left alone.
  * Returns 1 if it detached one, else 0.
@@ -401,11 +402,13 @@ static int detach_dead_mount(const char *path)
 {
     /*
      * statfs, not stat: the kernel may answer a stat from attributes it keeps
-     * for a second; a statfs always asks the daemon. ENOTCONN, or ECONNABORTED
-     * once the kernel has aborted the connection.
+     * for a second; a statfs always asks the daemon. ENOTCONN, ECONNABORTED
+     * once the kernel has aborted the connection, ECANCELED when the request
+     * went to a ring entry of the dead daemon's io_uring.
      */
     struct statvfs sv;
-    if (statvfs(path, &sv) == 0 || (errno != ENOTCONN && errno != ECONNABORTED))
+    if (statvfs(path, &sv) == 0 ||
+        (errno != ENOTCONN && errno != ECONNABORTED && errno != ECANCELED))
         return 0;
     char abs[PATH_MAX];
     if (path[0] == '/')

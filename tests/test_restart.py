@@ -37,8 +37,10 @@ def dead(mnt):
     """The mount is dead (asked for a name the kernel has not cached: a request is made)."""
     with pytest.raises(OSError) as e:
         os.stat(mnt / "never-looked-up")
-    # ENOTCONN, or ECONNABORTED once the kernel has aborted the connection
-    assert e.value.errno in (errno.ENOTCONN, errno.ECONNABORTED), e.value
+    # ENOTCONN, or ECONNABORTED once the kernel has aborted the connection; for the
+    # first tens of ms after the kill ECANCELED, while io_uring tears down the dead
+    # daemon's ring (seen once in CI, kernel 6.18: ECANCELED for 30 ms, then ENOTCONN)
+    assert e.value.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ECANCELED), e.value
     return True
 
 
