@@ -277,16 +277,20 @@ static json_t *render_requests(hapi_ctl *c)
 /*
  * What watch.c sees of the source: the directories watched (their names and
  * listings are trusted by the kernel for the long timeout), the changes told
- * to the kernel, and why a directory is not watched.
+ * to the kernel, why a directory is not watched, and whether the kernel takes
+ * epoch notices (one ends every name: split changes, names told late) and how
+ * many it was sent.
  */
 static json_t *render_watch(hapi_ctl *c)
 {
     hapi_watch_stats w = { 0 };
     if (c->cfg.watch)
         hapi_watch_stats_get(c->cfg.watch, &w);
-    return json_pack("{s:I, s:I, s:I, s:I, s:I}", "dirs", (json_int_t)w.dirs,
+    return json_pack("{s:I, s:I, s:I, s:I, s:I, s:b, s:I}", "dirs", (json_int_t)w.dirs,
                      "events", (json_int_t)w.events, "overflows", (json_int_t)w.overflows,
-                     "refused", (json_int_t)w.refused, "remote", (json_int_t)w.remote);
+                     "refused", (json_int_t)w.refused, "remote", (json_int_t)w.remote,
+                     "epochs", c->cfg.epochs && *c->cfg.epochs, "epoch_notices",
+                     (json_int_t)(c->cfg.epoch_notices ? atomic_load(c->cfg.epoch_notices) : 0));
 }
 
 /*

@@ -167,6 +167,7 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         fuse_remove_signal_handlers(se);
         goto out;
     }
+    hapi_fs_probe_epochs(&fs);
     if (opt.uring && hapi_uring_available()) {
         hapi_error uerr = { 0 };
         if (hapi_uring_start(se, opt.threads, &fs.uring, &uerr) < 0)

@@ -2,6 +2,7 @@
 #include "fusefs-int.h"
 
 #include <dirent.h>
+#include <linux/fuse.h> /* struct fuse_out_header: a notice libfuse 3.14 cannot send */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -65,14 +66,19 @@
 #define ATTR_TIMEOUT 1.0
 #define WATCHED_TIMEOUT 300.0
 /*
- * Without opens, the names of a .feat and a pack are trusted for this long
- * even where watched: nothing else checks them, and a notice of a change can
- * be late by seconds (it waits for the lookups in flight in its directory,
- * which wait for workers busy computing features), so this is the bound.
- * Looking such a name up again finds the same node while its bytes are the
- * same: the kernel keeps its pages, and the warm epoch pays one lookup.
+ * Without opens, and where the kernel takes no epoch notices (before Linux
+ * 6.16), the names of a .feat and a pack are trusted for this long even where
+ * watched: nothing else checks them, and a notice of a name can be late by
+ * seconds (it waits for the lookups in flight in its directory, which wait
+ * for workers busy computing features), so this is the bound. Looking such a
+ * name up again finds the same node while its bytes are the same: the kernel
+ * keeps its pages, and the warm epoch pays one lookup. With epochs, one
+ * notice that takes no lock ends every name at once (batch_tell), and they
+ * keep their directory's timeout.
  */
 #define DATA_NAME_TIMEOUT 1.0
+/* FUSE_NOTIFY_INC_EPOCH (protocol 7.44), which libfuse 3.14 does not know. */
+#define NOTIFY_INC_EPOCH 8
 
 /* What a node id names. */
 enum hapi_node_kind {
@@ -89,7 +95,7 @@ enum hapi_node_kind {
 /* The entry timeout of a name of kind that would get timeout (see DATA_NAME_TIMEOUT). */
 static double name_timeout(const hapi_fs *fs, int kind, double timeout)
 {
-    if (fs->no_open && (kind == HAPI_NODE_FEAT || kind == HAPI_NODE_PACK) &&
+    if (fs->no_open && !fs->epochs && (kind == HAPI_NODE_FEAT || kind == HAPI_NODE_PACK) &&
         timeout > DATA_NAME_TIMEOUT)
         return DATA_NAME_TIMEOUT;
     return timeout;
@@ -306,20 +312,170 @@ static enum forget_how split_change_how(struct node *nd)
     return FORGET_NOTHING;
 }
 
+/* The same with an epoch notice sent: the inodes alone. */
+static enum forget_how split_change_inodes_how(struct node *nd)
+{
+    enum forget_how h = split_change_how(nd);
+    return h == FORGET_NAME ? FORGET_NOTHING : h;
+}
+
+/*
+ * Tells the kernel to look every name up again at its next use: one notice,
+ * which takes no lock (see hapi_fs.epochs). Returns 0 or -errno.
+ */
+static int notify_epoch(hapi_fs *fs)
+{
+    struct fuse_out_header oh = { .len = sizeof(oh), .error = NOTIFY_INC_EPOCH, .unique = 0 };
+    if (!fs->se)
+        return -ENOTCONN;
+    ssize_t n = write(fuse_session_fd(fs->se), &oh, sizeof(oh));
+    if (n == (ssize_t)sizeof(oh))
+        atomic_fetch_add(&fs->epoch_notices, 1);
+    return n == (ssize_t)sizeof(oh) ? 0 : n < 0 ? -errno : -EIO;
+}
+
+void hapi_fs_probe_epochs(hapi_fs *fs)
+{
+    int rc = notify_epoch(fs);
+    fs->epochs = rc == 0;
+    atomic_store(&fs->epoch_notices, 0); /* the probe is not one */
+    if (rc == 0)
+        hapi_log(HAPI_LOG_DEBUG, "the kernel takes epoch notices: late names are ended at once");
+    else if (fs->watch)
+        hapi_log(HAPI_LOG_INFO, "the kernel takes no epoch notices (%s): changes are told name "
+                                "by name%s", strerror(-rc),
+                 fs->no_open ? ", and .feat and pack names are trusted for 1 s" : "");
+}
+
+/*
+ * The watchdog of the name notices (with epochs): while watch.c's thread has
+ * been telling one batch's names for NOTICE_DEADLINE, each waiting for the
+ * lookups in flight in its directory, it sends an epoch notice, which ends
+ * every name at once, then another each NOTICE_DEADLINE while the thread is
+ * still at it; the thread skips the names an epoch has ended. Events that came
+ * meanwhile are covered too: whatever changed before an epoch notice is looked
+ * up again after it. So a name is ended within NOTICE_DEADLINE of its batch,
+ * and where notices are quick (no lookups in flight: a warm epoch, whose
+ * names the kernel keeps) the other names keep their nodes and pages.
+ */
+#define NOTICE_DEADLINE_NS 250000000ull
+struct notice_watchdog {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    pthread_t thread;
+    int started, stop;
+    uint64_t since_ns;  /* when the batch being told began; 0: none */
+    uint64_t epochs;    /* epoch notices it has sent */
+};
+
+static void *watchdog_main(void *arg)
+{
+    hapi_fs *fs = arg;
+    struct notice_watchdog *w = fs->watchdog;
+    pthread_mutex_lock(&w->lock);
+    while (!w->stop) {
+        if (!w->since_ns) {
+            pthread_cond_wait(&w->cond, &w->lock);
+            continue;
+        }
+        uint64_t due = w->since_ns + NOTICE_DEADLINE_NS, now = hapi_now_ns();
+        if (now < due) {
+            struct timespec ts = { (time_t)(due / 1000000000u), (long)(due % 1000000000u) };
+            pthread_cond_timedwait(&w->cond, &w->lock, &ts);
+            continue;
+        }
+        w->since_ns = now;
+        pthread_mutex_unlock(&w->lock);
+        int rc = notify_epoch(fs);
+        pthread_mutex_lock(&w->lock);
+        if (rc == 0)
+            w->epochs++;
+    }
+    pthread_mutex_unlock(&w->lock);
+    return NULL;
+}
+
+static int watchdog_start(hapi_fs *fs)
+{
+    struct notice_watchdog *w = calloc(1, sizeof(*w));
+    if (!w)
+        return -ENOMEM;
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&w->cond, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_mutex_init(&w->lock, NULL);
+    fs->watchdog = w;
+    int rc = pthread_create(&w->thread, NULL, watchdog_main, fs);
+    w->started = rc == 0;
+    return -rc;
+}
+
+static void watchdog_stop(hapi_fs *fs)
+{
+    struct notice_watchdog *w = fs->watchdog;
+    if (!w)
+        return;
+    if (w->started) {
+        pthread_mutex_lock(&w->lock);
+        w->stop = 1;
+        pthread_cond_signal(&w->cond);
+        pthread_mutex_unlock(&w->lock);
+        pthread_join(w->thread, NULL);
+    }
+    pthread_cond_destroy(&w->cond);
+    pthread_mutex_destroy(&w->lock);
+    free(w);
+    fs->watchdog = NULL;
+}
+
+/* A batch's names are being told from now on; returns the epochs sent so far. */
+static uint64_t watchdog_begin(struct notice_watchdog *w)
+{
+    pthread_mutex_lock(&w->lock);
+    uint64_t e = w->epochs;
+    w->since_ns = hapi_now_ns();
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+    return e;
+}
+
+/* Whether an epoch notice was sent since watchdog_begin() returned e. */
+static int watchdog_covered(struct notice_watchdog *w, uint64_t e)
+{
+    pthread_mutex_lock(&w->lock);
+    int covered = w->epochs != e;
+    pthread_mutex_unlock(&w->lock);
+    return covered;
+}
+
+static void watchdog_end(struct notice_watchdog *w)
+{
+    pthread_mutex_lock(&w->lock);
+    w->since_ns = 0;
+    pthread_mutex_unlock(&w->lock);
+}
+
 /*
  * tune.c's (and remote.c's) split-change callback, so that the next open
  * sees the new size and contents. A .feat and a pack are named by their
  * bytes: the kernel is told to forget their names (the next lookup finds the
  * new node; their pages stay right for the nodes they belong to, and files
- * open on them keep reading them). A remote .feat and a pack index are named
- * by their place: the kernel forgets their attributes and pages.
+ * open on them keep reading them), all at once by an epoch notice where it
+ * can be. A remote .feat and a pack index are named by their place: the
+ * kernel forgets their attributes and pages.
  */
 static void invalidate_feats(void *arg)
 {
     hapi_fs *fs = arg;
     /* first: a lookup under way may have made a node of the old split (see op_lookup) */
     atomic_fetch_add(&fs->split_changes, 1);
-    if (fs->se)
+    if (!fs->se)
+        return;
+    if (fs->epochs && notify_epoch(fs) == 0)
+        forget_nodes(fs, split_change_inodes_how);
+    else
         forget_nodes(fs, split_change_how);
 }
 
@@ -568,6 +724,14 @@ static enum forget_how everything_how(struct node *nd)
     return nd->parent ? FORGET_NAME : FORGET_INODE;
 }
 
+/* The same with an epoch notice sent (the names are forgotten): every inode. */
+static enum forget_how every_inode_how(struct node *nd)
+{
+    if (nd->kind == HAPI_NODE_DIR)
+        nd->changes++;
+    return FORGET_INODE;
+}
+
 static void forget_name(hapi_fs *fs, uint64_t dir, const char *name)
 {
     fuse_lowlevel_notify_inval_entry(fs->se, dir, name, strlen(name));
@@ -580,7 +744,9 @@ static void forget_name(hapi_fs *fs, uint64_t dir, const char *name)
  * node busy computing features; so a batch is told once, and in the order
  * that ends wrong reads soonest: the pages of files changed in place (no
  * lock), then the .feat names, the packs, the names themselves, the pack
- * indexes, and last the directories' attributes and listings.
+ * indexes, and last the directories' attributes and listings. Where the
+ * kernel takes epoch notices, the watchdog (struct notice_watchdog) ends
+ * every name at once when the names are late.
  */
 struct changed_name {
     uint64_t dir;
@@ -626,26 +792,38 @@ static int forgets_name(uint32_t mask)
     return !(mask & IN_ISDIR) || (mask & (IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO));
 }
 
+/* Tells the kernel to forget name in dir, unless an epoch notice has ended it (see batch_tell). */
+static void tell_name(hapi_fs *fs, struct notice_watchdog *w, uint64_t e, uint64_t dir,
+                      const char *name)
+{
+    if (!w || !watchdog_covered(w, e))
+        forget_name(fs, dir, name);
+}
+
 /* Tells the kernel what the batch changed (see struct change_batch), and empties it. */
 static void batch_tell(hapi_fs *fs, struct change_batch *b)
 {
     for (size_t i = 0; i < b->ninodes; i++)
         fuse_lowlevel_notify_inval_inode(fs->se, b->inodes[i], 0, 0);
+    struct notice_watchdog *w = fs->epochs ? fs->watchdog : NULL;
+    uint64_t e = w ? watchdog_begin(w) : 0;
     char *feat = NULL;
     for (size_t i = 0; i < b->n; i++)
         if (!(b->names[i].mask & IN_ISDIR) && asprintf(&feat, "%s.feat", b->names[i].name) >= 0) {
-            forget_name(fs, b->names[i].dir, feat);
+            tell_name(fs, w, e, b->names[i].dir, feat);
             free(feat);
         }
     for (size_t i = 0; i < b->ndirs; i++)
         if (b->dirs[i].members)
-            forget_name(fs, b->dirs[i].dir, HAPI_PACK_NAME);
+            tell_name(fs, w, e, b->dirs[i].dir, HAPI_PACK_NAME);
     for (size_t i = 0; i < b->n; i++)
         if (forgets_name(b->names[i].mask))
-            forget_name(fs, b->names[i].dir, b->names[i].name);
+            tell_name(fs, w, e, b->names[i].dir, b->names[i].name);
     for (size_t i = 0; i < b->ndirs; i++)
         if (b->dirs[i].members)
-            forget_name(fs, b->dirs[i].dir, HAPI_PACK_INDEX_NAME);
+            tell_name(fs, w, e, b->dirs[i].dir, HAPI_PACK_INDEX_NAME);
+    if (w)
+        watchdog_end(w);
     for (size_t i = 0; i < b->ndirs; i++)
         fuse_lowlevel_notify_inval_inode(fs->se, b->dirs[i].dir, 0, 0);
     for (size_t i = 0; i < b->n; i++)
@@ -669,7 +847,8 @@ static void on_change(void *arg, uint64_t dir, const char *name, uint32_t mask)
     if (!name) {
         /* the kernel's queue overflowed: everything is looked up again */
         if (fs->se)
-            forget_nodes(fs, everything_how);
+            forget_nodes(fs, fs->epochs && notify_epoch(fs) == 0 ? every_inode_how
+                                                                 : everything_how);
         return;
     }
     if (!fs->changes && !(fs->changes = calloc(1, sizeof(*fs->changes))))
@@ -2637,6 +2816,10 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         goto fail;
     }
     if (opt->watch) {
+        if ((rc = watchdog_start(fs)) < 0) {
+            hapi_error_set(err, rc, "cannot start the notices' watchdog: %s", strerror(-rc));
+            goto fail;
+        }
         if ((rc = hapi_watch_new(on_change, fs, &fs->watch, err)) < 0)
             goto fail;
         fs->nodes->watch = fs->watch;
@@ -2687,7 +2870,9 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .packs = fs->packs, .background = fs->background,
         .tune = fs->tune, .errors = fs->errors, .node = fs->node_share, .watch = fs->watch,
-        .no_open = fs->no_open, .uring = &fs->uring, .started_ns = fs->started_ns,
+        .no_open = fs->no_open, .uring = &fs->uring, .epochs = &fs->epochs,
+        .epoch_notices = &fs->epoch_notices,
+        .started_ns = fs->started_ns,
     };
     if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0) {
         hapi_error_set(err, rc, "out of memory");
@@ -2708,6 +2893,7 @@ void hapi_fs_stop_watching(hapi_fs *fs)
 {
     hapi_watch_free(fs->watch);
     fs->watch = NULL;
+    watchdog_stop(fs); /* after the watch thread, which uses it */
     change_batch_free(fs->changes);
     fs->changes = NULL;
     if (fs->nodes)

@@ -966,6 +966,8 @@ typedef struct hapi_ctl_config {
     hapi_watch *watch;           /* the source's watch; NULL: none (watch=0, remote) */
     int no_open;                 /* the kernel opens files without asking (in effect) */
     hapi_uring *const *uring;    /* the session's io_uring workers (*uring NULL: none) */
+    const int *epochs;           /* the kernel forgets every name at one notice (hapi_fs.epochs) */
+    const atomic_uint_fast64_t *epoch_notices; /* and how many it was sent */
     uint64_t started_ns;
 } hapi_ctl_config;
 
@@ -1056,10 +1058,19 @@ typedef struct hapi_fs {
     struct node_table *nodes;
     hapi_watch *watch;           /* inotify on the source (watch=1); NULL: none */
     struct change_batch *changes; /* what watch.c's batch changed (its thread alone); NULL: none */
+    struct notice_watchdog *watchdog; /* ends late names by an epoch notice (watch=1); NULL: none */
     hapi_fs_requests requests;
     pthread_mutex_t handles_lock;
     struct hapi_fs_handle handles; /* the list's head; next NULL before init */
     int no_open;                 /* opens answer ENOSYS: reads name their node, not a handle */
+    /*
+     * The kernel takes FUSE_NOTIFY_INC_EPOCH (Linux 6.16 and later): one notice,
+     * which takes no lock, makes it look every name up again at its next use
+     * (hapi_fs_probe_epochs). Set before requests come; 0: names are told one by
+     * one, and a .feat's or pack's is trusted for 1 s without opens.
+     */
+    int epochs;
+    atomic_uint_fast64_t epoch_notices; /* sent since the probe: split changes, late names, overflows */
     atomic_uint_fast64_t split_changes; /* split changes told to the kernel (invalidate_feats) */
     atomic_uint_fast64_t made_serial; /* no_open: control files and indexes made so far */
     struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
@@ -1084,6 +1095,11 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err);
  * unmounted: the watch thread notifies through it). Idempotent.
  */
 void hapi_fs_stop_watching(hapi_fs *fs);
+/*
+ * Asks the kernel (once mounted, before serving) whether it takes epoch notices;
+ * sets fs->epochs. Harmless: the kernel has no names yet.
+ */
+void hapi_fs_probe_epochs(hapi_fs *fs);
 /* Stops and frees the layers from the top. Accepts a zeroed or destroyed fs. */
 void hapi_fs_destroy(hapi_fs *fs);
 
