@@ -145,6 +145,7 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         report(status_fd, prog, rc, err.message);
         goto out;
     }
+    opt.serving_gate = 1; /* hapi_fs_serving() below, once mounted */
     if ((rc = hapi_fs_init(&fs, &opt, &err)) < 0) {
         hapi_log(HAPI_LOG_ERROR, "%s", err.message);
         report(status_fd, prog, rc, err.message);
@@ -173,6 +174,7 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         if (hapi_uring_start(se, opt.threads, &fs.uring, &uerr) < 0)
             hapi_log(HAPI_LOG_WARNING, "%s; requests go through /dev/fuse", uerr.message);
     }
+    hapi_fs_serving(&fs);
     report(status_fd, prog, 0, NULL);
     if (status_fd >= 0) {
         close(status_fd);

@@ -334,6 +334,22 @@ static int notify_epoch(hapi_fs *fs)
     return n == (ssize_t)sizeof(oh) ? 0 : n < 0 ? -errno : -EIO;
 }
 
+void hapi_fs_serving(hapi_fs *fs)
+{
+    atomic_store(&fs->serving, 1);
+}
+
+/* tune.c's gate (hapi_tune_config.serving): mounted, and io_uring's workers all registered. */
+static int fs_serving(void *arg)
+{
+    hapi_fs *fs = arg;
+    if (!atomic_load(&fs->serving))
+        return 0;
+    hapi_uring_stats u;
+    hapi_uring_stats_get(fs->uring, &u);
+    return !fs->uring || u.active;
+}
+
 void hapi_fs_probe_epochs(hapi_fs *fs)
 {
     int rc = notify_epoch(fs);
@@ -2861,7 +2877,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .opt = opt, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .background = fs->background, .node = fs->node_share,
         .on_split_change = invalidate_feats,
-        .arg = fs,
+        .arg = fs, .serving = opt->serving_gate ? fs_serving : NULL,
     };
     if ((rc = hapi_tune_start(&tcfg, &fs->tune, err)) < 0)
         goto fail;

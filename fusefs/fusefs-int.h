@@ -69,6 +69,7 @@ typedef struct hapi_fs_options {
     int refresh_ms;        /* remote: how long a directory's index is trusted */
     int fetch_threads;     /* remote: packs fetched at once */
     gid_t ctl_gid;         /* ctl_group=: its members may write .hapifs/ctl; -1: none */
+    int serving_gate;      /* not an option: the daemon says when it serves (hapi_fs_serving) */
     struct fuse_args fuse_args; /* what goes to fuse_session_new() */
 } hapi_fs_options;
 
@@ -790,6 +791,12 @@ typedef struct hapi_tune_config {
     /* Called after every split change, with only tune.switch_lock held (fs: kernel invalidation). */
     void (*on_split_change)(void *arg);
     void *arg;
+    /*
+     * If not NULL, a profile waits until serving(arg) returns 1 (at most
+     * TUNE_SERVING_WAIT_MS): the mount's own start-up (the session, io_uring's
+     * workers registering) would land in its timings.
+     */
+    int (*serving)(void *arg);
 } hapi_tune_config;
 
 typedef struct hapi_tune hapi_tune;
@@ -1071,6 +1078,7 @@ typedef struct hapi_fs {
      */
     int epochs;
     atomic_uint_fast64_t epoch_notices; /* sent since the probe: split changes, late names, overflows */
+    atomic_int serving;          /* hapi_fs_serving() was called */
     atomic_uint_fast64_t split_changes; /* split changes told to the kernel (invalidate_feats) */
     atomic_uint_fast64_t made_serial; /* no_open: control files and indexes made so far */
     struct fuse_session *se;     /* for invalidating the kernel's caches; NULL before mount */
@@ -1100,6 +1108,11 @@ void hapi_fs_stop_watching(hapi_fs *fs);
  * sets fs->epochs. Harmless: the kernel has no names yet.
  */
 void hapi_fs_probe_epochs(hapi_fs *fs);
+/*
+ * The daemon is mounted and has started its workers: once io_uring's (if any)
+ * have registered, the profile may be measured (hapi_tune_config.serving).
+ */
+void hapi_fs_serving(hapi_fs *fs);
 /* Stops and frees the layers from the top. Accepts a zeroed or destroyed fs. */
 void hapi_fs_destroy(hapi_fs *fs);
 
