@@ -285,6 +285,8 @@ int hapi_tune_start(const hapi_tune_config *cfg, hapi_tune **out, hapi_error *er
         .cache_room = o->cache_size,
         .storage_file_ms = HAPI_POLICY_STORAGE_FILE_MS,
         .compute_file_ms = HAPI_POLICY_COMPUTE_FILE_MS,
+        .storage_serve_ms = HAPI_POLICY_STORAGE_SERVE_MS,
+        .compute_byte_ns = HAPI_POLICY_COMPUTE_BYTE_NS,
         .request_ms = HAPI_POLICY_REQUEST_MS,
     };
     /* What one feature of each split costs in the store, for "does the tree fit". */

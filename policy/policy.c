@@ -168,6 +168,12 @@ static double compute_kept(const hapi_policy_input *in, double file_bytes, doubl
     return need > 0 ? fmin(1.0, in->compute_cache / need) : 1.0;
 }
 
+/* How much slower than a whole CPU this node's cgroup quota makes one thread (1: no quota). */
+static double storage_slowdown(const hapi_profile *p)
+{
+    return p->cpu_quota > 0 && p->cpu_quota < 1 ? 1 / p->cpu_quota : 1;
+}
+
 static void estimate(const hapi_policy_input *in, int split, hapi_policy_candidate *c,
                      double samples)
 {
@@ -210,33 +216,45 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     if (cached > fit)
         fit = cached;
     c->storage_fit = fit;
-    double cold_storage = (1 - cached) * c->storage_ms + cached * in->hit_ms;
-    double warm_storage = (1 - fit) * c->storage_ms + fit * in->hit_ms;
+    /* A hit and the transport's own work are measured at a whole CPU: a CFS quota slows them. */
+    double slow = storage_slowdown(p);
+    double hit = in->hit_ms * slow, storage_file = in->storage_file_ms * slow;
+    /* A feature computed on demand also costs its serving: storage_serve_ms. */
+    double computed = c->storage_ms + in->storage_serve_ms * slow;
+    double cold_storage = (1 - cached) * computed + cached * hit;
+    double warm_storage = (1 - fit) * computed + fit * hit;
     /* Per file, a later epoch reads again what the compute tier did not keep; what it kept
        costs the storage tier an open, the link the requests. The transport's own CPU per file
        is paid on both tiers for every file of every epoch. */
     double kept = compute_kept(in, (double)c->file_bytes, samples);
     c->compute_kept = kept;
     double file_warm_link = kept * l.kept_ms + (1 - kept) * l.file_ms;
-    double file_warm_storage = kept * in->hit_ms + (1 - kept) * warm_storage;
+    double file_warm_storage = kept * hit + (1 - kept) * warm_storage;
     double compute = c->compute_ms + in->compute_file_ms;
-    double file_cold = max3(cold_storage + in->storage_file_ms, l.file_ms, compute);
-    double file_warm = max3(file_warm_storage + in->storage_file_ms, file_warm_link, compute);
+    /* A file that crosses the link costs the compute tier its bytes (compute_byte_ns). */
+    double received = (double)c->file_bytes * in->compute_byte_ns / 1e6;
+    double compute_cold = compute + received, compute_warm = compute + (1 - kept) * received;
+    double file_cold = max3(cold_storage + storage_file, l.file_ms, compute_cold);
+    double file_warm = max3(file_warm_storage + storage_file, file_warm_link, compute_warm);
     /* With packs only the first epoch crosses the link; later epochs are hits in the compute
-       node's own cache (a hit there costs what one here does). */
-    double pack_cold = max3(cold_storage, l.pack_ms, c->compute_ms);
-    double pack_warm = fmax(in->hit_ms, c->compute_ms);
+       node's own cache (a hit there costs what one here does). The training loop's own cost
+       per sample (compute_file_ms) is paid whatever the transport. */
+    double pack_cold = max3(cold_storage, l.pack_ms,
+                            compute + (double)(c->file_bytes - in->header_bytes +
+                                               HAPI_POLICY_PACK_INDEX_BYTES) *
+                                          in->compute_byte_ns / 1e6);
+    double pack_warm = fmax(in->hit_ms, compute);
     c->total_file_s = (file_cold + (in->epochs - 1) * file_warm) * samples / 1e3;
     c->total_pack_s = (pack_cold + (in->epochs - 1) * pack_warm) * samples / 1e3;
     int pack = in->transport == HAPI_TRANSPORT_PACK;
     c->link_ms = pack ? l.pack_ms : l.file_ms;
     c->link_warm_ms = pack ? 0 : file_warm_link;
     double cold = pack ? pack_cold : file_cold, warm = pack ? pack_warm : file_warm;
-    c->cold_bound = pack ? bound_of(cold_storage, l.pack_ms, c->compute_ms)
-                         : bound_of(cold_storage + in->storage_file_ms, l.file_ms, compute);
-    c->warm_bound = pack ? (in->hit_ms > c->compute_ms ? "storage" : "compute")
-                         : bound_of(file_warm_storage + in->storage_file_ms, file_warm_link,
-                                    compute);
+    c->cold_bound = pack ? bound_of(cold_storage, l.pack_ms, compute)
+                         : bound_of(cold_storage + storage_file, l.file_ms, compute_cold);
+    c->warm_bound = pack ? (in->hit_ms > compute ? "storage" : "compute")
+                         : bound_of(file_warm_storage + storage_file, file_warm_link,
+                                    compute_warm);
     c->cold_s = cold * samples / 1e3;
     c->warm_s = warm * samples / 1e3;
     c->total_s = c->cold_s + (in->epochs - 1) * c->warm_s;
@@ -249,7 +267,7 @@ static void estimate_raw(const hapi_policy_input *in, hapi_policy_candidate *c, 
     snprintf(c->name, sizeof(c->name), "raw");
     c->file_bytes = (uint64_t)in->source_bytes;
     c->fits = 1;
-    c->storage_ms = in->hit_ms + in->storage_file_ms; /* serving a file */
+    c->storage_ms = (in->hit_ms + in->storage_file_ms) * storage_slowdown(p); /* serving a file */
     /* raw images are read one file at a time whatever serves the features */
     struct link_cost l = link_terms(in, in->source_bytes, 0);
     c->link_ms = c->link_file_ms = l.file_ms;
@@ -260,11 +278,13 @@ static void estimate_raw(const hapi_policy_input *in, hapi_policy_candidate *c, 
     c->link_warm_ms = c->compute_kept * l.kept_ms + (1 - c->compute_kept) * l.file_ms;
     c->compute_ms = (in->decode_ms + hapi_profile_ms(p, 0, in->freeze, p->batches[p->nbatches - 1])) /
                     in->client_speed;
+    double received = in->source_bytes * in->compute_byte_ns / 1e6;
     double compute = c->compute_ms + in->compute_file_ms;
-    double cold = max3(c->storage_ms, c->link_ms, compute);
-    double warm = max3(c->storage_ms, c->link_warm_ms, compute);
-    c->cold_bound = bound_of(c->storage_ms, c->link_ms, compute);
-    c->warm_bound = bound_of(c->storage_ms, c->link_warm_ms, compute);
+    double compute_cold = compute + received, compute_warm = compute + (1 - c->compute_kept) * received;
+    double cold = max3(c->storage_ms, c->link_ms, compute_cold);
+    double warm = max3(c->storage_ms, c->link_warm_ms, compute_warm);
+    c->cold_bound = bound_of(c->storage_ms, c->link_ms, compute_cold);
+    c->warm_bound = bound_of(c->storage_ms, c->link_warm_ms, compute_warm);
     c->cold_s = cold * samples / 1e3;
     c->warm_s = warm * samples / 1e3;
     c->total_s = c->total_file_s = c->total_pack_s = c->cold_s + (in->epochs - 1) * c->warm_s;
@@ -304,6 +324,7 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
     if (!(in->link_bps > 0) || !(in->client_speed > 0) || in->epochs < 1 || in->batch < 0 ||
         in->batch > HAPI_BATCH_MAX || !(in->rtt_s >= 0) || in->readers < 0 ||
         !(in->compute_cache >= 0) || !(in->storage_file_ms >= 0) || !(in->compute_file_ms >= 0) ||
+        !(in->storage_serve_ms >= 0) || !(in->compute_byte_ns >= 0) ||
         !(in->request_ms >= 0) ||
         (in->transport != HAPI_TRANSPORT_FILE && in->transport != HAPI_TRANSPORT_PACK))
         return hapi_error_set(err, HAPI_EINVAL,
@@ -433,9 +454,11 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
         "raw", candidate_json(&c->raw, 0, 0));
     if (!root)
         return NULL;
-    json_t *more = json_pack("{s:f, s:f, s:f, s:f, s:i, s:i}", "compute_cache",
+    json_t *more = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:i}", "compute_cache",
                              in->compute_cache, "storage_file_ms", in->storage_file_ms,
-                             "compute_file_ms", in->compute_file_ms, "request_ms",
+                             "storage_serve_ms", in->storage_serve_ms, "compute_byte_ns",
+                             in->compute_byte_ns, "compute_file_ms", in->compute_file_ms,
+                             "request_ms",
                              in->request_ms, "file_overhead_bytes",
                              HAPI_POLICY_FILE_OVERHEAD, "file_round_trips",
                              HAPI_POLICY_FILE_ROUND_TRIPS);

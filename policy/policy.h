@@ -17,7 +17,7 @@ extern "C" {
 
 #define HAPI_PROFILE_MAX_STAGES 64
 #define HAPI_PROFILE_MAX_BATCHES 4
-#define HAPI_PROFILE_VERSION 1
+#define HAPI_PROFILE_VERSION 2 /* 2: the least of several sweeps (1: one, disturbed) */
 #define HAPI_PROFILE_BUDGET_S 20.0  /* batches past 1 only while the profile fits this */
 
 /* What one stage costs on this node, measured. */
@@ -41,6 +41,7 @@ typedef struct hapi_profile {
     char device[64];
     int threads;                    /* libtorch intra-op threads it ran with */
     int cores;                      /* CPUs the daemon may run on (its affinity) */
+    double cpu_quota;               /* CPUs its cgroup's CFS quota allows (0: no quota) */
     int nbatches;
     int batches[HAPI_PROFILE_MAX_BATCHES]; /* ascending */
     int nstages;
@@ -49,6 +50,7 @@ typedef struct hapi_profile {
     int mem_measured;               /* 1: peaks measured with the kernel's high-water mark;
                                        0: estimated from tensor sizes (no /proc) */
     double seconds;                 /* how long measuring took */
+    int sweeps;                     /* sweeps over the batches it took to settle */
     int64_t measured_at;            /* unix time */
 } hapi_profile;
 
@@ -58,7 +60,9 @@ typedef struct hapi_profile {
  * its widest activation stays under max_batch_bytes, 0 = no cap, and while the
  * profile's estimated time stays within HAPI_PROFILE_BUDGET_S), the mean of at
  * least three timed runs and 100 ms (at most 40 runs) after warm-up runs, so
- * that a CPU quota's stalls are counted, and each stage's peak memory at the
+ * that a CPU quota's stalls are counted; the least such mean of up to six
+ * sweeps over the batches, until a sweep lowers no batch's sum by more than 5%
+ * (a mount's start-up disturbs the first ones); and each stage's peak memory at the
  * smallest and largest batch. digest is the model file's XXH3-128, device and threads what
  * it runs with. stop (may be NULL) set nonzero ends it between runs with
  * -ECANCELED (an unmount need not wait for a big model's profile).
@@ -67,6 +71,14 @@ typedef struct hapi_profile {
 int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *device,
                          int threads, uint64_t max_batch_bytes, atomic_int *stop,
                          hapi_profile *out, hapi_error *err);
+
+/*
+ * The CPU quota of the process whose cgroups proc_cgroup lists ("/proc/self/cgroup"), under
+ * the cgroup file systems at root ("/sys/fs/cgroup"): the least over its cpu group and their
+ * parents of cgroup v1's cpu.cfs_quota_us / cpu.cfs_period_us or v2's cpu.max, in CPUs (0.25
+ * for a quarter of one); 0 when none is set or nothing could be read.
+ */
+double hapi_cpu_quota(const char *proc_cgroup, const char *root);
 
 /* The profile as JSON text (malloc'd, caller frees), or NULL when out of memory. */
 char *hapi_profile_to_json(const hapi_profile *p);
@@ -116,10 +128,21 @@ double hapi_profile_memory(const hapi_profile *p, int split, int batch);
 #define HAPI_POLICY_KEPT_OVERHEAD 700        /* ... and their bytes (measured: ~0.7 KB per open) */
 /* The transport's own costs through sshfs, measured with tools/hapifs-cluster's tiers on a core
    each (800 cached 1.1 KB .feat files, 2-32 readers, AMD EPYC, a busy machine): CPU per file on
-   the storage tier (sftp server, sshd) 0.25-0.43 ms and on the compute tier (ssh, sshfs, a
-   Python reader) 0.30-0.48 ms; the time a request takes beyond the RTT, 0.64 ms (2 readers). */
+   the storage tier (sftp server, sshd) 0.25-0.43 ms; the time a request takes beyond the RTT,
+   0.64 ms (2 readers). The compute tier's per sample is what a training loop costs beside the
+   trunk: sshfs and ssh, the DataLoader's workers (np.load, collation), the head's step. Fitted
+   from tools/bench-policy --grid's later epochs at the freeze split, where nothing else runs
+   there (examples/train.py, 2 workers, batch 32, ResNet-18 at 64 px, 1,000 files): 1.3-1.8 ms
+   per sample (a microbenchmark of the reads alone gave 0.30-0.48 ms). */
 #define HAPI_POLICY_STORAGE_FILE_MS 0.3
-#define HAPI_POLICY_COMPUTE_FILE_MS 0.35
+#define HAPI_POLICY_COMPUTE_FILE_MS 1.5
+/* What a first epoch costs beyond that, fitted from the grid's first epochs (ResNet-18 at 64 px,
+   1,000 files, tiers 1x, 100 Mbit and unshaped): the storage tier's first epoch at the later
+   splits took 1.0-2.0 ms per sample more than decode, the stages and the per-file CPU; the
+   compute tier's at the early splits (33 KB files) 1.2-1.6 ms more than its later epochs, with
+   the link unshaped as at 100 Mbit (CPU, not the link): ~36 ns per byte received. */
+#define HAPI_POLICY_STORAGE_SERVE_MS 1.5
+#define HAPI_POLICY_COMPUTE_BYTE_NS 36.0
 #define HAPI_POLICY_REQUEST_MS 0.6
 
 /*
@@ -150,7 +173,12 @@ typedef struct hapi_policy_input {
                                  (its page cache; 0: none, every epoch reads across the link) */
     double storage_file_ms;   /* CPU per file the transport costs the storage tier (sftp
                                  server, ssh cipher), on top of serving it (0: none) */
-    double compute_file_ms;   /* ... and the compute tier (ssh, sshfs, the loader) */
+    double compute_file_ms;   /* what the training loop costs the compute tier per sample beside
+                                 the stages it runs (sshfs, the loader, the head's step) */
+    double storage_serve_ms;  /* storage CPU per feature computed on demand beyond its decode and
+                                 stages (queueing, the cache's write, the first reply) (0: none) */
+    double compute_byte_ns;   /* compute CPU per byte of a file that crosses the link (the
+                                 network stack, ssh's cipher, sshfs's copies) (0: none) */
     double request_ms;        /* what a request of the transport takes beyond the RTT (0: none) */
     uint64_t mem_budget;      /* storage-side bytes: weights, inference, images in flight */
     int freeze;               /* stages [0, freeze) are frozen: candidates 1..freeze */

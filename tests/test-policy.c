@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "policy.h"
@@ -47,6 +48,7 @@ static void resnet_like(hapi_profile *p)
     }
     p->runtime_bytes = 300u << 20;
     p->mem_measured = 1;
+    p->sweeps = 3;
 }
 
 static hapi_profile prof;
@@ -407,6 +409,94 @@ START_TEST(per_file_transport_cpu)
     ck_assert_double_eq_tol(c.cand[5].cold_s, (c.cand[5].compute_ms + 50.0) * 10000 / 1e3, 1e-6);
     ck_assert_double_eq_tol(c.raw.cold_s, fmax(c.raw.link_ms, c.raw.compute_ms + 50.0) * 10000 / 1e3,
                             1e-6);
+    /* a feature computed on demand costs its serving in the first epoch, not once cached */
+    in.compute_file_ms = 0;
+    choose(&in, &c);
+    double warm = c.cand[5].warm_s;
+    in.storage_serve_ms = 1.5;
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[5].cold_s, cold + 1.5 * 10000 / 1e3, 1e-6);
+    ck_assert_double_eq_tol(c.cand[5].warm_s, warm, 1e-9);
+    /* bytes received cost the compute tier in every epoch that reads them across the link:
+       the first, and the later ones for what its page cache did not keep */
+    in.storage_serve_ms = 0;
+    in.client_speed = 1;
+    in.compute_byte_ns = 1000; /* 1 us a byte: stem's 400 KB files take 400 ms each */
+    choose(&in, &c);
+    double received = (double)c.cand[0].file_bytes * 1e-3;
+    ck_assert_str_eq(c.cand[0].cold_bound, "compute");
+    ck_assert_double_eq_tol(c.cand[0].cold_s, (c.cand[0].compute_ms + received) * 10000 / 1e3, 1e-6);
+    ck_assert_double_eq_tol(c.cand[0].warm_s, c.cand[0].cold_s, 1e-6);
+    in.compute_cache = 1e15; /* it keeps every file: later epochs receive nothing */
+    choose(&in, &c);
+    ck_assert_double_lt(c.cand[0].warm_s, c.cand[0].cold_s - received * 10000 / 1e3 * 0.99);
+}
+END_TEST
+
+/* Under a CFS quota a hit and the transport's work per file take longer: warm epochs show it. */
+START_TEST(quota_slows_serving)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(10e9, 100.0);
+    in.storage_file_ms = 0.3;
+    in.compute_file_ms = 0;
+    in.epochs = 2;
+    choose(&in, &c);
+    double warm = c.cand[5].warm_s, raw_storage = c.raw.storage_ms;
+    ck_assert_double_eq_tol(warm, (0.03 + 0.3) * 10000 / 1e3, 1e-6);
+    prof.cpu_quota = 0.25;
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[5].warm_s, 4 * warm, 1e-6);
+    ck_assert_double_eq_tol(c.raw.storage_ms, 4 * raw_storage, 1e-9);
+    prof.cpu_quota = 3; /* more than a CPU: one thread's work is no slower */
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[5].warm_s, warm, 1e-6);
+}
+END_TEST
+
+static void put(const char *dir, const char *name, const char *text)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* The quota read from cgroup v1 (cpu hierarchy) and v2 (cpu.max), the least up the tree. */
+START_TEST(cpu_quota_from_cgroups)
+{
+    char root[] = "/tmp/hapi-test-cgroup-XXXXXX", d[512];
+    ck_assert_ptr_nonnull(mkdtemp(root));
+    /* v1: the group has no quota of its own, its parent a quarter of a CPU */
+    snprintf(d, sizeof(d), "%s/cpu", root), mkdir(d, 0755);
+    snprintf(d, sizeof(d), "%s/cpu/tier", root), mkdir(d, 0755);
+    put(d, "cpu.cfs_quota_us", "25000\n");
+    put(d, "cpu.cfs_period_us", "100000\n");
+    snprintf(d, sizeof(d), "%s/cpu/tier/storage", root), mkdir(d, 0755);
+    put(d, "cpu.cfs_quota_us", "-1\n");
+    put(d, "cpu.cfs_period_us", "100000\n");
+    put(root, "self-v1", "5:memory:/elsewhere\n3:cpu,cpuacct:/tier/storage\n0::/\n");
+    char self[600];
+    snprintf(self, sizeof(self), "%s/self-v1", root);
+    ck_assert_double_eq_tol(hapi_cpu_quota(self, root), 0.25, 1e-12);
+    /* v2: cpu.max in the unified tree; the group's own 1.5 CPUs under an unlimited parent */
+    snprintf(d, sizeof(d), "%s/svc", root), mkdir(d, 0755);
+    put(d, "cpu.max", "max 100000\n");
+    snprintf(d, sizeof(d), "%s/svc/hapifs", root), mkdir(d, 0755);
+    put(d, "cpu.max", "150000 100000\n");
+    put(root, "self-v2", "0::/svc/hapifs\n");
+    snprintf(self, sizeof(self), "%s/self-v2", root);
+    ck_assert_double_eq_tol(hapi_cpu_quota(self, root), 1.5, 1e-12);
+    /* no quota anywhere, and nothing to read */
+    put(d, "cpu.max", "max 100000\n");
+    ck_assert_double_eq(hapi_cpu_quota(self, root), 0);
+    ck_assert_double_eq(hapi_cpu_quota("/nonexistent/cgroup", root), 0);
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", root);
+    ck_assert_int_eq(system(cmd), 0);
 }
 END_TEST
 
@@ -445,6 +535,7 @@ END_TEST
 START_TEST(profile_round_trip)
 {
     resnet_like(&prof);
+    prof.cpu_quota = 0.5;
     char *json = hapi_profile_to_json(&prof);
     ck_assert_ptr_nonnull(json);
     hapi_profile back;
@@ -458,6 +549,8 @@ START_TEST(profile_round_trip)
         ck_assert_double_eq_tol(back.stage[i].ms[2], prof.stage[i].ms[2], 1e-9);
         ck_assert_double_eq_tol(back.stage[i].mem_per_sample, prof.stage[i].mem_per_sample, 1e-3);
     }
+    ck_assert_int_eq(back.sweeps, prof.sweeps);
+    ck_assert_double_eq_tol(back.cpu_quota, prof.cpu_quota, 1e-12);
     /* stored and read back from a file */
     char path[] = "/tmp/hapi-test-profile-XXXXXX";
     int fd = mkstemp(path);
@@ -507,9 +600,11 @@ int main(void)
     tcase_add_test(tc, link_terms_apart);
     tcase_add_test(tc, compute_cache_spares_later_epochs);
     tcase_add_test(tc, per_file_transport_cpu);
+    tcase_add_test(tc, quota_slows_serving);
     suite_add_tcase(s, tc);
     TCase *tp = tcase_create("profile");
     tcase_add_test(tp, rates);
+    tcase_add_test(tp, cpu_quota_from_cgroups);
     tcase_add_test(tp, profile_round_trip);
     tcase_add_test(tp, interpolation);
     suite_add_tcase(s, tp);

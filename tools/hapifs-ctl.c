@@ -518,10 +518,14 @@ static int cmd_profile(const char *mnt)
     json_t *batches = json_object_get(p, "batches"), *st;
     char a[32], b[32], c[32];
     size_t i, k;
-    printf("model %.12s on %s, %.0f torch threads, %.0f cores; %s %s (%.1f s)\n",
-           str(p, "model_digest"), str(p, "device"), num(p, "threads"), num(p, "cores"),
+    printf("model %.12s on %s, %.0f torch threads, %.0f cores", str(p, "model_digest"),
+           str(p, "device"), num(p, "threads"), num(p, "cores"));
+    if (num(p, "cpu_quota") > 0)
+        printf(" (a CPU quota of %.3g)", num(p, "cpu_quota"));
+    printf("; %s %s (%.1f s, %.0f sweeps)\n",
            strcmp(str(p, "state"), "stored") == 0 ? "stored profile" : "measured at mount",
-           human_time(time(NULL) - num(p, "measured_at"), a, sizeof(a)), num(p, "seconds"));
+           human_time(time(NULL) - num(p, "measured_at"), a, sizeof(a)), num(p, "seconds"),
+           num(p, "sweeps"));
     printf("decode + preprocess %.2f ms per image (%.0f images, %s each on average)\n\n",
            num(p, "decode_ms"), num(p, "decode_samples"),
            human_size(num(p, "source_bytes"), a, sizeof(a)));
@@ -561,11 +565,14 @@ static void explain_terms(json_t *p)
     char a[32], b[32], t1[32], t2[32], t3[32];
     int pack = strcmp(str(p, "inputs.transport"), "pack") == 0;
     printf("\nterms of split %.0f (%s), per sample:\n", num(c, "split"), str(c, "stage"));
-    printf("  storage  %.3f ms: decode and stages [0, %.0f) at batch %.0f, from the profile; a\n"
-           "           cached feature costs %.3f ms instead (%.0f%% cached now, %.0f%% by a later\n"
-           "           epoch); plus %.3f ms of transport CPU per file (sftp server, ssh)\n",
-           num(c, "storage_ms"), num(c, "split"), num(c, "batch"), num(p, "inputs.hit_ms"),
-           100 * num(c, "cached"), 100 * num(c, "storage_fit"), num(p, "inputs.storage_file_ms"));
+    printf("  storage  %.3f ms: decode and stages [0, %.0f) at batch %.0f, from the profile, and\n"
+           "           %.3f ms to serve a feature computed on demand; a cached one costs %.3f ms\n"
+           "           instead (%.0f%% cached now, %.0f%% by a later epoch); plus %.3f ms of\n"
+           "           transport CPU per file (sftp server, ssh); a CPU quota below one CPU\n"
+           "           slows all but the profile's figures, which were measured under it\n",
+           num(c, "storage_ms"), num(c, "split"), num(c, "batch"),
+           num(p, "inputs.storage_serve_ms"), num(p, "inputs.hit_ms"), 100 * num(c, "cached"),
+           100 * num(c, "storage_fit"), num(p, "inputs.storage_file_ms"));
     if (pack)
         printf("  link     %.3f ms: the features' row and index entry in a pack at %s; later\n"
                "           epochs read the compute-side cache\n",
@@ -585,9 +592,13 @@ static void explain_terms(json_t *p)
                num(c, "link_warm_ms"), 100 * num(c, "compute_kept"),
                human_size(num(p, "inputs.compute_cache"), b, sizeof(b)));
     printf("  compute  %.3f ms: stages [%.0f, %.0f) at %.3gx this node's speed (client_speed);\n"
-           "           plus %.3f ms per file read (ssh, sshfs, the loader)\n",
+           "           plus %.3f ms per sample of the training loop beside them (ssh, sshfs, the\n"
+           "           loader, the head's step), and %.3g ns per byte received across the link\n"
+           "           (%.3f ms a file, in the epochs that read it there)\n",
            num(c, "compute_ms"), num(c, "split"), num(p, "inputs.freeze"),
-           num(p, "inputs.client_speed"), num(p, "inputs.compute_file_ms"));
+           num(p, "inputs.client_speed"), num(p, "inputs.compute_file_ms"),
+           num(p, "inputs.compute_byte_ns"),
+           num(c, "file_bytes") * num(p, "inputs.compute_byte_ns") / 1e6);
     printf("  an epoch takes its slowest tier: first %s (%s-bound), later %s (%s-bound);\n"
            "  %.0f epochs %s\n",
            human_time(num(c, "cold_epoch_s"), t1, sizeof(t1)), str(c, "cold_bound"),
