@@ -85,7 +85,8 @@ def namespaces(prefix):
 
 
 def processes_using(path):
-    """Live processes with an argument below path (hapifs, sshd, sshfs, ssh, mergerfs, relays)."""
+    """Live processes with an argument below path (hapifs, sshd, sshfs, ssh, mergerfs), or run
+    from there (the delay relays)."""
     want = str(path) + "/"
     found = []
     for d in Path("/proc").iterdir():
@@ -97,7 +98,7 @@ def processes_using(path):
                 continue
         except OSError:
             continue
-        if any(a.decode(errors="replace").startswith(want) for a in argv[1:]):
+        if any(a.decode(errors="replace").startswith(want) for a in argv):
             found.append(int(d.name))
     return found
 
