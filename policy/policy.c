@@ -127,8 +127,11 @@ static int pick_batch(const hapi_policy_input *in, int split)
  * files per request) is one more case here:
  *  - bytes: the file and its protocol overhead over the link's rate;
  *  - round trips: those of one file, each the RTT and the request's own
- *    time, spread over the concurrent readers (measured through sshfs at
- *    1 ms RTT: the round trips bound small files);
+ *    time, and the reader's own work on the file (reader_ms), spread over the
+ *    concurrent readers: a reader (a DataLoader worker) waits for a file and
+ *    then works on it, one after the other (measured through sshfs at 1 ms
+ *    RTT: the round trips bound small files, and a later epoch's kept files
+ *    took the sum of the two, not the larger);
  *  - a later epoch: what the compute tier kept in its cache costs only the
  *    requests still sent for it (sshfs opens and closes a cached file).
  * Per file the bytes and the round trips overlap (other readers' requests fill
@@ -144,17 +147,17 @@ struct link_cost {
 };
 
 static struct link_cost link_terms(const hapi_policy_input *in, double file_bytes,
-                                   double header_bytes)
+                                   double header_bytes, double reader_ms, double reader_kept_ms)
 {
     struct link_cost c;
     int readers = in->readers > 0 ? in->readers : HAPI_POLICY_READERS_DEFAULT;
     double ms_per_byte = 8.0 / in->link_bps * 1e3;
     c.bytes_ms = (file_bytes + HAPI_POLICY_FILE_OVERHEAD) * ms_per_byte;
     double trip_ms = in->rtt_s * 1e3 + in->request_ms;
-    c.trips_ms = HAPI_POLICY_FILE_ROUND_TRIPS * trip_ms / readers;
+    c.trips_ms = (HAPI_POLICY_FILE_ROUND_TRIPS * trip_ms + reader_ms) / readers;
     c.file_ms = fmax(c.bytes_ms, c.trips_ms);
     c.kept_ms = fmax(HAPI_POLICY_KEPT_OVERHEAD * ms_per_byte,
-                     HAPI_POLICY_KEPT_ROUND_TRIPS * trip_ms / readers);
+                     (HAPI_POLICY_KEPT_ROUND_TRIPS * trip_ms + reader_kept_ms) / readers);
     c.pack_ms = (file_bytes - header_bytes + HAPI_POLICY_PACK_INDEX_BYTES) * ms_per_byte;
     return c;
 }
@@ -196,7 +199,15 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     double decode = in->decode_ms / (in->decode_threads > 0 ? in->decode_threads : 1);
     c->storage_ms = p->cores >= p->threads + in->decode_threads ? fmax(infer, decode)
                                                                 : infer + in->decode_ms;
-    struct link_cost l = link_terms(in, (double)c->file_bytes, (double)in->header_bytes);
+    /* Each file costs the compute tier its bytes: loaded in every epoch (compute_load_ns:
+       numpy.load, fp16 to fp32, collation), received when it crosses the link
+       (compute_byte_ns). That and the training loop's work per file are the reader's own,
+       after its wait for the file. */
+    double loaded = (double)c->file_bytes * in->compute_load_ns / 1e6;
+    double received = (double)c->file_bytes * in->compute_byte_ns / 1e6;
+    c->reader_ms = in->compute_file_ms + loaded + received;
+    struct link_cost l = link_terms(in, (double)c->file_bytes, (double)in->header_bytes,
+                                    c->reader_ms, c->reader_ms - received);
     c->link_file_ms = l.file_ms;
     c->link_bytes_ms = l.bytes_ms;
     c->link_trips_ms = l.trips_ms;
@@ -230,20 +241,14 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     c->compute_kept = kept;
     double file_warm_link = kept * l.kept_ms + (1 - kept) * l.file_ms;
     double file_warm_storage = kept * hit + (1 - kept) * warm_storage;
-    double compute = c->compute_ms + in->compute_file_ms;
-    /* A file that crosses the link costs the compute tier its bytes (compute_byte_ns). */
-    double received = (double)c->file_bytes * in->compute_byte_ns / 1e6;
-    double compute_cold = compute + received, compute_warm = compute + (1 - kept) * received;
-    double file_cold = max3(cold_storage + storage_file, l.file_ms, compute_cold);
+    double compute = c->compute_ms + c->reader_ms, compute_warm = compute - kept * received;
+    double file_cold = max3(cold_storage + storage_file, l.file_ms, compute);
     double file_warm = max3(file_warm_storage + storage_file, file_warm_link, compute_warm);
     /* With packs only the first epoch crosses the link; later epochs are hits in the compute
        node's own cache (a hit there costs what one here does). The training loop's own cost
-       per sample (compute_file_ms) is paid whatever the transport. */
-    double pack_cold = max3(cold_storage, l.pack_ms,
-                            compute + (double)(c->file_bytes - in->header_bytes +
-                                               HAPI_POLICY_PACK_INDEX_BYTES) *
-                                          in->compute_byte_ns / 1e6);
-    double pack_warm = fmax(in->hit_ms, compute);
+       per sample and the loading are paid whatever the transport. */
+    double pack_cold = max3(cold_storage, l.pack_ms, compute);
+    double pack_warm = fmax(in->hit_ms, compute - received);
     c->total_file_s = (file_cold + (in->epochs - 1) * file_warm) * samples / 1e3;
     c->total_pack_s = (pack_cold + (in->epochs - 1) * pack_warm) * samples / 1e3;
     int pack = in->transport == HAPI_TRANSPORT_PACK;
@@ -251,8 +256,8 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     c->link_warm_ms = pack ? 0 : file_warm_link;
     double cold = pack ? pack_cold : file_cold, warm = pack ? pack_warm : file_warm;
     c->cold_bound = pack ? bound_of(cold_storage, l.pack_ms, compute)
-                         : bound_of(cold_storage + storage_file, l.file_ms, compute_cold);
-    c->warm_bound = pack ? (in->hit_ms > compute ? "storage" : "compute")
+                         : bound_of(cold_storage + storage_file, l.file_ms, compute);
+    c->warm_bound = pack ? (in->hit_ms > compute - received ? "storage" : "compute")
                          : bound_of(file_warm_storage + storage_file, file_warm_link,
                                     compute_warm);
     c->cold_s = cold * samples / 1e3;
@@ -268,22 +273,27 @@ static void estimate_raw(const hapi_policy_input *in, hapi_policy_candidate *c, 
     c->file_bytes = (uint64_t)in->source_bytes;
     c->fits = 1;
     c->storage_ms = (in->hit_ms + in->storage_file_ms) * storage_slowdown(p); /* serving a file */
-    /* raw images are read one file at a time whatever serves the features */
-    struct link_cost l = link_terms(in, in->source_bytes, 0);
+    /* raw images are read one file at a time whatever serves the features; the reader decodes
+       them too */
+    c->compute_ms = (in->decode_ms + hapi_profile_ms(p, 0, in->freeze, p->batches[p->nbatches - 1])) /
+                    in->client_speed;
+    double received = in->source_bytes * in->compute_byte_ns / 1e6;
+    c->reader_ms = in->compute_file_ms + in->source_bytes * in->compute_load_ns / 1e6 +
+                   received + in->decode_ms / in->client_speed;
+    struct link_cost l = link_terms(in, in->source_bytes, 0, c->reader_ms,
+                                    c->reader_ms - received);
     c->link_ms = c->link_file_ms = l.file_ms;
     c->link_bytes_ms = l.bytes_ms;
     c->link_trips_ms = l.trips_ms;
     c->link_pack_ms = l.pack_ms;
     c->compute_kept = compute_kept(in, in->source_bytes, samples);
     c->link_warm_ms = c->compute_kept * l.kept_ms + (1 - c->compute_kept) * l.file_ms;
-    c->compute_ms = (in->decode_ms + hapi_profile_ms(p, 0, in->freeze, p->batches[p->nbatches - 1])) /
-                    in->client_speed;
-    double received = in->source_bytes * in->compute_byte_ns / 1e6;
-    double compute = c->compute_ms + in->compute_file_ms;
-    double compute_cold = compute + received, compute_warm = compute + (1 - c->compute_kept) * received;
-    double cold = max3(c->storage_ms, c->link_ms, compute_cold);
+    /* the decode is the reader's, the trunk the training loop's */
+    double compute = c->compute_ms - in->decode_ms / in->client_speed + c->reader_ms;
+    double compute_warm = compute - c->compute_kept * received;
+    double cold = max3(c->storage_ms, c->link_ms, compute);
     double warm = max3(c->storage_ms, c->link_warm_ms, compute_warm);
-    c->cold_bound = bound_of(c->storage_ms, c->link_ms, compute_cold);
+    c->cold_bound = bound_of(c->storage_ms, c->link_ms, compute);
     c->warm_bound = bound_of(c->storage_ms, c->link_warm_ms, compute_warm);
     c->cold_s = cold * samples / 1e3;
     c->warm_s = warm * samples / 1e3;
@@ -325,6 +335,7 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
         in->batch > HAPI_BATCH_MAX || !(in->rtt_s >= 0) || in->readers < 0 ||
         !(in->compute_cache >= 0) || !(in->storage_file_ms >= 0) || !(in->compute_file_ms >= 0) ||
         !(in->storage_serve_ms >= 0) || !(in->compute_byte_ns >= 0) ||
+        !(in->compute_load_ns >= 0) ||
         !(in->request_ms >= 0) ||
         (in->transport != HAPI_TRANSPORT_FILE && in->transport != HAPI_TRANSPORT_PACK))
         return hapi_error_set(err, HAPI_EINVAL,
@@ -411,8 +422,9 @@ static json_t *candidate_json(const hapi_policy_candidate *c, double cached, int
                      c->total_pack_s, "cold_bound", c->cold_bound, "warm_bound",
                      c->warm_bound, "cached", cached, "fits", c->fits, "chosen", chosen);
     /* the link's terms and the caches of both tiers, as hapifs-ctl policy explains them */
-    json_t *terms = json_pack("{s:f, s:f, s:f, s:f, s:f}", "link_bytes_ms", c->link_bytes_ms,
-                              "link_trips_ms", c->link_trips_ms, "link_warm_ms",
+    json_t *terms = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f}", "link_bytes_ms", c->link_bytes_ms,
+                              "link_trips_ms", c->link_trips_ms, "reader_ms", c->reader_ms,
+                              "link_warm_ms",
                               c->link_warm_ms, "compute_kept", c->compute_kept, "storage_fit",
                               c->storage_fit);
     if (!j || !terms || json_object_update(j, terms) < 0) {
@@ -454,10 +466,11 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
         "raw", candidate_json(&c->raw, 0, 0));
     if (!root)
         return NULL;
-    json_t *more = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:i}", "compute_cache",
+    json_t *more = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:i}", "compute_cache",
                              in->compute_cache, "storage_file_ms", in->storage_file_ms,
                              "storage_serve_ms", in->storage_serve_ms, "compute_byte_ns",
-                             in->compute_byte_ns, "compute_file_ms", in->compute_file_ms,
+                             in->compute_byte_ns, "compute_load_ns", in->compute_load_ns,
+                             "compute_file_ms", in->compute_file_ms,
                              "request_ms",
                              in->request_ms, "file_overhead_bytes",
                              HAPI_POLICY_FILE_OVERHEAD, "file_round_trips",

@@ -145,6 +145,11 @@ double hapi_profile_memory(const hapi_profile *p, int split, int batch);
    the link unshaped as at 100 Mbit (CPU, not the link): ~36 ns per byte received. */
 #define HAPI_POLICY_STORAGE_SERVE_MS 1.5
 #define HAPI_POLICY_COMPUTE_BYTE_NS 36.0
+/* And what loading a file costs every epoch, received or kept: fitted from the grid's later
+   epochs at the early splits with the compute tier keeping every file (ResNet-18 at 64 px, 32
+   KB files; 100 Mbit at RTT 0 and 1 Gbit at 1 ms, 1x and 4x): 0.5-1.1 ms per file beyond the
+   trunk and the loop, median 0.67 ms: ~20 ns per byte. */
+#define HAPI_POLICY_COMPUTE_LOAD_NS 20.0
 #define HAPI_POLICY_REQUEST_MS 0.6
 
 /*
@@ -181,6 +186,8 @@ typedef struct hapi_policy_input {
                                  stages (queueing, the cache's write, the first reply) (0: none) */
     double compute_byte_ns;   /* compute CPU per byte of a file that crosses the link (the
                                  network stack, ssh's cipher, sshfs's copies) (0: none) */
+    double compute_load_ns;   /* compute CPU per byte of a file the training loop loads, in
+                                 every epoch (numpy.load, fp16 to fp32, collation) (0: none) */
     double request_ms;        /* what a request of the transport takes beyond the RTT (0: none) */
     uint64_t mem_budget;      /* storage-side bytes: weights, inference, images in flight */
     int freeze;               /* stages [0, freeze) are frozen: candidates 1..freeze */
@@ -212,7 +219,11 @@ typedef struct hapi_policy_candidate {
     double link_ms;           /* moving one sample by the input's transport */
     double link_file_ms;      /* ... one .feat per request: max(bytes, round trips / readers) */
     double link_bytes_ms;     /* its bytes term: (file + protocol overhead) over the rate */
-    double link_trips_ms;     /* its round-trip term: round trips x (rtt + request_ms) / readers */
+    double link_trips_ms;     /* its readers' term: (round trips x (rtt + request_ms) +
+                                 reader_ms) / readers */
+    double reader_ms;         /* a reader's own work per file on the compute tier, after its
+                                 wait: compute_file_ms, the file's bytes at compute_byte_ns
+                                 (and the decode, for raw) */
     double link_warm_ms;      /* per sample in a later epoch, by the input's transport */
     double compute_kept;      /* fraction of the .feat files the compute tier keeps between
                                  epochs (compute_cache over the epoch's bytes, at most 1) */

@@ -379,9 +379,12 @@ START_TEST(compute_cache_spares_later_epochs)
         ck_assert_double_eq_tol(c.cand[i].compute_kept, 1.0, 1e-12);
         ck_assert_double_eq_tol(c.cand[i].link_warm_ms, kept_ms, 1e-9);
     }
-    /* the raw images too */
+    /* the raw images too; their reader decodes each image after its wait (2.5 ms here) */
     ck_assert_double_eq_tol(c.raw.compute_kept, 1.0, 1e-12);
-    ck_assert_double_eq_tol(c.raw.link_warm_ms, kept_ms, 1e-9);
+    ck_assert_double_eq_tol(c.raw.reader_ms, in.decode_ms, 1e-12);
+    ck_assert_double_eq_tol(c.raw.link_warm_ms,
+                            (HAPI_POLICY_KEPT_ROUND_TRIPS * 1.0 + in.decode_ms) /
+                                HAPI_POLICY_READERS_DEFAULT, 1e-9);
 
     hapi_error err = { 0 };
     in.compute_cache = -1;
@@ -430,6 +433,42 @@ START_TEST(per_file_transport_cpu)
     in.compute_cache = 1e15; /* it keeps every file: later epochs receive nothing */
     choose(&in, &c);
     ck_assert_double_lt(c.cand[0].warm_s, c.cand[0].cold_s - received * 10000 / 1e3 * 0.99);
+    /* loading a file costs every epoch, kept or not */
+    in.compute_byte_ns = 0;
+    in.compute_load_ns = 1000;
+    choose(&in, &c);
+    ck_assert_str_eq(c.cand[0].warm_bound, "compute");
+    ck_assert_double_eq_tol(c.cand[0].warm_s, (c.cand[0].compute_ms + received) * 10000 / 1e3, 1e-6);
+    ck_assert_double_eq_tol(c.cand[0].reader_ms, received, 1e-9);
+    hapi_error err = { 0 };
+    in.compute_load_ns = -1;
+    ck_assert_int_eq(hapi_policy_choose(&in, &c, &err), HAPI_EINVAL);
+}
+END_TEST
+
+/* A reader waits for its file, then works on it: with few readers and a long RTT the two add. */
+START_TEST(readers_wait_then_work)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(10e9, 100.0);
+    in.rtt_s = 1e-3;
+    in.request_ms = 0.6;
+    in.readers = 2;
+    in.compute_file_ms = 0;
+    choose(&in, &c);
+    double trips = c.cand[5].link_trips_ms;
+    ck_assert_double_eq_tol(trips, HAPI_POLICY_FILE_ROUND_TRIPS * 1.6 / 2, 1e-9);
+    in.compute_file_ms = 1.5;
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[5].reader_ms, 1.5, 1e-9);
+    ck_assert_double_eq_tol(c.cand[5].link_trips_ms, trips + 1.5 / 2, 1e-9);
+    /* the later epoch's kept files: their requests and the reader's work */
+    in.compute_cache = 1e15;
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[5].link_warm_ms,
+                            (HAPI_POLICY_KEPT_ROUND_TRIPS * 1.6 + 1.5) / 2, 1e-9);
+    ck_assert_str_eq(c.cand[5].warm_bound, "link");
 }
 END_TEST
 
@@ -600,6 +639,7 @@ int main(void)
     tcase_add_test(tc, link_terms_apart);
     tcase_add_test(tc, compute_cache_spares_later_epochs);
     tcase_add_test(tc, per_file_transport_cpu);
+    tcase_add_test(tc, readers_wait_then_work);
     tcase_add_test(tc, quota_slows_serving);
     suite_add_tcase(s, tc);
     TCase *tp = tcase_create("profile");

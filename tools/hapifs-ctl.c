@@ -580,23 +580,28 @@ static void explain_terms(json_t *p)
     else
         printf("  link     %.3f ms, the larger of\n"
                "             bytes %.3f ms: %s and %.0f B of requests at %s\n"
-               "             round trips %.3f ms: %.0f x (%.3g ms rtt + %.3g ms a request) over "
-               "%.0f readers\n"
+               "             readers %.3f ms: %.0f round trips x (%.3g ms rtt + %.3g ms a "
+               "request),\n"
+               "               then the reader's own %.3f ms on the file, over %.0f readers\n"
                "           a later epoch %.3f ms: the compute tier keeps %.0f%% of the files "
                "(%s);\n"
                "           a kept file costs only its open and close\n",
                num(c, "link_file_ms"), num(c, "link_bytes_ms"),
                human_size(num(c, "file_bytes"), a, sizeof(a)), num(p, "inputs.file_overhead_bytes"),
                str(p, "inputs.link"), num(c, "link_trips_ms"), num(p, "inputs.file_round_trips"),
-               num(p, "inputs.rtt_ms"), num(p, "inputs.request_ms"), num(p, "inputs.readers"),
+               num(p, "inputs.rtt_ms"), num(p, "inputs.request_ms"), num(c, "reader_ms"),
+               num(p, "inputs.readers"),
                num(c, "link_warm_ms"), 100 * num(c, "compute_kept"),
                human_size(num(p, "inputs.compute_cache"), b, sizeof(b)));
     printf("  compute  %.3f ms: stages [%.0f, %.0f) at %.3gx this node's speed (client_speed);\n"
-           "           plus %.3f ms per sample of the training loop beside them (ssh, sshfs, the\n"
-           "           loader, the head's step), and %.3g ns per byte received across the link\n"
-           "           (%.3f ms a file, in the epochs that read it there)\n",
+           "           plus the reader's %.3f ms a file: %.3f ms of the training loop beside\n"
+           "           the stages (ssh, sshfs, the loader, the head's step), %.3g ns per byte\n"
+           "           loaded (%.3f ms a file, every epoch) and %.3g ns per byte received\n"
+           "           across the link (%.3f ms a file, in the epochs that read it there)\n",
            num(c, "compute_ms"), num(c, "split"), num(p, "inputs.freeze"),
-           num(p, "inputs.client_speed"), num(p, "inputs.compute_file_ms"),
+           num(p, "inputs.client_speed"), num(c, "reader_ms"), num(p, "inputs.compute_file_ms"),
+           num(p, "inputs.compute_load_ns"),
+           num(c, "file_bytes") * num(p, "inputs.compute_load_ns") / 1e6,
            num(p, "inputs.compute_byte_ns"),
            num(c, "file_bytes") * num(p, "inputs.compute_byte_ns") / 1e6);
     printf("  an epoch takes its slowest tier: first %s (%s-bound), later %s (%s-bound);\n"
