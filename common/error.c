@@ -48,9 +48,19 @@ void hapi_hex(const void *bytes, size_t n, char *out)
     out[2 * n] = '\0';
 }
 
-uint64_t hapi_now_ns(void)
+static uint64_t clock_ns(clockid_t clock)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(clock, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t hapi_now_ns(void)
+{
+    return clock_ns(CLOCK_MONOTONIC);
+}
+
+uint64_t hapi_cpu_ns(int process)
+{
+    return clock_ns(process ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_THREAD_CPUTIME_ID);
 }

@@ -60,6 +60,10 @@ void hapi_hex(const void *bytes, size_t n, char *out);
 /* Monotonic clock in nanoseconds. */
 uint64_t hapi_now_ns(void);
 
+/* CPU time in nanoseconds: the calling thread's, or with process nonzero the whole process's
+   (its other threads too, e.g. torch's intra-op workers). */
+uint64_t hapi_cpu_ns(int process);
+
 #ifdef __cplusplus
 }
 #endif

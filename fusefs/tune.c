@@ -71,13 +71,6 @@ static int sample_one(const hapi_source_entry *e, void *arg)
 }
 
 /* Times decode + preprocessing of the first images of the tree; their mean size too. */
-static uint64_t thread_cpu_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static void measure_decode(hapi_tune *t, double *ms, double *bytes, int *count)
 {
     struct sample_walk w = { .n = 0 };
@@ -99,9 +92,9 @@ static void measure_decode(hapi_tune *t, double *ms, double *bytes, int *count)
             size_t size = 0;
             hapi_error err = { 0 };
             if (hapi_source_load(t->cfg.source, w.paths[i], &data, &size, NULL, &err) == 0) {
-                uint64_t t0 = throttled ? thread_cpu_ns() : hapi_now_ns();
+                uint64_t t0 = throttled ? hapi_cpu_ns(0) : hapi_now_ns();
                 if (hapi_image_load(dec, data, size, pp, tensor, &err) == 0) {
-                    uint64_t t1 = throttled ? thread_cpu_ns() : hapi_now_ns();
+                    uint64_t t1 = throttled ? hapi_cpu_ns(0) : hapi_now_ns();
                     total_ms += (double)(t1 - t0) / 1e6 / (throttled ? quota : 1);
                     total_bytes += (double)size;
                     done++;

@@ -168,25 +168,18 @@ static void mem_hook(void *ctx, int stage, int after)
  * one torch thread (the stage runs there), the process's with more (its intra-op workers).
  */
 struct cpu_probe {
-    clockid_t clock;
+    int process; /* hapi_cpu_ns()'s argument */
     uint64_t start;
     uint64_t *ns; /* per stage, this run */
 };
-
-static uint64_t clock_ns(clockid_t clock)
-{
-    struct timespec ts;
-    clock_gettime(clock, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static void cpu_hook(void *ctx, int stage, int after)
 {
     struct cpu_probe *cp = ctx;
     if (!after)
-        cp->start = clock_ns(cp->clock);
+        cp->start = hapi_cpu_ns(cp->process);
     else
-        cp->ns[stage] = clock_ns(cp->clock) - cp->start;
+        cp->ns[stage] = hapi_cpu_ns(cp->process) - cp->start;
 }
 
 /* One run of every stage, unless asked to stop. */
@@ -272,8 +265,7 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
      * divided by the quota: what the stage takes when the node is busy, as in an epoch.
      */
     int throttled = out->cpu_quota > 0 && out->cpu_quota < (threads > 0 ? threads : 1);
-    struct cpu_probe probe = { .clock = threads > 1 ? CLOCK_PROCESS_CPUTIME_ID
-                                                    : CLOCK_THREAD_CPUTIME_ID, .ns = cpu };
+    struct cpu_probe probe = { .process = threads > 1, .ns = cpu };
     out->runtime_bytes = resident_bytes();
     /*
      * Sweeps over every batch until the figures settle. A mount's first second is busy
