@@ -171,6 +171,18 @@ static double compute_kept(const hapi_policy_input *in, double file_bytes, doubl
     return need > 0 ? fmin(1.0, in->compute_cache / need) : 1.0;
 }
 
+/*
+ * A reader's own work on a file of bytes after its wait for it, in ms: the training loop's per
+ * file (compute_file_ms), its bytes loaded in every epoch (compute_load_ns: numpy.load, fp16
+ * to fp32, collation) and received when it crosses the link (compute_byte_ns, given back in
+ * *received: a later epoch does not pay it for what the compute tier kept).
+ */
+static double reader_cost(const hapi_policy_input *in, double bytes, double *received)
+{
+    *received = bytes * in->compute_byte_ns / 1e6;
+    return in->compute_file_ms + bytes * in->compute_load_ns / 1e6 + *received;
+}
+
 /* How much slower than a whole CPU this node's cgroup quota makes one thread (1: no quota). */
 static double storage_slowdown(const hapi_profile *p)
 {
@@ -199,13 +211,8 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     double decode = in->decode_ms / (in->decode_threads > 0 ? in->decode_threads : 1);
     c->storage_ms = p->cores >= p->threads + in->decode_threads ? fmax(infer, decode)
                                                                 : infer + in->decode_ms;
-    /* Each file costs the compute tier its bytes: loaded in every epoch (compute_load_ns:
-       numpy.load, fp16 to fp32, collation), received when it crosses the link
-       (compute_byte_ns). That and the training loop's work per file are the reader's own,
-       after its wait for the file. */
-    double loaded = (double)c->file_bytes * in->compute_load_ns / 1e6;
-    double received = (double)c->file_bytes * in->compute_byte_ns / 1e6;
-    c->reader_ms = in->compute_file_ms + loaded + received;
+    double received;
+    c->reader_ms = reader_cost(in, (double)c->file_bytes, &received);
     struct link_cost l = link_terms(in, (double)c->file_bytes, (double)in->header_bytes,
                                     c->reader_ms, c->reader_ms - received);
     c->link_file_ms = l.file_ms;
@@ -275,11 +282,11 @@ static void estimate_raw(const hapi_policy_input *in, hapi_policy_candidate *c, 
     c->storage_ms = (in->hit_ms + in->storage_file_ms) * storage_slowdown(p); /* serving a file */
     /* raw images are read one file at a time whatever serves the features; the reader decodes
        them too */
-    c->compute_ms = (in->decode_ms + hapi_profile_ms(p, 0, in->freeze, p->batches[p->nbatches - 1])) /
-                    in->client_speed;
-    double received = in->source_bytes * in->compute_byte_ns / 1e6;
-    c->reader_ms = in->compute_file_ms + in->source_bytes * in->compute_load_ns / 1e6 +
-                   received + in->decode_ms / in->client_speed;
+    double trunk = hapi_profile_ms(p, 0, in->freeze, p->batches[p->nbatches - 1]) /
+                   in->client_speed;
+    double decode = in->decode_ms / in->client_speed, received;
+    c->compute_ms = trunk + decode;
+    c->reader_ms = reader_cost(in, in->source_bytes, &received) + decode;
     struct link_cost l = link_terms(in, in->source_bytes, 0, c->reader_ms,
                                     c->reader_ms - received);
     c->link_ms = c->link_file_ms = l.file_ms;
@@ -289,7 +296,7 @@ static void estimate_raw(const hapi_policy_input *in, hapi_policy_candidate *c, 
     c->compute_kept = compute_kept(in, in->source_bytes, samples);
     c->link_warm_ms = c->compute_kept * l.kept_ms + (1 - c->compute_kept) * l.file_ms;
     /* the decode is the reader's, the trunk the training loop's */
-    double compute = c->compute_ms - in->decode_ms / in->client_speed + c->reader_ms;
+    double compute = trunk + c->reader_ms;
     double compute_warm = compute - c->compute_kept * received;
     double cold = max3(c->storage_ms, c->link_ms, compute);
     double warm = max3(c->storage_ms, c->link_warm_ms, compute_warm);
@@ -424,9 +431,8 @@ static json_t *candidate_json(const hapi_policy_candidate *c, double cached, int
     /* the link's terms and the caches of both tiers, as hapifs-ctl policy explains them */
     json_t *terms = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f}", "link_bytes_ms", c->link_bytes_ms,
                               "link_trips_ms", c->link_trips_ms, "reader_ms", c->reader_ms,
-                              "link_warm_ms",
-                              c->link_warm_ms, "compute_kept", c->compute_kept, "storage_fit",
-                              c->storage_fit);
+                              "link_warm_ms", c->link_warm_ms, "compute_kept", c->compute_kept,
+                              "storage_fit", c->storage_fit);
     if (!j || !terms || json_object_update(j, terms) < 0) {
         json_decref(j);
         j = NULL;
@@ -470,8 +476,7 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
                              in->compute_cache, "storage_file_ms", in->storage_file_ms,
                              "storage_serve_ms", in->storage_serve_ms, "compute_byte_ns",
                              in->compute_byte_ns, "compute_load_ns", in->compute_load_ns,
-                             "compute_file_ms", in->compute_file_ms,
-                             "request_ms",
+                             "compute_file_ms", in->compute_file_ms, "request_ms",
                              in->request_ms, "file_overhead_bytes",
                              HAPI_POLICY_FILE_OVERHEAD, "file_round_trips",
                              HAPI_POLICY_FILE_ROUND_TRIPS);
