@@ -211,14 +211,13 @@ int main(int argc, char **argv)
             return 1;
         }
         for (int i = 0; i < n; i++) {
-            if (!pfd[i].revents)
-                continue;
-            struct dir *d = of[i];
-            if (want_in[i] ? pull(d, buf, delay_ns) < 0 : push(d, now_ns()) < 0) {
-                /* a side went away: what is held cannot reach it; end that direction */
-                if (d == &down || !want_in[i])
+            if (!pfd[i].revents || !want_in[i])
+                continue; /* a writable out: the pushes below write to it */
+            if (pull(of[i], buf, delay_ns) < 0) {
+                /* the storage side went away: nothing more can arrive for stdout */
+                if (of[i] == &down)
                     return 0;
-                d->eof = 1;
+                of[i]->eof = 1; /* stdin failed: end the way up as at its end */
             }
         }
         now = now_ns();
