@@ -23,8 +23,10 @@ def test_grid_quick(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the grid's tiers need a CPU each")
     out = tmp_path / "grid.json"
+    # --splits: the last frozen split, then stem, in that order (and the pick after them)
     r = subprocess.run([PYTHON, str(BENCH), "--grid", "--quick", "--work", str(tmp_path / "work"),
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--splits", "pool,stem", "--json", str(out)], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     cells = json.loads(out.read_text())["cells"]
     assert len(cells) == 1
@@ -33,6 +35,9 @@ def test_grid_quick(tmp_path):
     # measured, not assumed: the storage tier runs at a quarter of a core
     assert c["client_speed"] > 1.5, c["client_speed"]
     runs = {run["split"]: run for run in c["runs"]}
+    order = [run["split"] for run in c["runs"]]
+    assert order[:2] == [c["freeze"], 1] and order[2:] in ([], [c["pick"]]), order
+    assert all(run["storage_stats"]["batcher"]["samples"] > 0 for run in c["runs"])
     assert c["pick"] in runs and c["best"] in runs and c["freeze"] in runs and 1 in runs
     for run in runs.values():
         assert run["epochs_s"] > 0 and run["predicted_s"] > 0 and len(run["epoch_s"]) == 2
