@@ -46,6 +46,10 @@ def test_grid_quick(tmp_path):
         assert run["profile"] == "stored", run  # the cell's profile, not measured again
     assert runs[1]["link_bytes"] > runs[c["freeze"]]["link_bytes"]  # stem's features are larger
     assert c["time_ratio"] >= 1.0
+    # the job's whole time: train.py's start-up is outside its epochs
+    assert all(run["startup_s"] > 0 for run in c["runs"])
+    assert c["best_job"] in runs and c["job_time_ratio"] >= 1.0
+    assert "by the job's whole time" in r.stdout
     assert abs(c["time_ratio"] - runs[c["pick"]]["epochs_s"] / runs[c["best"]]["epochs_s"]) < 1e-9
     row = [line for line in r.stdout.splitlines() if line.startswith("| resnet18 | 1gbit | 0 |")]
     assert len(row) == 1 and f"| {c['pick']} {c['pick_stage']} |" in row[0], r.stdout
