@@ -1854,11 +1854,7 @@ int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
         goto fail_fields;
     }
 
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    rc = pthread_cond_init(&c->idle, &ca);
-    pthread_condattr_destroy(&ca);
+    rc = hapi_cond_init_monotonic(&c->idle);
     if (rc) {
         rc = hapi_error_set(err, -rc, "cache %s: %s", dir, strerror(rc));
         goto fail_fields;

@@ -2,6 +2,7 @@
 #ifndef HAPI_H
 #define HAPI_H
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -63,6 +64,11 @@ uint64_t hapi_now_ns(void);
 /* CPU time in nanoseconds: the calling thread's, or with process nonzero the whole process's
    (its other threads too, e.g. torch's intra-op workers). */
 uint64_t hapi_cpu_ns(int process);
+
+/* pthread_cond_init on the monotonic clock, for timed waits whose deadline is
+   CLOCK_MONOTONIC (they then do not move with the wall clock). Returns 0 or a
+   positive errno, as pthread_cond_init. */
+int hapi_cond_init_monotonic(pthread_cond_t *cond);
 
 #ifdef __cplusplus
 }

@@ -573,11 +573,7 @@ int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_ba
         return hapi_error_set(err, -ENOMEM, "out of memory");
     }
     pthread_mutex_init(&b->lock, NULL);
-    pthread_condattr_t attr;
-    pthread_condattr_init(&attr);
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-    pthread_cond_init(&b->ready_cond, &attr);
-    pthread_condattr_destroy(&attr);
+    hapi_cond_init_monotonic(&b->ready_cond);
     pthread_cond_init(&b->work_cond, NULL);
     pthread_cond_init(&b->done_cond, NULL);
     pthread_cond_init(&b->throttle_cond, NULL);

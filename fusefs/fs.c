@@ -418,11 +418,7 @@ static int watchdog_start(hapi_fs *fs)
     struct notice_watchdog *w = calloc(1, sizeof(*w));
     if (!w)
         return -ENOMEM;
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&w->cond, &ca);
-    pthread_condattr_destroy(&ca);
+    hapi_cond_init_monotonic(&w->cond);
     pthread_mutex_init(&w->lock, NULL);
     fs->watchdog = w;
     int rc = pthread_create(&w->thread, NULL, watchdog_main, fs);
