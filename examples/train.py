@@ -85,6 +85,13 @@ def make_parser():
     p.add_argument("--report", metavar="FILE",
                    help="also write per-epoch wall time, samples/s, accuracies and the final "
                         "val_acc to FILE as JSON")
+    p.add_argument("--trunk-first", action="store_true",
+                   help="on a hapifs mount, set up the trunk (read the model archive, freeze "
+                        "and optimize it, for the split's shape in .hapifs/config) before "
+                        "reading any feature. By default the first feature is read first, so "
+                        "the storage node starts computing features while the trunk is set "
+                        "up; benchmarks comparing splits by their epochs use this so that no "
+                        "split starts its first epoch ahead")
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="torch threads of this process, which runs the trunk and the head "
                         "(default: the CPUs it may use less one per worker, at least 1)")
@@ -398,6 +405,15 @@ def split_changed(trunk):
             f"during training: the features no longer fit this model; run train.py again")
 
 
+def check_shape(root, feature_shape, split):
+    """Raises TrunkError if features of feature_shape are not what the mount's split
+    (its .hapifs/config "split") gives."""
+    if feature_shape is not None and split.get("shape") is not None \
+            and tuple(feature_shape) != tuple(split["shape"]):
+        raise TrunkError(f"features of shape {tuple(feature_shape)} under {root}, but the "
+                         f"mount's split gives {tuple(split['shape'])}")
+
+
 def split_index(split, names):
     """--split N (stages [0, N) were run) or NAME (through stage NAME) as an index."""
     split = str(split)
@@ -453,10 +469,7 @@ def _resolve(root, ctl, config, model, split, feature_shape, log):
         if split_index(split, names) != index:
             raise TrunkError(f"--split {split} differs from the mount's split {index} "
                              f"({sp.get('stage')}); leave it out on a hapifs mount")
-    if feature_shape is not None and sp.get("shape") is not None \
-            and tuple(feature_shape) != tuple(sp["shape"]):
-        raise TrunkError(f"features of shape {tuple(feature_shape)} under {root}, but the "
-                         f"mount's split gives {tuple(sp['shape'])}")
+    check_shape(root, feature_shape, sp)
     if start >= stop or model == "none":
         if start < stop:
             log(f"note: --model none: training on stage {sp.get('stage')}'s output, without "
@@ -535,16 +548,24 @@ def main(argv=None):
     train_loader = DataLoader(train_ds, batch_size=args.batch_size, shuffle=True,
                               num_workers=args.workers, drop_last=len(train_ds) > args.batch_size)
     val_loader = DataLoader(val_ds, batch_size=args.batch_size, num_workers=args.workers)
+    # Features are the output of the frozen part of a network, up to the split;
+    # the frozen stages after it, if any, run here as the trunk.
+    trunk = None
+    if args.trunk_first and find_mount_config(args.root)[1] is not None:
+        try:  # the split's shape from the mount's config; the first feature checks it below
+            trunk = resolve_trunk(args.root, args.model, args.split)
+        except TrunkError as e:
+            sys.exit(f"train.py: {e}")
     raw = np.load(ds.samples[0][0])
     sample = to_float_tensor(raw)
     print(f"{len(ds)} samples in {len(ds.classes)} classes ({', '.join(ds.classes)}), "
           f"{len(train_ds)} train / {len(val_ds)} val, feature shape {tuple(sample.shape)} "
           f"{raw.dtype}")
-
-    # Features are the output of the frozen part of a network, up to the split;
-    # the frozen stages after it, if any, run here as the trunk.
     try:
-        trunk = resolve_trunk(args.root, args.model, args.split, tuple(sample.shape))
+        if trunk is None:
+            trunk = resolve_trunk(args.root, args.model, args.split, tuple(sample.shape))
+        else:
+            check_shape(args.root, tuple(sample.shape), trunk.split)
     except TrunkError as e:
         sys.exit(f"train.py: {e}")
     print(f"trunk: {trunk.describe()}", flush=True)

@@ -127,6 +127,44 @@ def test_train_at_an_early_split_loads_the_mounts_model(tmp_path, models, mounte
     check_report(json.loads(report.read_text()), cfg, 10, acc, served)
 
 
+def test_trunk_first_reads_no_feature_before_the_trunk_is_set_up(tmp_path, models, mounter):
+    """--trunk-first: the trunk is built from the config's split shape before the first read;
+    by default the first feature is read first (the storage node starts meanwhile)."""
+    train_py = load_train()
+    archive = models("resnet18", 64)
+    data = make_dataset(tmp_path / "data", 2, 8, size=80)
+    m = mounter(data, model=archive, split="layer3")
+    cfg = settled_config(m)
+    seen = []
+    resolve = train_py.resolve_trunk
+
+    def watched(*a, **kw):
+        seen.append(m.ctl("stats")["feat"]["computed"])
+        return resolve(*a, **kw)
+
+    train_py.resolve_trunk = watched
+    for first in (True, False):
+        report = tmp_path / f"report-{first}.json"
+        argv = [str(m.path), "--epochs", "1", "--workers", "0", "--report", str(report)]
+        assert train_py.main(argv + ["--trunk-first"] * first) == 0
+        rep = json.loads(report.read_text())
+        assert rep["trunk"]["names"] == ["layer4", "pool"] and rep["trunk"]["optimized"]
+        assert rep["feature_shape"] == cfg["split"]["shape"]
+    assert seen[0] == 0 and seen[1] >= 1, seen
+
+    # a feature that is not of the split's shape is still caught, after the trunk
+    remote = tmp_path / "remote"
+    shutil.copytree(m.path, remote / "train")
+    (remote / ".hapifs").mkdir()
+    shutil.copyfile(archive, remote / ".hapifs" / "model")
+    cfg["split"]["shape"] = [cfg["split"]["shape"][0], 8, 8]
+    (remote / ".hapifs" / "config").write_text(json.dumps(cfg))
+    r = subprocess.run([PYTHON, str(TRAIN), str(remote / "train"), "--workers", "0",
+                        "--trunk-first"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "but the mount's split gives" in r.stderr and "(256, 4, 4)" in r.stderr, r.stderr
+
+
 def test_trunk_on_early_features_equals_features_at_the_freeze_split(tmp_path, models, mounter):
     """Features at split 3 run through train.py's trunk == the mount's features at freeze (fp32)."""
     train_py = load_train()
