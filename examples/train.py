@@ -4,7 +4,7 @@
     train.py ROOT [--epochs 5] [--batch-size 32] [--lr 1e-3] [--workers 2]
                   [--seed 0] [--val-fraction 0.2]
                   [--model auto|none|PATH] [--split N|NAME] [--report FILE]
-                  [--threads N]
+                  [--threads N] [--trunk-first]
 
 ROOT holds one folder per class with one .feat file (a NumPy .npy array) per
 sample, which is what hapifs shows over an image dataset: ROOT/<class>/x.jpg.feat
@@ -38,6 +38,11 @@ output. Without a hapifs config (plain .npy files), there is no trunk unless
 [split, the archive's freeze index). A mount still choosing its split is waited
 for; if its split changes during training (hapifs-ctl split, its policy), the
 features no longer fit the trunk and head, and train.py stops with a message.
+The first feature is read before the trunk is set up (its shape checks the
+trunk), so the storage node computes features while the archive is read and
+the trunk optimized; --trunk-first sets the trunk up first, from the split's
+shape in the config, and reads no feature before (benchmarks comparing splits
+by their epochs: no split then starts its first epoch ahead).
 
 Features stored as float16 are converted to float32 before the trunk and head.
 This process runs the trunk and the head with --threads torch threads (default:

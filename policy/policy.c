@@ -79,6 +79,19 @@ static double max3(double a, double b, double c)
     return m > c ? m : c;
 }
 
+/* The per-file time of a first epoch read a file at a time, of which computed (0..1) is
+   computed on demand: HAPI_POLICY_COLD_NORM's norm of its tiers' times for what is computed
+   (policy.h says why), their maximum for what is cached (nothing to wait for). */
+static double cold_file_ms(double storage, double link, double compute, double computed)
+{
+    double p = HAPI_POLICY_COLD_NORM, m = max3(storage, link, compute);
+    if (!(m > 0))
+        return 0;
+    /* scaled by the largest, so that no power overflows */
+    double norm = m * pow(pow(storage / m, p) + pow(link / m, p) + pow(compute / m, p), 1 / p);
+    return m + computed * (norm - m);
+}
+
 static const char *bound_of(double storage, double link, double compute)
 {
     if (storage >= link && storage >= compute)
@@ -249,7 +262,7 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     double file_warm_link = kept * l.kept_ms + (1 - kept) * l.file_ms;
     double file_warm_storage = kept * hit + (1 - kept) * warm_storage;
     double compute = c->compute_ms + c->reader_ms, compute_warm = compute - kept * received;
-    double file_cold = max3(cold_storage + storage_file, l.file_ms, compute);
+    double file_cold = cold_file_ms(cold_storage + storage_file, l.file_ms, compute, 1 - cached);
     double file_warm = max3(file_warm_storage + storage_file, file_warm_link, compute_warm);
     /* With packs only the first epoch crosses the link; later epochs are hits in the compute
        node's own cache (a hit there costs what one here does). The training loop's own cost
@@ -472,14 +485,15 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
         "raw", candidate_json(&c->raw, 0, 0));
     if (!root)
         return NULL;
-    json_t *more = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:i}", "compute_cache",
+    json_t *more = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:i, s:f}", "compute_cache",
                              in->compute_cache, "storage_file_ms", in->storage_file_ms,
                              "storage_serve_ms", in->storage_serve_ms, "compute_byte_ns",
                              in->compute_byte_ns, "compute_load_ns", in->compute_load_ns,
                              "compute_file_ms", in->compute_file_ms, "request_ms",
                              in->request_ms, "file_overhead_bytes",
                              HAPI_POLICY_FILE_OVERHEAD, "file_round_trips",
-                             HAPI_POLICY_FILE_ROUND_TRIPS);
+                             HAPI_POLICY_FILE_ROUND_TRIPS, "cold_norm",
+                             HAPI_POLICY_COLD_NORM);
     if (!more || json_object_update(json_object_get(root, "inputs"), more) < 0) {
         json_decref(more);
         json_decref(root);

@@ -151,6 +151,15 @@ double hapi_profile_memory(const hapi_profile *p, int split, int batch);
    trunk and the loop, median 0.67 ms: ~20 ns per byte. */
 #define HAPI_POLICY_COMPUTE_LOAD_NS 20.0
 #define HAPI_POLICY_REQUEST_MS 0.6
+/* A first epoch read one file at a time is slower than its slowest tier: the readers ask for
+   files in a shuffled order while the storage tier computes them a folder at a time, so the
+   tiers wait on each other, and more so the closer their times are. The per-file times of its
+   tiers are combined by this norm, (s^p + l^p + c^p)^(1/p), instead of their maximum. Fitted on
+   tools/bench-policy --grid's first epochs with train.py --trunk-first (ResNet-18 at 64 px,
+   1,000 files, 1x, 1 Gbit, 100 Mbit and unshaped, RTT 0 and 1 ms, 30 runs): measured/max 1.01-
+   1.61, median 1.25; the 3-norm brings 25 of 30 within 15% (the maximum 9), 2 and 4 fewer.
+   Later epochs stay at the maximum, which fitted them best (22 of 30; the 3-norm 15). */
+#define HAPI_POLICY_COLD_NORM 3.0
 
 /*
  * How the compute tier reads the features (hapi_policy_input.transport). Each

@@ -182,6 +182,8 @@ def test_hapifs_ctl_profile_policy_and_set(tree, mounter, models):
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("* ")]
     assert len(lines) == 2  # the winner's row and the reason
+    # the terms, and how a first epoch read file by file combines them
+    assert "\nterms of split " in r.stdout and "a first epoch takes the 3-norm" in r.stdout
     r = ctl("--json", "policy", m.path)
     assert json.loads(r.stdout)["candidates"]
     r = ctl("set-link", "100Mbit", m.path)

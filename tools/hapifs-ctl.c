@@ -604,8 +604,14 @@ static void explain_terms(json_t *p)
            num(c, "file_bytes") * num(p, "inputs.compute_load_ns") / 1e6,
            num(p, "inputs.compute_byte_ns"),
            num(c, "file_bytes") * num(p, "inputs.compute_byte_ns") / 1e6);
-    printf("  an epoch takes its slowest tier: first %s (%s-bound), later %s (%s-bound);\n"
-           "  %.0f epochs %s\n",
+    if (!pack)
+        printf("  a first epoch takes the %g-norm of its tiers (shuffled reads wait on a storage\n"
+               "  tier computing a folder at a time), a later one its slowest tier:\n",
+               num(p, "inputs.cold_norm"));
+    else
+        printf("  an epoch takes its slowest tier:");
+    printf("%s first %s (%s-bound), later %s (%s-bound);\n"
+           "  %.0f epochs %s\n", pack ? "" : " ",
            human_time(num(c, "cold_epoch_s"), t1, sizeof(t1)), str(c, "cold_bound"),
            human_time(num(c, "warm_epoch_s"), t2, sizeof(t2)), str(c, "warm_bound"),
            num(p, "inputs.epochs"), human_time(num(c, "total_s"), t3, sizeof(t3)));
