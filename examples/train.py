@@ -556,9 +556,10 @@ def main(argv=None):
     # Features are the output of the frozen part of a network, up to the split;
     # the frozen stages after it, if any, run here as the trunk.
     trunk = None
-    if args.trunk_first and find_mount_config(args.root)[1] is not None:
+    if args.trunk_first:
         try:  # the split's shape from the mount's config; the first feature checks it below
-            trunk = resolve_trunk(args.root, args.model, args.split)
+            if find_mount_config(args.root)[1] is not None:
+                trunk = resolve_trunk(args.root, args.model, args.split)
         except TrunkError as e:
             sys.exit(f"train.py: {e}")
     raw = np.load(ds.samples[0][0])

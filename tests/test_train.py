@@ -163,6 +163,12 @@ def test_trunk_first_reads_no_feature_before_the_trunk_is_set_up(tmp_path, model
                         "--trunk-first"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "but the mount's split gives" in r.stderr and "(256, 4, 4)" in r.stderr, r.stderr
+    # a config that cannot be read is a message too, not a traceback
+    (remote / ".hapifs" / "config").write_text("{not json")
+    r = subprocess.run([PYTHON, str(TRAIN), str(remote / "train"), "--workers", "0",
+                        "--trunk-first"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith("train.py: "), r.stderr
+    assert "cannot read the mount's config" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_trunk_on_early_features_equals_features_at_the_freeze_split(tmp_path, models, mounter):
