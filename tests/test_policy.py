@@ -184,6 +184,13 @@ def test_hapifs_ctl_profile_policy_and_set(tree, mounter, models):
     assert len(lines) == 2  # the winner's row and the reason
     # the terms, and how a first epoch read file by file combines them
     assert "\nterms of split " in r.stdout and "a first epoch takes the 3-norm" in r.stdout
+    assert "for the 100% computed on demand" in r.stdout  # nothing read yet
+    for f in sorted(m.path.rglob("*.feat")):  # every feature of the split served, cached
+        f.read_bytes()
+    chosen = [c for c in m.ctl("policy")["candidates"] if c["chosen"]][0]
+    assert chosen["cached"] == 1, chosen
+    r = ctl("policy", m.path)
+    assert "every feature is cached" in r.stdout and "3-norm" not in r.stdout, r.stdout
     r = ctl("--json", "policy", m.path)
     assert json.loads(r.stdout)["candidates"]
     r = ctl("set-link", "100Mbit", m.path)
