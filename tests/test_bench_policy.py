@@ -53,5 +53,27 @@ def test_grid_quick(tmp_path):
     assert abs(c["time_ratio"] - runs[c["pick"]]["epochs_s"] / runs[c["best"]]["epochs_s"]) < 1e-9
     row = [line for line in r.stdout.splitlines() if line.startswith("| resnet18 | 1gbit | 0 |")]
     assert len(row) == 1 and f"| {c['pick']} {c['pick_stage']} |" in row[0], r.stdout
+    # one round: the round's pick/best is the cell's, and the table's last column says so
+    assert len(c["round_time_ratios"]) == 1
+    assert abs(c["round_time_ratios"][0] - c["time_ratio"]) < 1e-9
+    assert row[0].endswith(f"| {c['round_time_ratios'][0]:.2f} |"), row[0]
     assert "1 cells: pick within 5% of the measured best in" in r.stdout
     assert f"every split measured ({len(runs)} runs)" in r.stdout, r.stdout
+
+    # --resume: the cell in the file is kept, not measured again, and printed with the grid
+    again = subprocess.run([PYTHON, str(BENCH), "--grid", "--quick", "--work",
+                            str(tmp_path / "work"), "--json", str(out), "--resume"],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "# resumed: 1 cells" in again.stdout, again.stdout
+    assert "] split " not in again.stderr, again.stderr  # no split ran
+    assert json.loads(out.read_text())["cells"] == cells
+    assert row[0] in again.stdout.splitlines()
+    assert "1 cells: pick within 5% of the measured best in" in again.stdout
+    # a grid measured with other settings is not mixed in
+    other = subprocess.run([PYTHON, str(BENCH), "--grid", "--quick", "--work",
+                            str(tmp_path / "work"), "--json", str(out), "--resume",
+                            "--storage-cpus", "1", "--compute-cpus", "0"],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode != 0
+    assert "was measured with --storage-cpus 0, --compute-cpus 1" in other.stderr, other.stderr
