@@ -184,7 +184,7 @@ def test_hapifs_ctl_profile_policy_and_set(tree, mounter, models):
     assert len(lines) == 2  # the winner's row and the reason
     # the terms, and how a first epoch read file by file combines them
     assert "\nterms of split " in r.stdout and "a first epoch takes the 3-norm" in r.stdout
-    assert "for the 100% computed on demand" in r.stdout  # nothing read yet
+    assert "a first epoch takes the 3-norm of its tiers (shuffled" in r.stdout  # nothing read
     for f in sorted(m.path.rglob("*.feat")):  # every feature of the split served, cached
         f.read_bytes()
     chosen = [c for c in m.ctl("policy")["candidates"] if c["chosen"]][0]

@@ -608,11 +608,15 @@ static void explain_terms(json_t *p)
     if (!pack && cached >= 1)
         printf("  every feature is cached, so a first epoch as a later one takes its slowest\n"
                "  tier:\n");
-    else if (!pack)
+    else if (!pack && cached > 0)
         printf("  a first epoch takes the %g-norm of its tiers for the %.0f%% computed on demand\n"
                "  (shuffled reads wait on a storage tier computing a folder at a time), the\n"
-               "  slowest for the rest; a later one its slowest tier:\n",
+               "  slowest for the cached rest; a later one its slowest tier:\n",
                num(p, "inputs.cold_norm"), 100 * (1 - cached));
+    else if (!pack)
+        printf("  a first epoch takes the %g-norm of its tiers (shuffled reads wait on a storage\n"
+               "  tier computing a folder at a time), a later one its slowest tier:\n",
+               num(p, "inputs.cold_norm"));
     else
         printf("  an epoch takes its slowest tier:");
     printf("%s first %s (%s-bound), later %s (%s-bound);\n"
