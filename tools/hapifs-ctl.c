@@ -605,18 +605,17 @@ static void explain_terms(json_t *p)
            num(p, "inputs.compute_byte_ns"),
            num(c, "file_bytes") * num(p, "inputs.compute_byte_ns") / 1e6);
     double cached = num(c, "cached");
+    char part[64] = "";
+    if (cached > 0 && cached < 1)
+        snprintf(part, sizeof(part), " for the %.0f%% computed on demand", 100 * (1 - cached));
     if (!pack && cached >= 1)
         printf("  every feature is cached, so a first epoch as a later one takes its slowest\n"
                "  tier:\n");
-    else if (!pack && cached > 0)
-        printf("  a first epoch takes the %g-norm of its tiers for the %.0f%% computed on demand\n"
-               "  (shuffled reads wait on a storage tier computing a folder at a time), the\n"
-               "  slowest for the cached rest; a later one its slowest tier:\n",
-               num(p, "inputs.cold_norm"), 100 * (1 - cached));
     else if (!pack)
-        printf("  a first epoch takes the %g-norm of its tiers (shuffled reads wait on a storage\n"
-               "  tier computing a folder at a time), a later one its slowest tier:\n",
-               num(p, "inputs.cold_norm"));
+        printf("  a first epoch takes the %g-norm of its tiers%s (shuffled reads wait on a"
+               " storage\n  tier computing a folder at a time)%s, a later one its slowest tier:\n",
+               num(p, "inputs.cold_norm"), part,
+               part[0] ? ", the slowest for the cached rest" : "");
     else
         printf("  an epoch takes its slowest tier:");
     printf("%s first %s (%s-bound), later %s (%s-bound);\n"
