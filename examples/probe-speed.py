@@ -51,6 +51,7 @@ def main(argv=None):
     import torch
     import train
 
+    train.keep_heap()  # as train.py runs its trunk
     cpus = len(os.sched_getaffinity(0))
     threads = args.threads or max(1, cpus - args.workers)
     torch.set_num_threads(threads)

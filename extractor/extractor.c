@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <libgen.h>
 #include <limits.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -212,6 +213,13 @@ int hapi_extractor_parse_split(const hapi_extractor *ex, const char *word, hapi_
     if (!ex)
         return hapi_error_set(err, HAPI_EINVAL, "no extractor");
     return parse_stage_word(ex->model, "split", word, err);
+}
+
+void hapi_extractor_keep_heap(uint64_t keep_bytes)
+{
+    mallopt(M_MMAP_MAX, 0);
+    mallopt(M_TRIM_THRESHOLD, keep_bytes > INT_MAX ? INT_MAX : (int)keep_bytes);
+    mallopt(M_ARENA_MAX, 1);
 }
 
 int hapi_extractor_open(const hapi_extractor_config *cfg, hapi_extractor **out, hapi_error *err)

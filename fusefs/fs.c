@@ -2818,6 +2818,8 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .device = opt->device,
         .precision = opt->precision,
     };
+    /* A batch's tensors reuse the last one's memory, up to the budget (extractor.h). */
+    hapi_extractor_keep_heap(opt->mem_budget);
     if ((rc = hapi_extractor_open(&cfg, &fs->ex, err)) < 0)
         goto fail;
     hapi_cache_options copt = { .max_bytes = opt->cache_size, .reset = opt->cache_reset };

@@ -76,6 +76,7 @@ int main(int argc, char **argv)
         .model_path = model, .dtype = HAPI_DTYPE_FP32, .mode = HAPI_PREPROCESS_EXACT,
         .threads = threads, .precision = bf16 ? HAPI_PRECISION_BF16 : HAPI_PRECISION_FP32,
     };
+    hapi_extractor_keep_heap(1ull << 30); /* as the daemon runs at its default mem= */
     hapi_extractor *ex = NULL;
     hapi_error err = { 0 };
     if (hapi_extractor_open(&cfg, &ex, &err) < 0) {
