@@ -109,8 +109,9 @@ static double memory_at(const hapi_policy_input *in, int split, int batch)
  * batch=auto: the batch with the least time per sample among those that fit the budget (powers
  * of two up to the cap, timed by interpolating the profile's measured batches), and of those
  * within 3% of it the smallest: a bigger batch that gains nothing only adds latency and memory.
- * On CPUs the fastest is often not the largest (ResNet-50 here: 28.9 img/s at batch 1 against
- * 23.6 at 32, its activations falling out of cache).
+ * On CPUs the fastest is not always the largest (activations falling out of cache); ResNet-50
+ * at 224 px, 1 thread: 16-17 img/s at batch 1, 18 at 32 with the heap kept (design.md, "The
+ * heap"), 3.7 at 32 without.
  */
 static int pick_batch(const hapi_policy_input *in, int split)
 {
