@@ -1,24 +1,31 @@
 #!/usr/bin/python3
 """Measures this (compute) node's speed relative to the storage node that serves ROOT.
 
-    probe-speed.py ROOT [--model auto|PATH] [--threads N] [--seconds 3] [--json]
+    probe-speed.py ROOT [--model auto|PATH] [--threads N] [--batch 32] [--seconds 3] [--json]
 
 The policy of a hapifs mount weighs moving frozen stages to the compute tier by
 client_speed, the compute tier's speed relative to the storage node. This measures
 it, where the training runs: the frozen stages [0, freeze) of the mount's model
 (its .hapifs/model, or --model PATH, checked against the mount as train.py does),
-frozen and fused as the daemon runs them, timed stage by stage at the batch the
-policy charges the compute tier with (the largest batch of the storage node's
-profile), on random inputs, for about --seconds. The storage node's times are
-its profile (.hapifs/profile: the same stages, measured at mount). The speed is
-the ratio of the sums, so the stages that cost the most weigh the most:
+frozen and fused as the daemon runs them, timed stage by stage on random inputs,
+for about --seconds at each of two batches. At the largest batch of the storage
+node's profile (.hapifs/profile: the same stages, measured at mount), the speed
+is the ratio of the sums, so the stages that cost the most weigh the most:
 
     client_speed = sum(storage ms per sample) / sum(compute ms per sample)
 
-Prints a table per stage and a last line "client_speed X"; pass X on to the
-storage node, where the mount's control file is writable:
+At the training loop's batch (--batch, train.py's default 32), each stage's ms
+per sample: what the policy charges the compute tier for the stages it runs.
+The two batches differ where the storage node's profile stops early (under a CPU
+quota it may stop at 4), and a stage costs per sample at 4 up to twice what it
+does at 32 (VGG-16's fc6).
+
+Prints a table per stage and two last lines, "client_speed X" and
+"compute_stages MS,MS,..."; pass them on to the storage node, where the mount's
+control file is writable:
 
     hapifs-ctl set-client-speed X /mnt/feat        (on the storage node)
+    hapifs-ctl set-compute-stages MS,MS,... /mnt/feat
 
 It is measured, not written through the mount: the compute node reads hapifs
 through a read-only network filesystem, and the control file takes commands only
@@ -44,7 +51,10 @@ def main(argv=None):
                     help="torch threads (default: CPUs this process may use less --workers)")
     ap.add_argument("--workers", type=int, default=2,
                     help="DataLoader workers train.py would run beside the trunk")
-    ap.add_argument("--seconds", type=float, default=3.0, help="time spent measuring")
+    ap.add_argument("--batch", type=int, default=32,
+                    help="the training loop's batch (train.py --batch-size)")
+    ap.add_argument("--seconds", type=float, default=3.0,
+                    help="time spent measuring each batch")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
 
@@ -71,21 +81,30 @@ def main(argv=None):
     except train.TrunkError as e:
         sys.exit(f"probe-speed: {e}")
 
+    if args.batch < 1:
+        sys.exit("probe-speed: --batch must be at least 1")
     batch = int(profile["batches"][-1])
     stages = profile["stages"][:freeze]
-    x = torch.randn(batch, 3, crop, crop, generator=torch.Generator().manual_seed(0))
-    for _ in range(2):  # warm-up: the profiling executor specializes on the second run
-        trunk(x)
-    trunk.reset_timing()
-    runs, t0 = 0, time.perf_counter()
-    while runs < 3 or time.perf_counter() - t0 < args.seconds:
-        trunk(x)
-        runs += 1
-    _, per = trunk.cost()
+
+    def per_stage(b):
+        """ms per sample of each stage at batch b, and the runs it took."""
+        x = torch.randn(b, 3, crop, crop, generator=torch.Generator().manual_seed(0))
+        for _ in range(2):  # warm-up: the profiling executor specializes on the second run
+            trunk(x)
+        trunk.reset_timing()
+        runs, t0 = 0, time.perf_counter()
+        while runs < 3 or time.perf_counter() - t0 < args.seconds:
+            trunk(x)
+            runs += 1
+        _, per = trunk.cost()
+        return [per[name] for name in trunk.names], runs
+
+    here, runs = per_stage(batch)
+    train, train_runs = (here, runs) if args.batch == batch else per_stage(args.batch)
     rows = []
-    for s, name in zip(stages, trunk.names):
+    for s, name, ms, ms_train in zip(stages, trunk.names, here, train):
         rows.append({"stage": name, "storage_ms": float(s["ms_per_sample"][-1]),
-                     "compute_ms": per[name]})
+                     "compute_ms": ms, "compute_train_ms": ms_train})
     storage = sum(r["storage_ms"] for r in rows)
     compute = sum(r["compute_ms"] for r in rows)
     if not compute > 0:
@@ -93,18 +112,24 @@ def main(argv=None):
     speed = storage / compute
     out = {"client_speed": speed, "batch": batch, "runs": runs, "threads": threads,
            "storage_threads": profile.get("threads"), "freeze": freeze, "stages": rows,
-           "storage_ms": storage, "compute_ms": compute}
+           "storage_ms": storage, "compute_ms": compute, "train_batch": args.batch,
+           "train_runs": train_runs, "compute_stages_ms": train}
+    stages_line = ",".join(f"{ms:.4g}" for ms in train)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"stages [0, {freeze}) at batch {batch}, {runs} runs, {threads} torch threads here "
-          f"({profile.get('threads')} on the storage node); ms per sample:")
-    print(f"{'stage':<12} {'storage':>10} {'here':>10} {'ratio':>7}")
+    print(f"stages [0, {freeze}), {threads} torch threads here ({profile.get('threads')} on the "
+          f"storage node); ms per sample at batch {batch} ({runs} runs) and at the training "
+          f"batch {args.batch} ({train_runs} runs):")
+    at_train = f"here@{args.batch}"
+    print(f"{'stage':<12} {'storage':>10} {'here':>10} {'ratio':>7} {at_train:>10}")
     for r in rows:
         ratio = r["storage_ms"] / r["compute_ms"] if r["compute_ms"] > 0 else float("inf")
-        print(f"{r['stage']:<12} {r['storage_ms']:>10.3f} {r['compute_ms']:>10.3f} {ratio:>7.2f}")
-    print(f"{'total':<12} {storage:>10.3f} {compute:>10.3f} {speed:>7.2f}")
+        print(f"{r['stage']:<12} {r['storage_ms']:>10.3f} {r['compute_ms']:>10.3f} {ratio:>7.2f} "
+              f"{r['compute_train_ms']:>10.3f}")
+    print(f"{'total':<12} {storage:>10.3f} {compute:>10.3f} {speed:>7.2f} {sum(train):>10.3f}")
     print(f"client_speed {speed:.3g}")
+    print(f"compute_stages {stages_line}")
     return 0
 
 

@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,10 +113,13 @@ static json_t *render_config(hapi_ctl *c)
     hapi_tune_status ts;
     hapi_tune_status_get(c->cfg.tune, &ts);
     hapi_policy_format_rate(ts.link_bps, rate, sizeof(rate));
+    json_t *compute_stages = json_array();
+    for (int i = 0; compute_stages && i < ts.compute_nstages; i++)
+        json_array_append_new(compute_stages, json_real(ts.compute_stage_ms[i]));
     return json_pack(
         "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s, s:o}, s:o, "
         "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
-        "s:{s:s, s:f, s:s, s:f, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
+        "s:{s:s, s:f, s:s, s:f, s:o, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
         "source", o->source,
         "mountpoint", o->mountpoint,
@@ -134,7 +138,8 @@ static json_t *render_config(hapi_ctl *c)
         "policy",
           "link", rate, "rtt_ms", ts.rtt_s * 1e3,
           "transport", ts.transport == HAPI_TRANSPORT_PACK ? "pack" : "file",
-          "client_speed", ts.client_speed, "epochs", ts.epochs,
+          "client_speed", ts.client_speed, "compute_stages_ms", compute_stages, "epochs",
+          ts.epochs,
         "runtime",
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
           "watch", o->watch, "no_open", c->cfg.no_open, "uring", uring_active(c), "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch,
@@ -584,6 +589,8 @@ static const char ctl_help[] =
     "#   link RATE     tell the policy the link's rate (e.g. 1Gbit); see .hapifs/policy\n"
     "#   client_speed X, epochs N, rtt TIME, transport file|pack, compute_cache SIZE,\n"
     "#   readers N     the policy's other inputs\n"
+    "#   compute_stages MS,MS,...|none   the compute tier's ms per sample of the frozen\n"
+    "#                 stages, measured there (probe-speed.py prints the line)\n"
     "# a write that is refused fails (EINVAL, EBUSY, ...); reading the same open file\n"
     "# then returns \"error: REASON\" (after a command that worked, \"ok\")\n";
 
@@ -872,6 +879,37 @@ static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
     return 0;
 }
 
+/* compute_stages MS,MS,...|none: the compute tier's measured ms per sample of the frozen
+   stages from the first (examples/probe-speed.py prints the line). */
+static int cmd_compute_stages(hapi_ctl *c, int n, char **words, hapi_error *err)
+{
+    (void)n;
+    double ms[HAPI_PROFILE_MAX_STAGES];
+    int count = 0;
+    if (strcmp(words[1], "none") != 0) {
+        const char *p = words[1];
+        for (;;) {
+            char *end;
+            if (count == HAPI_PROFILE_MAX_STAGES)
+                return hapi_error_set(err, -EINVAL, "compute_stages: more than %d stages",
+                                      HAPI_PROFILE_MAX_STAGES);
+            double v = strtod(p, &end);
+            if (end == p || !isfinite(v) || v < 0 || v > 1e9 || (*end && *end != ','))
+                return hapi_error_set(err, -EINVAL, "compute_stages %s: expected ms per sample "
+                                      "of each stage, e.g. 0.8,2.1,3.4, or none", words[1]);
+            ms[count++] = v;
+            if (!*end)
+                break;
+            p = end + 1;
+        }
+    }
+    if (!c)
+        return 0;
+    hapi_tune_set_compute_stages(c->cfg.tune, count, ms);
+    hapi_log(HAPI_LOG_INFO, "policy input compute_stages = %s (%d stages)", words[1], count);
+    return 0;
+}
+
 /* The commands ctl takes: name, words after it (min..max), usage, handler. */
 static const struct command {
     const char *name;
@@ -890,6 +928,7 @@ static const struct command {
     { "transport", 1, 1, "transport file|pack", cmd_input },
     { "compute_cache", 1, 1, "compute_cache SIZE", cmd_input },
     { "readers", 1, 1, "readers N", cmd_input },
+    { "compute_stages", 1, 1, "compute_stages MS,MS,...|none", cmd_compute_stages },
 };
 
 /* Checks one line fully, then carries it out (with c NULL: checks only, remote or not). */
@@ -918,7 +957,8 @@ static int run_line(hapi_ctl *c, int remote, char *line, hapi_error *err)
     }
     return hapi_error_set(err, -EINVAL,
                           "unknown command '%s' (known: warm, evict, split, batch, link, "
-                          "client_speed, epochs, rtt, transport, compute_cache, readers)",
+                          "client_speed, epochs, rtt, transport, compute_cache, readers, "
+                          "compute_stages)",
                           words[0]);
 }
 

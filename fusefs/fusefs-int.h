@@ -833,6 +833,9 @@ enum hapi_tune_input {
 };
 /* Sets one of the policy's inputs (bits/s, a ratio, a count); the caller validated it. */
 void hapi_tune_set_input(hapi_tune *t, int which, double value);
+/* Sets the compute tier's measured ms per sample of stages [0, n) (n 0: none, the profile over
+   client_speed); the caller validated them (n <= HAPI_PROFILE_MAX_STAGES, each >= 0). */
+void hapi_tune_set_compute_stages(hapi_tune *t, int n, const double *ms);
 
 /*
  * Runs the policy on the current inputs and cache state. split 0 lets it
@@ -857,6 +860,8 @@ typedef struct hapi_tune_status {
     int reused;                /* the profile was read from the cache directory */
     double decode_ms, source_bytes;
     int decode_samples;
+    int compute_nstages;       /* the compute tier's measured stages (0: none) */
+    double compute_stage_ms[HAPI_PROFILE_MAX_STAGES];
 } hapi_tune_status;
 void hapi_tune_status_get(hapi_tune *t, hapi_tune_status *st);
 /* The profile as JSON text (malloc'd, the caller frees), or NULL if there is none. */

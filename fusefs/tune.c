@@ -486,6 +486,14 @@ void hapi_tune_set_input(hapi_tune *t, int which, double value)
     pthread_mutex_unlock(&t->lock);
 }
 
+void hapi_tune_set_compute_stages(hapi_tune *t, int n, const double *ms)
+{
+    pthread_mutex_lock(&t->lock);
+    t->in.compute_nstages = n;
+    memcpy(t->in.compute_stage_ms, ms, (size_t)n * sizeof(*ms));
+    pthread_mutex_unlock(&t->lock);
+}
+
 void hapi_tune_status_get(hapi_tune *t, hapi_tune_status *st)
 {
     pthread_mutex_lock(&t->lock);
@@ -504,7 +512,9 @@ void hapi_tune_status_get(hapi_tune *t, hapi_tune_status *st)
         .decode_ms = t->decode_ms,
         .source_bytes = t->source_bytes,
         .decode_samples = t->decode_samples,
+        .compute_nstages = t->in.compute_nstages,
     };
+    memcpy(st->compute_stage_ms, t->in.compute_stage_ms, sizeof(st->compute_stage_ms));
     memcpy(st->error, t->error, sizeof(st->error));
     pthread_mutex_unlock(&t->lock);
 }

@@ -203,12 +203,29 @@ static double storage_slowdown(const hapi_profile *p)
     return p->cpu_quota > 0 && p->cpu_quota < 1 ? 1 / p->cpu_quota : 1;
 }
 
+/*
+ * Stages [from, to) on the compute tier, ms per sample: as measured there at its training batch
+ * (compute_stage_ms), else the profile's time at its largest batch over client_speed. The
+ * profile's largest batch may be far from the training loop's: under a CPU quota the profile
+ * stops at batch 4 (HAPI_PROFILE_BUDGET_S), where VGG-16's fc6 costs 2.3x a sample what it does
+ * at 16 (design.md, "The compute tier's stages").
+ */
+static double compute_stages_ms(const hapi_policy_input *in, int from, int to)
+{
+    const hapi_profile *p = in->profile;
+    int batch = p->batches[p->nbatches - 1];
+    double ms = 0;
+    for (int i = from; i < to; i++)
+        ms += i < in->compute_nstages ? in->compute_stage_ms[i]
+                                      : hapi_profile_ms(p, i, i + 1, batch) / in->client_speed;
+    return ms;
+}
+
 static void estimate(const hapi_policy_input *in, int split, hapi_policy_candidate *c,
                      double samples)
 {
     const hapi_profile *p = in->profile;
     const hapi_profile_stage *s = &p->stage[split - 1];
-    int train_batch = p->batches[p->nbatches - 1];
 
     memset(c, 0, sizeof(*c));
     c->split = split;
@@ -233,7 +250,7 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     c->link_bytes_ms = l.bytes_ms;
     c->link_trips_ms = l.trips_ms;
     c->link_pack_ms = l.pack_ms;
-    c->compute_ms = hapi_profile_ms(p, split, in->freeze, train_batch) / in->client_speed;
+    c->compute_ms = compute_stages_ms(in, split, in->freeze);
 
     /* What is cached costs a hit; what does not fit the cache is computed every epoch. */
     double cached = in->cached[split];
@@ -296,8 +313,7 @@ static void estimate_raw(const hapi_policy_input *in, hapi_policy_candidate *c, 
     c->storage_ms = (in->hit_ms + in->storage_file_ms) * storage_slowdown(p); /* serving a file */
     /* raw images are read one file at a time whatever serves the features; the reader decodes
        them too */
-    double trunk = hapi_profile_ms(p, 0, in->freeze, p->batches[p->nbatches - 1]) /
-                   in->client_speed;
+    double trunk = compute_stages_ms(in, 0, in->freeze);
     double decode = in->decode_ms / in->client_speed, received;
     c->compute_ms = trunk + decode;
     c->reader_ms = reader_cost(in, in->source_bytes, &received) + decode;
@@ -357,12 +373,17 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
         !(in->compute_cache >= 0) || !(in->storage_file_ms >= 0) || !(in->compute_file_ms >= 0) ||
         !(in->storage_serve_ms >= 0) || !(in->compute_byte_ns >= 0) ||
         !(in->compute_load_ns >= 0) ||
-        !(in->request_ms >= 0) ||
+        !(in->request_ms >= 0) || in->compute_nstages < 0 ||
+        in->compute_nstages > HAPI_PROFILE_MAX_STAGES ||
         (in->transport != HAPI_TRANSPORT_FILE && in->transport != HAPI_TRANSPORT_PACK))
         return hapi_error_set(err, HAPI_EINVAL,
                               "policy: link rate, client speed, epochs and batch must be positive, "
                               "rtt, readers, compute cache and per-file costs not negative, "
                               "transport file or pack");
+    for (int i = 0; i < in->compute_nstages; i++)
+        if (!(in->compute_stage_ms[i] >= 0) || !isfinite(in->compute_stage_ms[i]))
+            return hapi_error_set(err, HAPI_EINVAL, "policy: compute stage %d's time %g is not "
+                                  "a time", i, in->compute_stage_ms[i]);
     if (in->split < 0 || in->split > in->freeze)
         return hapi_error_set(err, HAPI_EINVAL,
                               "policy: split %d is past the freeze index %d (stages [0, %d) are "
@@ -495,6 +516,13 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
                              HAPI_POLICY_FILE_OVERHEAD, "file_round_trips",
                              HAPI_POLICY_FILE_ROUND_TRIPS, "cold_norm",
                              HAPI_POLICY_COLD_NORM);
+    json_t *stages = json_array();
+    for (int i = 0; i < in->compute_nstages; i++)
+        json_array_append_new(stages, json_real(in->compute_stage_ms[i]));
+    if (more)
+        json_object_set_new(more, "compute_stages_ms", stages);
+    else
+        json_decref(stages);
     if (!more || json_object_update(json_object_get(root, "inputs"), more) < 0) {
         json_decref(more);
         json_decref(root);

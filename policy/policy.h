@@ -187,6 +187,11 @@ typedef struct hapi_policy_input {
     int transport;            /* enum hapi_policy_transport: what the epochs are estimated with */
     double client_speed;      /* compute tier's speed relative to this node (> 0); measured
                                  on the compute tier (examples/probe-speed.py) */
+    int compute_nstages;      /* stages [0, compute_nstages) have compute_stage_ms (0: none) */
+    double compute_stage_ms[HAPI_PROFILE_MAX_STAGES]; /* ms per sample of each frozen stage on
+                                 the compute tier at its training batch, measured there
+                                 (probe-speed.py); a stage without one costs its profile's
+                                 time at the largest batch over client_speed */
     double compute_cache;     /* bytes of .feat files the compute tier keeps between epochs
                                  (its page cache; 0: none, every epoch reads across the link) */
     double storage_file_ms;   /* CPU per file the transport costs the storage tier (sftp
@@ -266,7 +271,8 @@ typedef struct hapi_policy_choice {
 /*
  * The choice. Every candidate split 1..freeze is estimated as a pipeline of
  * three tiers running side by side (storage: decode and stages [0, split);
- * link: the .feat; compute: stages [split, freeze) at client_speed); an epoch
+ * link: the .feat; compute: stages [split, freeze) at compute_stage_ms, or
+ * client_speed where those were not measured); an epoch
  * takes as long as its slowest tier. A cached sample costs the storage tier
  * only a hit. The winner has the least time over epochs (ties: fewer bytes).
  * batch=auto is the batch (a power of two <= HAPI_POLICY_BATCH_CAP whose

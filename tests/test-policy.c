@@ -274,6 +274,55 @@ START_TEST(estimates_add_up)
 }
 END_TEST
 
+/* The compute tier's stages as measured there, at its training batch, over client_speed. */
+START_TEST(compute_stages_measured)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c;
+    hapi_policy_input in = input(100e9, 2);
+    in.epochs = 1;
+    /* without them, every stage at the profile's largest batch over client_speed */
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[1].compute_ms, hapi_profile_ms(&prof, 2, 6, 16) / 2, 1e-9);
+    double raw_trunk = c.raw.compute_ms - in.decode_ms / 2;
+    ck_assert_double_eq_tol(raw_trunk, hapi_profile_ms(&prof, 0, 6, 16) / 2, 1e-9);
+    /* measured for the first four stages: those are charged as measured, the rest as before */
+    static const double ms[] = { 0.5, 0.25, 3.0, 7.0 };
+    in.compute_nstages = 4;
+    memcpy(in.compute_stage_ms, ms, sizeof(ms));
+    choose(&in, &c);
+    ck_assert_double_eq_tol(c.cand[1].compute_ms, 3.0 + 7.0 + hapi_profile_ms(&prof, 4, 6, 16) / 2,
+                            1e-9);
+    ck_assert_double_eq_tol(c.cand[4].compute_ms, hapi_profile_ms(&prof, 5, 6, 16) / 2, 1e-9);
+    ck_assert_double_eq_tol(c.raw.compute_ms - in.decode_ms / 2,
+                            0.5 + 0.25 + 3.0 + 7.0 + hapi_profile_ms(&prof, 4, 6, 16) / 2, 1e-9);
+    /* a compute tier that runs the trunk far cheaper than its speed says moves the split early */
+    in.client_speed = 1;
+    in.compute_nstages = 0;
+    int late = choose(&in, &c);
+    for (int i = 0; i < 6; i++)
+        in.compute_stage_ms[i] = prof.stage[i].ms[2] / 20;
+    in.compute_nstages = 6;
+    int early = choose(&in, &c);
+    ck_assert_msg(early < late, "measured stages moved nothing: %d, %d (%s)", early, late, c.why);
+    /* in the JSON, as given */
+    char *text = hapi_policy_to_json(&in, &c);
+    ck_assert_ptr_nonnull(text);
+    ck_assert_ptr_nonnull(strstr(text, "\"compute_stages_ms\": ["));
+    free(text);
+    /* refused: a negative or not-a-number time, too many stages */
+    hapi_error err = { 0 };
+    in.compute_stage_ms[3] = -1;
+    ck_assert_int_eq(hapi_policy_choose(&in, &c, &err), HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "compute stage 3"));
+    in.compute_stage_ms[3] = NAN;
+    ck_assert_int_eq(hapi_policy_choose(&in, &c, &err), HAPI_EINVAL);
+    in.compute_stage_ms[3] = 1;
+    in.compute_nstages = HAPI_PROFILE_MAX_STAGES + 1;
+    ck_assert_int_eq(hapi_policy_choose(&in, &c, &err), HAPI_EINVAL);
+}
+END_TEST
+
 /* Per file, small features are bound by round trips; packs by bytes, once. */
 START_TEST(transport_round_trips_and_packs)
 {
@@ -653,6 +702,7 @@ int main(void)
     tcase_add_test(tc, fastest_batch_per_sample);
     tcase_add_test(tc, operator_split_explained);
     tcase_add_test(tc, estimates_add_up);
+    tcase_add_test(tc, compute_stages_measured);
     tcase_add_test(tc, transport_round_trips_and_packs);
     tcase_add_test(tc, link_terms_apart);
     tcase_add_test(tc, compute_cache_spares_later_epochs);

@@ -6,7 +6,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import HAPIFS, reference_features
+from conftest import HAPIFS, PYTHON, SOURCE_ROOT, reference_features
 from test_ctl import ctl
 from test_throughput import make_tree, read_concurrently
 
@@ -205,6 +205,55 @@ def test_hapifs_ctl_profile_policy_and_set(tree, mounter, models):
     assert ctl("set-split", "layer3", "/").returncode == 2  # not a mount
     assert ctl("set-split", m.path).returncode == 2  # the mount taken for the value: no mount "."
     assert ctl("set-split").returncode == 1
+
+
+def test_probe_speed_stages_reach_the_policy(tree, mounter, models):
+    """probe-speed measures the compute side's stages at the training batch; hapifs-ctl
+    set-compute-stages hands them to the policy, which charges them instead of the profile's."""
+    src, _ = tree
+    m = mounter(src, model=models(), epochs=2)
+    freeze = m.ctl("config")["split"]["freeze"]
+    probe = [PYTHON, str(SOURCE_ROOT / "examples" / "probe-speed.py"), str(m.path),
+             "--seconds", "0.1", "--threads", "1"]
+    r = subprocess.run(probe + ["--batch", "3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.splitlines()[-2:]
+    assert last[0].startswith("client_speed ") and last[1].startswith("compute_stages "), last
+    r = subprocess.run(probe + ["--batch", "3", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    out = json.loads(r.stdout)
+    stages = out["compute_stages_ms"]
+    assert out["train_batch"] == 3 and len(stages) == freeze and min(stages) > 0
+    assert out["client_speed"] > 0 and out["batch"] == m.ctl("profile")["batches"][-1]
+    # as printed, to the storage side's mount
+    line = ",".join(f"{ms:.4g}" for ms in stages)
+    r = ctl("set-compute-stages", line, m.path)
+    assert r.returncode == 0 and "compute stages measured" in r.stdout, (r.stdout, r.stderr)
+    given = [float(v) for v in line.split(",")]
+    assert m.ctl("config")["policy"]["compute_stages_ms"] == pytest.approx(given)
+    policy = m.ctl("policy")
+    assert policy["inputs"]["compute_stages_ms"] == pytest.approx(given)
+    for c in policy["candidates"]:
+        assert c["compute_ms"] == pytest.approx(sum(given[c["split"]:freeze]), abs=1e-9), c
+    r = ctl("policy", m.path)
+    assert "as measured on the compute tier (compute_stages)" in r.stdout, r.stdout
+    # refused whole: nothing changes
+    for bad in ["1,x", "-1", "1,,2", "1;2", ",".join(["1"] * 65)]:
+        with pytest.raises(OSError) as e:
+            with open(m.path / ".hapifs" / "ctl", "w") as f:
+                f.write(f"compute_stages {bad}\n")
+        assert e.value.errno == 22, bad
+    assert m.ctl("policy")["inputs"]["compute_stages_ms"] == pytest.approx(given)
+    # none: the profile over client_speed again
+    assert ctl("set-compute-stages", "none", m.path).returncode == 0
+    policy = m.ctl("policy")
+    assert policy["inputs"]["compute_stages_ms"] == []
+    speed = policy["inputs"]["client_speed"]
+    profile = m.ctl("profile")
+    for c in policy["candidates"]:
+        tail = sum(s["ms_per_sample"][-1] for s in profile["stages"][c["split"]:freeze])
+        assert c["compute_ms"] == pytest.approx(tail / speed, rel=1e-6), c
+    assert "(client_speed)" in ctl("policy", m.path).stdout
 
 
 def test_injected_oom_halves_the_batch_and_every_read_succeeds(tree, mounter, models,

@@ -31,6 +31,8 @@ static const char usage_text[] =
     "    set-rtt TIME       ... the link's round-trip time (e.g. 1ms, 0)\n"
     "    set-client-speed X ... the compute tier's speed relative to this node, as measured\n"
     "                       there (examples/probe-speed.py prints it)\n"
+    "    set-compute-stages MS,MS,...|none  ... the compute tier's ms per sample of each frozen\n"
+    "                       stage at its training batch (probe-speed.py prints them)\n"
     "    set-compute-cache SIZE  ... how many bytes of .feat files the compute tier keeps\n"
     "                       between epochs (its page cache; 0: none)\n"
     "    warm [PATH]        compute the features of PATH (default: everything), showing progress\n"
@@ -593,13 +595,24 @@ static void explain_terms(json_t *p)
                num(p, "inputs.readers"),
                num(c, "link_warm_ms"), 100 * num(c, "compute_kept"),
                human_size(num(p, "inputs.compute_cache"), b, sizeof(b)));
-    printf("  compute  %.3f ms: stages [%.0f, %.0f) at %.3gx this node's speed (client_speed);\n"
+    json_t *measured = get(p, "inputs.compute_stages_ms");
+    size_t nmeasured = json_array_size(measured);
+    char how[96];
+    if (nmeasured >= num(p, "inputs.freeze"))
+        snprintf(how, sizeof(how), "as measured on the compute tier (compute_stages)");
+    else if (nmeasured > num(c, "split"))
+        snprintf(how, sizeof(how), "[%.0f, %zu) as measured there, the rest at %.3gx",
+                 num(c, "split"), nmeasured, num(p, "inputs.client_speed"));
+    else
+        snprintf(how, sizeof(how), "at %.3gx this node's speed (client_speed)",
+                 num(p, "inputs.client_speed"));
+    printf("  compute  %.3f ms: stages [%.0f, %.0f) %s;\n"
            "           plus the reader's %.3f ms a file: %.3f ms of the training loop beside\n"
            "           the stages (ssh, sshfs, the loader, the head's step), %.3g ns per byte\n"
            "           loaded (%.3f ms a file, every epoch) and %.3g ns per byte received\n"
            "           across the link (%.3f ms a file, in the epochs that read it there)\n",
-           num(c, "compute_ms"), num(c, "split"), num(p, "inputs.freeze"),
-           num(p, "inputs.client_speed"), num(c, "reader_ms"), num(p, "inputs.compute_file_ms"),
+           num(c, "compute_ms"), num(c, "split"), num(p, "inputs.freeze"), how,
+           num(c, "reader_ms"), num(p, "inputs.compute_file_ms"),
            num(p, "inputs.compute_load_ns"),
            num(c, "file_bytes") * num(p, "inputs.compute_load_ns") / 1e6,
            num(p, "inputs.compute_byte_ns"),
@@ -686,7 +699,8 @@ static int cmd_policy(const char *mnt)
     return 0;
 }
 
-/* set-split, set-batch, set-link, set-rtt, set-client-speed, set-compute-cache: one control
+/* set-split, set-batch, set-link, set-rtt, set-client-speed, set-compute-cache,
+   set-compute-stages: one control
    command, then what the mount says now. */
 static int cmd_set(const char *mnt, const char *cmd, const char *value)
 {
@@ -695,6 +709,7 @@ static int cmd_set(const char *mnt, const char *cmd, const char *value)
                           : strcmp(cmd, "set-rtt") == 0          ? "rtt"
                           : strcmp(cmd, "set-client-speed") == 0 ? "client_speed"
                           : strcmp(cmd, "set-compute-cache") == 0 ? "compute_cache"
+                          : strcmp(cmd, "set-compute-stages") == 0 ? "compute_stages"
                                                                  : "link";
     int rc = send(mnt, command, value);
     if (rc)
@@ -712,13 +727,15 @@ static int cmd_set(const char *mnt, const char *cmd, const char *value)
         char *shape = json_dumps(get(config, "split.shape"), JSON_COMPACT);
         char s1[32];
         printf("split %.0f (%s, by %s): .feat of %s, shape %s; batch %.0f%s; link %s, rtt %.3g "
-               "ms, client_speed %.3g\n",
+               "ms, client_speed %.3g%s\n",
                num(config, "split.index"), str(config, "split.stage"), str(config, "split.by"),
                human_size(num(config, "split.feat_size"), s1, sizeof(s1)), shape ? shape : "?",
                num(config, "runtime.batch"),
                json_is_true(get(config, "runtime.batch_auto")) ? " (auto)" : "",
                str(config, "policy.link"), num(config, "policy.rtt_ms"),
-               num(config, "policy.client_speed"));
+               num(config, "policy.client_speed"),
+               json_array_size(get(config, "policy.compute_stages_ms"))
+                   ? ", compute stages measured" : "");
         free(shape);
     }
     json_decref(config);
@@ -751,7 +768,8 @@ int main(int argc, char *argv[])
                 strcmp(cmd, "profile") == 0 || strcmp(cmd, "policy") == 0 ||
                 strcmp(cmd, "set-split") == 0 || strcmp(cmd, "set-batch") == 0 ||
                 strcmp(cmd, "set-link") == 0 || strcmp(cmd, "set-rtt") == 0 ||
-                strcmp(cmd, "set-client-speed") == 0 || strcmp(cmd, "set-compute-cache") == 0;
+                strcmp(cmd, "set-client-speed") == 0 || strcmp(cmd, "set-compute-cache") == 0 ||
+                strcmp(cmd, "set-compute-stages") == 0;
     if (!known)
         return say("unknown command '%s'", cmd), fputs(usage_text, stderr), EXIT_USAGE;
     if (takes_value) {
