@@ -57,6 +57,8 @@ def main(argv=None):
                     help="time spent measuring each batch")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
+    if args.batch < 1:
+        ap.error("--batch must be at least 1")
 
     import torch
     import train
@@ -81,8 +83,6 @@ def main(argv=None):
     except train.TrunkError as e:
         sys.exit(f"probe-speed: {e}")
 
-    if args.batch < 1:
-        sys.exit("probe-speed: --batch must be at least 1")
     batch = int(profile["batches"][-1])
     stages = profile["stages"][:freeze]
 
