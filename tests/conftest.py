@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,15 +227,36 @@ def wait_gone(pid, timeout=20):
     return False
 
 
+@pytest.fixture(scope="session")
+def profiles(tmp_path_factory):
+    """Where the mounts of a test run keep the profiles they measured, to share them.
+
+    Every mount profiles its model unless its cache holds the profile (2.5 s for a ResNet-18
+    at 64 px here, about twice that under the sanitizers, before the first read is served).
+    The suite's tests are not about that, bar the ones that say so (own_profile=True)."""
+    return tmp_path_factory.mktemp("profiles")
+
+
 @pytest.fixture
-def mounter(tmp_path):
-    """mount(source, **options) -> Mount; every mount is unmounted at the end of the test."""
+def mounter(tmp_path, profiles):
+    """mount(source, **options) -> Mount; every mount is unmounted at the end of the test.
+
+    A cache directory that does not exist yet (the test's own by default) is made with the
+    profiles earlier tests measured in it, unless own_profile=True: a test of profiling."""
     need_hapifs()
     mounts = []
+    caches = []  # the cache directories whose profiles are worth sharing
 
-    def mount(source, mountpoint=None, **options):
+    def mount(source, mountpoint=None, own_profile=False, **options):
         options.setdefault("cache", str(tmp_path / "cache"))
-        Path(options["cache"]).mkdir(parents=True, exist_ok=True)
+        cache = Path(options["cache"])
+        if not cache.exists() and not own_profile:
+            cache.mkdir(parents=True)
+            for p in profiles.glob("profile-*.json"):
+                shutil.copy(p, cache / p.name)
+        cache.mkdir(parents=True, exist_ok=True)
+        if "mem" not in options and "profile" not in options:  # nor a profile capped by mem=
+            caches.append(cache)
         mp = mountpoint or tmp_path / f"mnt{len(mounts)}"
         m = Mount(source, mp, options)
         mounts.append(m)
@@ -243,6 +265,10 @@ def mounter(tmp_path):
     yield mount
     for m in reversed(mounts):  # the last first: a remote mount holds the storage mount open
         m.unmount()
+    for cache in caches:
+        for p in cache.glob("profile-*.json"):
+            if not (profiles / p.name).exists():
+                shutil.copy(p, profiles / p.name)
     for m in mounts:
         assert not is_mounted(m.path), f"{m.path} still mounted"
         assert wait_gone(m.pid), f"daemon {m.pid} still running"

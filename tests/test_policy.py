@@ -20,7 +20,7 @@ def tree(tmp_path):
 def test_split_auto_is_explained_and_the_profile_stored(tree, mounter, models, tmp_path):
     src, names = tree
     cache = tmp_path / "cache"
-    m = mounter(src, model=models(), cache=str(cache))
+    m = mounter(src, model=models(), cache=str(cache), own_profile=True)
     config = m.ctl("config")
     freeze = config["split"]["freeze"]
     policy = m.ctl("policy")

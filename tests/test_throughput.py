@@ -131,7 +131,8 @@ def test_bf16_parity_and_namespace(tmp_path, models, mounter):
         Image.fromarray(_smooth(120, 150, rng)).save(src / f"{i}.jpg", quality=90)
     archive = models("resnet18", 64)
     for split in (6, 4):
-        bf = mounter(tmp_path / "src", model=archive, precision="bf16", dtype="fp32", split=split)
+        bf = mounter(tmp_path / "src", model=archive, precision="bf16", dtype="fp32", split=split,
+                     own_profile=True)
         fp = mounter(tmp_path / "src", model=archive, dtype="fp32", split=split)
         cb, cf = bf.ctl("config"), fp.ctl("config")
         assert cb["model"]["precision"] == "bf16" and cf["model"]["precision"] == "fp32"
