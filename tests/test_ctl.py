@@ -58,6 +58,11 @@ def test_status_and_stats_after_reads(tree, mounter, models):
     assert f"index {index}: stages [0, {index}) of {len(config['model']['stages'])}" in lines["split"]
     assert f"through '{config['split']['stage']}'" in lines["split"]
     assert config["split"]["dtype"] in lines["features"]
+    pol = config["policy"]
+    assert lines["policy"].split(None, 1)[1] == (
+        f"split by {config['split']['by']}; link {pol['link']}, rtt {pol['rtt_ms']:.3g} ms, "
+        f"{pol['transport']} transport; compute tier {pol['client_speed']:.3g}x this node "
+        "(client_speed)"), lines["policy"]
     assert config["cache"]["namespace"][:12] in lines["cache"]
     assert ": 5 entries" in lines["cache"]
     f = m.ctl("stats")["feat"]

@@ -237,6 +237,8 @@ def test_probe_speed_stages_reach_the_policy(tree, mounter, models):
         assert c["compute_ms"] == pytest.approx(sum(given[c["split"]:freeze]), abs=1e-9), c
     r = ctl("policy", m.path)
     assert "as measured on the compute tier (compute_stages)" in r.stdout, r.stdout
+    status = ctl("status", m.path).stdout
+    assert f"its stages measured there ({len(given)})" in status, status
     # refused whole: nothing changes
     for bad in ["1,x", "-1", "1,,2", "1;2", ",".join(["1"] * 65)]:
         with pytest.raises(OSError) as e:
@@ -254,6 +256,8 @@ def test_probe_speed_stages_reach_the_policy(tree, mounter, models):
         tail = sum(s["ms_per_sample"][-1] for s in profile["stages"][c["split"]:freeze])
         assert c["compute_ms"] == pytest.approx(tail / speed, rel=1e-6), c
     assert "(client_speed)" in ctl("policy", m.path).stdout
+    status = ctl("status", m.path).stdout
+    assert "this node (client_speed)" in status and "measured there" not in status, status
 
 
 def test_injected_oom_halves_the_batch_and_every_read_succeeds(tree, mounter, models,

@@ -249,6 +249,15 @@ static int cmd_status(const char *mnt)
            shape ? shape : "?");
     printf("%-10s %s, %s per file\n", "features", str(config, "split.dtype"),
            human_size(num(config, "split.feat_size"), s1, sizeof(s1)));
+    size_t nstages = json_array_size(get(config, "policy.compute_stages_ms"));
+    printf("%-10s split by %s; link %s, rtt %.3g ms, %s transport; compute tier %.3gx this "
+           "node", "policy", str(config, "split.by"), str(config, "policy.link"),
+           num(config, "policy.rtt_ms"), str(config, "policy.transport"),
+           num(config, "policy.client_speed"));
+    if (nstages)
+        printf(", its stages measured there (%zu)\n", nstages);
+    else
+        printf(" (client_speed)\n");
     printf("%-10s %s namespace %.12s: %.0f entries, %s (all: %.0f entries, %s of %s)\n",
            "cache", str(config, "cache.dir"), str(config, "cache.namespace"),
            num(stats, "cache.namespace.entries"),
