@@ -23,10 +23,11 @@ def test_grid_quick(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the grid's tiers need a CPU each")
     out = tmp_path / "grid.json"
-    # --splits: the last frozen split, then stem, in that order (and the pick after them)
+    # --splits: the last frozen split, then stem, in that order (and the pick after them);
+    # --ties 1: those within 10% of the best once more
     r = subprocess.run([PYTHON, str(BENCH), "--grid", "--quick", "--work", str(tmp_path / "work"),
-                        "--splits", "pool,stem", "--json", str(out)], capture_output=True,
-                       text=True, timeout=300)
+                        "--splits", "pool,stem", "--ties", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     cells = json.loads(out.read_text())["cells"]
     assert len(cells) == 1
@@ -45,6 +46,14 @@ def test_grid_quick(tmp_path):
         assert run["storage_throttled_s"] > 0, run  # the quota held the storage tier back
         assert run["profile"] == "stored", run  # the cell's profile, not measured again
     assert runs[1]["link_bytes"] > runs[c["freeze"]]["link_bytes"]  # stem's features are larger
+    # the ties: every split whose first run was within 10% of the best first run, if two or more
+    first = {s: run["repeats_epochs_s"][0] for s, run in runs.items()}
+    near = sorted(s for s, t in first.items() if t <= min(first.values()) * 1.10)
+    assert sorted(c["tie_splits"]) == (near if len(near) > 1 else []), (first, c["tie_splits"])
+    for s, run in runs.items():
+        assert len(run["repeats_epochs_s"]) == (2 if s in c["tie_splits"] else 1), (s, run)
+        assert run["epochs_s"] == min(run["repeats_epochs_s"])  # of two, the faster
+    assert c["ties"] == 1
     assert c["time_ratio"] >= 1.0
     # the job's whole time: train.py's start-up is outside its epochs
     assert all(run["startup_s"] > 0 for run in c["runs"])
