@@ -250,11 +250,11 @@ def mounter(tmp_path, profiles):
     def mount(source, mountpoint=None, own_profile=False, **options):
         options.setdefault("cache", str(tmp_path / "cache"))
         cache = Path(options["cache"])
-        if not cache.exists() and not own_profile:
-            cache.mkdir(parents=True)
+        fresh = not cache.exists()
+        cache.mkdir(parents=True, exist_ok=True)
+        if fresh and not own_profile:
             for p in profiles.glob("profile-*.json"):
                 shutil.copy(p, cache / p.name)
-        cache.mkdir(parents=True, exist_ok=True)
         if "mem" not in options and "profile" not in options:  # nor a profile capped by mem=
             caches.append(cache)
         mp = mountpoint or tmp_path / f"mnt{len(mounts)}"
