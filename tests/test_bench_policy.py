@@ -46,10 +46,12 @@ def test_grid_quick(tmp_path):
         assert run["storage_throttled_s"] > 0, run  # the quota held the storage tier back
         assert run["profile"] == "stored", run  # the cell's profile, not measured again
     assert runs[1]["link_bytes"] > runs[c["freeze"]]["link_bytes"]  # stem's features are larger
-    # the ties: every split whose first run was within 10% of the best first run, if two or more
+    # the ties: every split whose first run was within 10% of the best first run, if two or
+    # more, and the pick with them
     first = {s: run["repeats_epochs_s"][0] for s, run in runs.items()}
-    near = sorted(s for s, t in first.items() if t <= min(first.values()) * 1.10)
-    assert sorted(c["tie_splits"]) == (near if len(near) > 1 else []), (first, c["tie_splits"])
+    near = {s for s, t in first.items() if t <= min(first.values()) * 1.10}
+    want = sorted(near | {c["pick"]}) if len(near) > 1 else []
+    assert sorted(c["tie_splits"]) == want, (first, c["pick"], c["tie_splits"])
     for s, run in runs.items():
         assert len(run["repeats_epochs_s"]) == (2 if s in c["tie_splits"] else 1), (s, run)
         assert run["epochs_s"] == min(run["repeats_epochs_s"])  # of two, the faster
