@@ -4,11 +4,14 @@ A smoke test of the benchmark, not of its figures' size: it checks that the tabl
 and hapifs rows with positive figures and that hapifs moved fewer bytes over the links; and, with
 --compute-cache, that a compute node which keeps none of the files reads them again every epoch.
 """
+import argparse
 import json
 import re
 import subprocess
+import time
+from pathlib import Path
 
-from test_cluster import need_cluster
+from test_cluster import dataset, need_cluster  # noqa: F401 (dataset: a fixture)
 from conftest import PYTHON, SOURCE_ROOT
 
 BENCH = SOURCE_ROOT / "tools" / "bench-epochs"
@@ -64,3 +67,69 @@ def test_compute_cache_budget(tmp_path):
         cc = run["compute_cache"]
         assert cc["budget_bytes"] == 0 and cc["files"] > 0, run["run"]
         assert cc["evicted_files"] >= cc["files"], (run["run"], cc)  # every file, every epoch
+
+
+def _bench_epochs():
+    """tools/bench-epochs as a module (it has no .py name)."""
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("bench_epochs", str(BENCH))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def test_run_training_samples_and_stops(tmp_path, dataset, models):
+    """run_training on a real cluster: a callable sampled before epoch 1 and after each epoch,
+    and a run over its limit stopped with its DataLoader workers, the epochs that ended kept."""
+    need_cluster()
+    be = _bench_epochs()
+    args = argparse.Namespace(storage=1, opts="", sshfs_opts="")
+    cl = be.Cluster(args, "t")
+    src, _ = dataset
+    train = SOURCE_ROOT / "examples" / "train.py"
+    try:
+        cl.up(src, models(), "1gbit", "split=auto")
+        cl.settled()
+
+        def cmd(epochs, report):
+            return [PYTHON, str(train), str(cl.root), "--epochs", str(epochs), "--batch-size",
+                    "4", "--workers", "2", "--seed", "0", "--report", str(report)]
+        whole = be.run_training(cl, cmd(2, tmp_path / "a.json"), tmp_path / "a.json",
+                                tmp_path / "a.log", sample=time.monotonic)
+        assert "stopped_s" not in whole and len(whole["epochs"]) == 2
+        marks = whole["samples"]  # before epoch 1, after epoch 1, after epoch 2
+        assert len(marks) == 3 and marks[0] < marks[1] < marks[2], marks
+        assert abs((marks[2] - marks[0]) - whole["epochs_s"]) < 0.5, (marks, whole["epochs_s"])
+
+        def trainers():  # train.py and its DataLoader workers (forked: the same command line)
+            found = []
+            for pid in subprocess.run(["ip", "netns", "pids", f"{cl.prefix}-compute"],
+                                      capture_output=True, text=True).stdout.split():
+                try:
+                    if str(train) in Path(f"/proc/{pid}/cmdline").read_text():
+                        found.append(pid)
+                except OSError:
+                    pass  # gone meanwhile
+            return found
+
+        limit = whole["epochs"][0]["wall_s"] * 1.5  # less than the 200 epochs by far
+        t0 = time.monotonic()
+        cut = be.run_training(cl, cmd(200, tmp_path / "b.json"), tmp_path / "b.json",
+                              tmp_path / "b.log", sample=time.monotonic, limit_s=limit,
+                              epochs=200)
+        assert limit <= cut["stopped_s"] < limit + 1.0, (limit, cut["stopped_s"])
+        assert time.monotonic() - t0 < limit + 60
+        assert 1 <= len(cut["epochs"]) < 200 and len(cut["samples"]) == len(cut["epochs"]) + 1
+        assert cut["epochs_s"] == sum(e["wall_s"] for e in cut["epochs"]) <= cut["stopped_s"]
+        assert cut["epochs"][0]["link_bytes"] > 0  # sshfs's opens cross the link, cached or not
+        # nothing of the stopped run (train.py, its workers) is left in the compute node (sshfs
+        # may have opened another ssh connection meanwhile: that is the node's own)
+        for _ in range(50):  # SIGKILLed workers may take a moment to go
+            if not trainers():
+                break
+            time.sleep(0.1)
+        assert trainers() == []
+    finally:
+        cl.down()

@@ -24,9 +24,11 @@ def test_grid_quick(tmp_path):
         pytest.skip("the grid's tiers need a CPU each")
     out = tmp_path / "grid.json"
     # --splits: the last frozen split, then stem, in that order (and the pick after them);
-    # --ties 1: those within 10% of the best once more
+    # --ties 1: those within 10% of the best once more; --cutoff 0: every run to its end (the
+    # splits' times here are too close for a stop to be sure: test_bench_epochs checks a stop)
     r = subprocess.run([PYTHON, str(BENCH), "--grid", "--quick", "--work", str(tmp_path / "work"),
-                        "--splits", "pool,stem", "--ties", "1", "--json", str(out)],
+                        "--splits", "pool,stem", "--ties", "1", "--cutoff", "0", "--json",
+                        str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     cells = json.loads(out.read_text())["cells"]
@@ -45,6 +47,14 @@ def test_grid_quick(tmp_path):
         assert run["link_bytes"] > 0 and run["compute_cpu_s"] > 0
         assert run["storage_throttled_s"] > 0, run  # the quota held the storage tier back
         assert run["profile"] == "stored", run  # the cell's profile, not measured again
+        assert run["stopped_s"] is None and set(run["repeats_stopped_s"]) == {None}
+        # each tier's CPU before epoch 1 and in each epoch, within the run's
+        for tier in ("storage", "compute"):
+            by_epoch = run[f"{tier}_cpu_s_by_epoch"]
+            assert len(by_epoch) == 3 and min(by_epoch) >= 0, (tier, by_epoch)
+            assert sum(by_epoch) <= run[f"{tier}_cpu_s"] + 1e-6, (tier, by_epoch, run)
+        assert run["storage_cpu_s_by_epoch"][1] > 0  # epoch 1 computed the features
+        assert len(run["storage_throttled_s_by_epoch"]) == 3
     assert runs[1]["link_bytes"] > runs[c["freeze"]]["link_bytes"]  # stem's features are larger
     # the ties: every split whose first run was within 10% of the best first run, if two or
     # more, and the pick with them
@@ -55,7 +65,7 @@ def test_grid_quick(tmp_path):
     for s, run in runs.items():
         assert len(run["repeats_epochs_s"]) == (2 if s in c["tie_splits"] else 1), (s, run)
         assert run["epochs_s"] == min(run["repeats_epochs_s"])  # of two, the faster
-    assert c["ties"] == 1
+    assert c["ties"] == 1 and c["cutoff"] == 0 and not c["pick_stopped"]
     assert c["time_ratio"] >= 1.0
     # the job's whole time: train.py's start-up is outside its epochs
     assert all(run["startup_s"] > 0 for run in c["runs"])
