@@ -22,6 +22,18 @@ PYTHON = "/usr/bin/python3"
 SANITIZER_LOGS = os.environ.get("HAPI_SANITIZER_LOGS")
 
 
+def load_tool(name):
+    """tools/NAME as a module (the tools have no .py name), for a test of its functions."""
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"),
+                                                  str(SOURCE_ROOT / "tools" / name))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(autouse=True)
 def sanitizer_reports():
     """Under tools/sanitize: a report written while a test ran (its daemon's, at the latest

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from test_cluster import dataset, need_cluster  # noqa: F401 (dataset: a fixture)
-from conftest import PYTHON, SOURCE_ROOT
+from conftest import PYTHON, SOURCE_ROOT, load_tool
 
 BENCH = SOURCE_ROOT / "tools" / "bench-epochs"
 
@@ -69,22 +69,11 @@ def test_compute_cache_budget(tmp_path):
         assert cc["evicted_files"] >= cc["files"], (run["run"], cc)  # every file, every epoch
 
 
-def _bench_epochs():
-    """tools/bench-epochs as a module (it has no .py name)."""
-    import importlib.machinery
-    import importlib.util
-    loader = importlib.machinery.SourceFileLoader("bench_epochs", str(BENCH))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
-
-
 def test_run_training_samples_and_stops(tmp_path, dataset, models):
     """run_training on a real cluster: a callable sampled before epoch 1 and after each epoch,
     and a run over its limit stopped with its DataLoader workers, the epochs that ended kept."""
     need_cluster()
-    be = _bench_epochs()
+    be = load_tool("bench-epochs")
     args = argparse.Namespace(storage=1, opts="", sshfs_opts="")
     cl = be.Cluster(args, "t")
     src, _ = dataset
