@@ -319,3 +319,46 @@ def test_round_trips_and_packs_in_the_policy(tree, mounter, models):
     with pytest.raises(OSError):
         with open(m.path / ".hapifs" / "ctl", "w") as f:
             f.write("transport carrier-pigeon\n")
+
+
+def test_transport_cost_is_measured_from_sftp_reads(tmp_path, mounter, models):
+    """An SFTP server reading .feat files (sshfs's, on a storage node) is followed: its CPU per
+    file becomes the policy's storage_file_ms, kept for the next mount; other readers are not."""
+    server = "/usr/lib/openssh/sftp-server"  # openssh-server's, a dependency of the suite
+    src = tmp_path / "src"
+    names = make_tree(src, classes=2, per_class=150, size=(32, 40))
+    cache = tmp_path / "cache"
+    m = mounter(src, model=models("resnet18", 32), cache=str(cache), split="stem")
+    m.ctl("config")
+    t = m.ctl("stats")["transport"]
+    assert (t["windows"], t["files"], t["source"], t["stored_ms"]) == (0, 0, "default", None)
+    assert t["storage_file_ms"] == m.ctl("policy")["inputs"]["storage_file_ms"]
+    for n in names[:10]:  # this process is no transport
+        (m.path / (n + ".feat")).read_bytes()
+    assert m.ctl("stats")["transport"]["followed"] == 0
+    batch = tmp_path / "batch"
+    batch.write_text("".join(f"get {m.path / n}.feat /dev/null\n" for n in names[10:]))
+    r = subprocess.run(["sftp", "-b", str(batch), "-D", server], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    t = m.ctl("stats")["transport"]
+    # the server's first file finds it; 289 more make 4 windows of 64
+    assert (t["windows"], t["files"], t["server"]) == (4, 256, "sftp-server")
+    assert 0 < t["cpu_ms_per_file"] < 50 and t["cpu_s"] >= t["cpu_ms_per_file"] * 256 / 1e3 - 1e-9
+    assert (t["source"], t["storage_file_ms"]) == ("measured", t["cpu_ms_per_file"])
+    inputs = m.ctl("policy")["inputs"]
+    assert inputs["storage_file_ms"] == t["cpu_ms_per_file"]
+    assert inputs["storage_file_source"] == "measured"
+    kept = json.loads((cache / "transport.json").read_text())
+    assert kept["storage_file_ms"] == pytest.approx(t["cpu_ms_per_file"], rel=1e-6)
+    assert (kept["files"], kept["server"]) == (256, "sftp-server")
+    m.unmount()
+    # the next mount on this node starts from it
+    again = mounter(src, model=models("resnet18", 32), cache=str(cache), split="stem")
+    again.ctl("config")
+    t2 = again.ctl("stats")["transport"]
+    assert t2["windows"] == 0 and t2["source"] == "stored"
+    assert t2["stored_ms"] == pytest.approx(kept["storage_file_ms"], rel=1e-6)
+    inputs = again.ctl("policy")["inputs"]
+    assert inputs["storage_file_ms"] == pytest.approx(kept["storage_file_ms"], rel=1e-6)
+    assert inputs["storage_file_source"] == "stored"
