@@ -310,21 +310,6 @@ static json_t *render_uring(hapi_ctl *c)
                      "registered", u.registered, "requests", (json_int_t)u.requests);
 }
 
-/* The transport's cost per file on this node, as meter.c measures it, and what the policy uses. */
-static json_t *render_transport(hapi_ctl *c)
-{
-    hapi_meter_stats m;
-    const char *source;
-    hapi_meter_stats_get(c->cfg.meter, &m);
-    double used = hapi_meter_file_ms(c->cfg.meter, HAPI_POLICY_STORAGE_FILE_MS, &source);
-    return json_pack("{s:s, s:i, s:I, s:I, s:f, s:f, s:o, s:I, s:f, s:s}", "server", m.server,
-                     "followed", m.followed, "windows", (json_int_t)m.windows, "files",
-                     (json_int_t)m.files, "cpu_s", m.cpu_ms / 1e3, "cpu_ms_per_file", m.ms_per_file,
-                     "stored_ms", m.stored_ms >= 0 ? json_real(m.stored_ms) : json_null(),
-                     "stored_files", (json_int_t)m.stored_files, "storage_file_ms", used,
-                     "source", source);
-}
-
 static json_t *render_stats(hapi_ctl *c)
 {
     hapi_serve_stats s;
@@ -336,8 +321,7 @@ static json_t *render_stats(hapi_ctl *c)
     double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
     return json_pack(
         "{s:f, s:I, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:f}, "
-        "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o, s:o, s:o, s:o, "
-        "s:o}",
+        "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, s:o, s:o, s:o, s:o, s:{s:I}, s:o, s:o, s:o, s:o}",
         "uptime_s", uptime,
         "split_changes", (json_int_t)ts.split_changes,
         "feat",
@@ -367,8 +351,7 @@ static json_t *render_stats(hapi_ctl *c)
         "node", render_node(c),
         "requests", render_requests(c),
         "watch", render_watch(c),
-        "uring", render_uring(c),
-        "transport", render_transport(c));
+        "uring", render_uring(c));
 }
 
 static json_t *render_profile(hapi_ctl *c)
@@ -420,11 +403,6 @@ static json_t *render_policy(hapi_ctl *c)
                                           ts.split_by_operator ? "operator" : "policy",
                                           "differs", v->split != choice->split));
         hapi_view_put(v);
-        const char *source;
-        hapi_meter_file_ms(c->cfg.meter, HAPI_POLICY_STORAGE_FILE_MS, &source);
-        json_t *inputs = j ? json_object_get(j, "inputs") : NULL;
-        if (inputs) /* where storage_file_ms comes from */
-            json_object_set_new(inputs, "storage_file_source", json_string(source));
         if (j)
             json_object_set_new(j, "state", json_string("ready"));
     }

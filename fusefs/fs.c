@@ -2420,8 +2420,6 @@ static void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t s
         fuse_reply_err(req, ENOMEM);
         return;
     }
-    /* a file's first read names its reader: the transport's cost per file (meter.c) */
-    pid_t reader = off == 0 && !h->remote_feat ? fuse_req_ctx(req)->pid : 0;
     /* a remote mount's from its cache or its directory's pack; else from serve.c */
     ssize_t n = h->remote_feat
                     ? hapi_remote_feat_read(fs->remote, h->remote_feat, buf, size, off)
@@ -2432,8 +2430,6 @@ static void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t s
         fuse_reply_buf(req, buf, (size_t)n);
     if (buf != stack_buf)
         free(buf);
-    if (n > 0)
-        hapi_meter_first_read(fs->meter, reader); /* after the reply: it may read /proc */
 }
 
 /* A pack read: rows computed or looked up by pack.c into a buffer of ours. */
@@ -2891,17 +2887,10 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     };
     if ((rc = hapi_background_start(&bcfg, &fs->background, err)) < 0)
         goto fail;
-    /* The transport's cost per file: measured from its reads, kept for the next mount. */
-    char meter_path[PATH_MAX + 32];
-    snprintf(meter_path, sizeof(meter_path), "%s/" HAPI_METER_FILE, opt->cache_dir);
-    if ((rc = hapi_meter_new("/proc", meter_path, &fs->meter)) < 0) /* the default, then */
-        hapi_log(HAPI_LOG_WARNING, "the transport's cost is not measured: /proc: %s",
-                 hapi_strerror(rc));
     /* The split and batch are chosen in the background; .feat operations wait for them. */
     hapi_tune_config tcfg = {
         .opt = opt, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .background = fs->background, .node = fs->node_share,
-        .meter = fs->meter,
         .on_split_change = invalidate_feats,
         .arg = fs, .serving = opt->serving_gate ? fs_serving : NULL,
     };
@@ -2911,8 +2900,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .opt = opt, .requests = &fs->requests, .source = fs->source, .ex = fs->ex,
         .cache = fs->cache, .views = fs->views,
         .serve = fs->serve, .packs = fs->packs, .background = fs->background,
-        .tune = fs->tune, .meter = fs->meter, .errors = fs->errors, .node = fs->node_share,
-        .watch = fs->watch,
+        .tune = fs->tune, .errors = fs->errors, .node = fs->node_share, .watch = fs->watch,
         .no_open = fs->no_open, .uring = &fs->uring, .epochs = &fs->epochs,
         .epoch_notices = &fs->epoch_notices,
         .started_ns = fs->started_ns,
@@ -2953,7 +2941,6 @@ void hapi_fs_destroy(hapi_fs *fs)
     hapi_ctl_free(fs->ctl);
     hapi_remote_close(fs->remote);
     hapi_tune_stop(fs->tune);
-    hapi_meter_free(fs->meter);
     if (fs->views)
         hapi_views_stop(fs->views);
     hapi_background_stop(fs->background);

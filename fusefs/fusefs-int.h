@@ -777,43 +777,6 @@ typedef struct hapi_prefetch_stats {
 } hapi_prefetch_stats;
 void hapi_prefetch_stats_get(hapi_background *bg, hapi_prefetch_stats *ps);
 
-/* ------------------------------------------------------------- meter.c */
-
-/*
- * The transport's CPU per file on this node (the policy's storage_file_ms),
- * measured from the SFTP servers that read .feat files: see meter.c. The
- * estimate counts once HAPI_METER_MIN_WINDOWS windows of 64 files are closed;
- * until then the one the previous mount kept (path), else the default.
- */
-#define HAPI_METER_MIN_WINDOWS 4
-#define HAPI_METER_FILE "transport.json" /* in the cache directory */
-typedef struct hapi_meter hapi_meter;
-/*
- * proc: the /proc to read ("/proc"; tests give a tree of their own). path:
- * where the estimate is read from now and kept for the next mount (NULL:
- * nowhere). Returns 0 or a negative code.
- */
-int hapi_meter_new(const char *proc, const char *path, hapi_meter **out);
-void hapi_meter_free(hapi_meter *m); /* accepts NULL */
-/* A .feat's first read (offset 0) by process pid. Cheap but for every 64th of a
-   followed reader's (a few /proc reads) and a reader's first. Accepts NULL. */
-void hapi_meter_first_read(hapi_meter *m, pid_t pid);
-
-typedef struct hapi_meter_stats {
-    uint64_t windows, files;   /* windows closed, the files counted in them */
-    double cpu_ms;             /* the servers' CPU over those windows */
-    double ms_per_file;        /* the estimate: the last windows' lower quartile (0: none) */
-    int followed;              /* SFTP servers followed now */
-    char server[16];           /* the last one's command (sftp-server, sshd) */
-    double stored_ms;          /* the previous mount's estimate; < 0: none */
-    uint64_t stored_files;
-    char stored_server[16];
-} hapi_meter_stats;
-void hapi_meter_stats_get(hapi_meter *m, hapi_meter_stats *st); /* m NULL: zeros */
-/* The cost per file to use: measured, else stored, else fallback; *source says which
-   ("measured", "stored", "default"). */
-double hapi_meter_file_ms(hapi_meter *m, double fallback, const char **source);
-
 /* -------------------------------------------------------------- tune.c */
 
 typedef struct hapi_tune_config {
@@ -825,7 +788,6 @@ typedef struct hapi_tune_config {
     hapi_serve *serve;
     hapi_background *background;
     hapi_node *node;             /* the node's cores, all taken while profiling; NULL: none */
-    hapi_meter *meter;           /* the transport's measured cost per file; NULL: the default */
     /* Called after every split change, with only tune.switch_lock held (fs: kernel invalidation). */
     void (*on_split_change)(void *arg);
     void *arg;
@@ -1010,7 +972,6 @@ typedef struct hapi_ctl_config {
     hapi_packs *packs;
     hapi_background *background;
     hapi_tune *tune;
-    hapi_meter *meter;         /* NULL: none (a remote mount) */
     hapi_remote *remote;       /* a compute-side mount: the layers above remote are NULL */
     hapi_error_ring *errors;
     hapi_node *node;             /* the node's shared budget and cores; NULL: none */
@@ -1103,7 +1064,6 @@ typedef struct hapi_fs {
     hapi_packs *packs;
     hapi_background *background;
     hapi_tune *tune;
-    hapi_meter *meter;           /* the transport's cost per file, from its reads; NULL: none */
     hapi_ctl *ctl;
     hapi_remote *remote;         /* -o remote: every layer above but ctl is NULL */
     hapi_node *node_share;       /* the node's shared budget and cores; NULL: none */

@@ -5,7 +5,7 @@
  * One rule makes every name, so that nothing in stats is missing here and
  * the man page can state the rule and list the result:
  *   - a number at stats path a.b.c is hapifs_a_b_c; units become base units
- *     (_us and _ms to _seconds, _ms_per_sample and _ms_per_file to _seconds_per_..., _per_s
+ *     (_us and _ms to _seconds, _ms_per_sample to _seconds_per_sample, _per_s
  *     to _per_second, _s to _seconds) with the value scaled; three paths are
  *     renamed (see renamed[]) so that no gauge ends in _total and no two
  *     names collide;
@@ -38,8 +38,7 @@ static const char *const gauges[] = {
     "node.mem_total", "node.mem_used", "node.cores", "node.cores_used", "node.mounts",
     "node.waiting", "node.own_fixed", "node.own_flight", "remote.fetches_running",
     "remote.fetches_queued", "watch.dirs", "uring.queues", "uring.workers", "uring.registered",
-    "transport.followed", "transport.cpu_ms_per_file", "transport.stored_ms",
-    "transport.stored_files", "transport.storage_file_ms", NULL,
+    NULL,
 };
 
 /* Paths whose name would collide with another's once counters end in _total. */
@@ -143,7 +142,6 @@ static void add(struct out *o, const char *path, const char *name_path, const ch
         double scale;
     } units[] = {
         { "_ms_per_sample", "_seconds_per_sample", 1e-3 },
-        { "_ms_per_file", "_seconds_per_file", 1e-3 },
         { "_per_s", "_per_second", 1 },
         { "_us", "_seconds", 1e-6 },
         { "_ms", "_seconds", 1e-3 },

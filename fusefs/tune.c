@@ -346,9 +346,6 @@ int hapi_tune_choose(hapi_tune *t, int split, hapi_policy_input *in_out,
         return hapi_error_set(err, HAPI_EINVAL, "no profile: %s", t->error);
     }
     in = t->in;
-    /* the transport's cost per file on this node: measured, else kept, else the default */
-    const char *source;
-    in.storage_file_ms = hapi_meter_file_ms(t->cfg.meter, t->in.storage_file_ms, &source);
     in.profile = &t->profile;
     in.decode_ms = t->decode_ms;
     in.source_bytes = t->source_bytes;

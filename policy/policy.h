@@ -130,8 +130,7 @@ double hapi_profile_memory(const hapi_profile *p, int split, int batch);
 #define HAPI_POLICY_KEPT_OVERHEAD 700        /* ... and their bytes (measured: ~0.7 KB per open) */
 /* The transport's own costs through sshfs, measured with tools/hapifs-cluster's tiers on a core
    each (800 cached 1.1 KB .feat files, 2-32 readers, AMD EPYC, a busy machine): CPU per file on
-   the storage tier (sftp server, sshd) 0.25-0.43 ms (the default: a mount measures its node's,
-   fusefs/meter.c, and uses that); the time a request takes beyond the RTT,
+   the storage tier (sftp server, sshd) 0.25-0.43 ms; the time a request takes beyond the RTT,
    0.64 ms (2 readers). The compute tier's per sample is what a training loop costs beside the
    trunk: sshfs and ssh, the DataLoader's workers (np.load, collation), the head's step. Fitted
    from tools/bench-policy --grid's later epochs at the freeze split, where nothing else runs
@@ -196,8 +195,7 @@ typedef struct hapi_policy_input {
     double compute_cache;     /* bytes of .feat files the compute tier keeps between epochs
                                  (its page cache; 0: none, every epoch reads across the link) */
     double storage_file_ms;   /* CPU per file the transport costs the storage tier (sftp
-                                 server, ssh cipher), on top of serving it (0: none); measured
-                                 on the node (fusefs/meter.c), else the default */
+                                 server, ssh cipher), on top of serving it (0: none) */
     double compute_file_ms;   /* what the training loop costs the compute tier per sample beside
                                  the stages it runs (sshfs, the loader, the head's step) */
     double storage_serve_ms;  /* storage CPU per feature computed on demand beyond its decode and

@@ -1,4 +1,4 @@
-/* test-fusefs.c — unit tests of the daemon's option parsing, error ring and transport meter. */
+/* test-fusefs.c — unit tests of the daemon's option parsing and error ring. */
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -389,136 +389,6 @@ START_TEST(test_error_ring_filter)
 }
 END_TEST
 
-/* ------------------------------------------------------------------ meter */
-
-/* A process of the fake /proc under tmp: comm, a stat naming ppid, a schedstat of cpu_ns. */
-static void fake_proc(const char *proc, int pid, const char *comm, int ppid, uint64_t cpu_ns)
-{
-    char path[700];
-    snprintf(path, sizeof(path), "%s/%d", proc, pid);
-    mkdir(path, 0755);
-    const char *names[] = { "comm", "stat", "schedstat" };
-    for (int i = 0; i < 3; i++) {
-        snprintf(path, sizeof(path), "%s/%d/%s", proc, pid, names[i]);
-        FILE *f = fopen(path, "w");
-        ck_assert_ptr_nonnull(f);
-        if (i == 0)
-            fprintf(f, "%s\n", comm);
-        else if (i == 1) /* a command with a space and a parenthesis, as /proc allows */
-            fprintf(f, "%d (%s) x) S %d 1 1 0 -1 0 0 0 0 0 1 2 0 0 20 0 1 0 5\n", pid, comm, ppid);
-        else
-            fprintf(f, "%llu 0 0\n", (unsigned long long)cpu_ns);
-        fclose(f);
-    }
-}
-
-/* n first reads by pid, then the processes' CPU moves on: a window of n files */
-static void reads(hapi_meter *m, int pid, int n)
-{
-    for (int i = 0; i < n; i++)
-        hapi_meter_first_read(m, pid);
-}
-
-START_TEST(test_meter_windows)
-{
-    char proc[600], kept[600];
-    snprintf(proc, sizeof(proc), "%s/proc-w", tmp);
-    snprintf(kept, sizeof(kept), "%s/transport-w.json", tmp);
-    mkdir(proc, 0755);
-    fake_proc(proc, 10, "sshd", 1, 5000000);
-    fake_proc(proc, 11, "sftp-server", 10, 1000000);
-    fake_proc(proc, 20, "python3", 1, 0);
-    hapi_meter *m;
-    ck_assert_int_eq(hapi_meter_new(proc, kept, &m), 0);
-    const char *source;
-    ck_assert_double_eq(hapi_meter_file_ms(m, 0.3, &source), 0.3);
-    ck_assert_str_eq(source, "default");
-    hapi_meter_first_read(m, 11); /* looked at: followed from here */
-    hapi_meter_first_read(m, 20); /* not a server */
-    /* windows of 64 files at 0.2 ms (sftp-server) + 0.05 ms (sshd), then one at 1.0 ms a
-       file (its server served the page cache too): the lower quartile stays 0.25 */
-    uint64_t self = 1000000, parent = 5000000;
-    double per[] = { 0.25, 0.25, 1.0, 0.25, 0.25 };
-    for (int w = 0; w < 5; w++) {
-        reads(m, 20, 100); /* not counted */
-        self += (uint64_t)(64 * (per[w] - 0.05) * 1e6);
-        parent += (uint64_t)(64 * 0.05 * 1e6);
-        fake_proc(proc, 11, "sftp-server", 10, self);
-        fake_proc(proc, 10, "sshd", 1, parent);
-        reads(m, 11, 64);
-        hapi_meter_stats st;
-        hapi_meter_stats_get(m, &st);
-        ck_assert_uint_eq(st.windows, (uint64_t)w + 1);
-        ck_assert_uint_eq(st.files, 64 * ((uint64_t)w + 1));
-        ck_assert_int_eq(st.followed, 1);
-        ck_assert_str_eq(st.server, "sftp-server");
-        ck_assert_double_eq_tol(st.ms_per_file, 0.25, 1e-9);
-        ck_assert_double_eq_tol(hapi_meter_file_ms(m, 0.3, &source), w >= 3 ? 0.25 : 0.3, 1e-9);
-        ck_assert_str_eq(source, w >= 3 ? "measured" : "default");
-        ck_assert_int_eq(access(kept, F_OK) == 0, w >= 3); /* kept from the fourth window */
-    }
-    hapi_meter_free(m);
-    /* the next mount starts from what this one kept */
-    ck_assert_int_eq(hapi_meter_new(proc, kept, &m), 0);
-    hapi_meter_stats st;
-    hapi_meter_stats_get(m, &st);
-    ck_assert_double_eq_tol(st.stored_ms, 0.25, 1e-6);
-    ck_assert_uint_eq(st.stored_files, 256);
-    ck_assert_str_eq(st.stored_server, "sftp-server");
-    ck_assert_double_eq_tol(hapi_meter_file_ms(m, 0.3, &source), 0.25, 1e-6);
-    ck_assert_str_eq(source, "stored");
-    hapi_meter_free(m);
-}
-END_TEST
-
-START_TEST(test_meter_readers)
-{
-    char proc[600], kept[600];
-    snprintf(proc, sizeof(proc), "%s/proc-r", tmp);
-    snprintf(kept, sizeof(kept), "%s/transport-r.json", tmp);
-    mkdir(proc, 0755);
-    /* not a measurement: ignored, said so, and the default stands */
-    FILE *f = fopen(kept, "w");
-    ck_assert_ptr_nonnull(f);
-    fputs("{\"storage_file_ms\": \"fast\"}\n", f);
-    fclose(f);
-    fake_proc(proc, 30, "sshd", 1, 0); /* internal-sftp: the sshd alone, no parent */
-    fake_proc(proc, 31, "sftp-server", 1, 0); /* its parent is not an sshd */
-    hapi_meter *m;
-    ck_assert_int_eq(hapi_meter_new(proc, kept, &m), 0);
-    const char *source;
-    ck_assert_double_eq(hapi_meter_file_ms(m, 0.3, &source), 0.3);
-    ck_assert_str_eq(source, "default");
-    hapi_meter_first_read(m, 30);
-    hapi_meter_first_read(m, 31);
-    hapi_meter_first_read(m, 999); /* gone before it was looked at */
-    hapi_meter_first_read(NULL, 30); /* no meter (a remote mount) */
-    fake_proc(proc, 30, "sshd", 1, 64 * 100000);  /* 0.1 ms a file */
-    fake_proc(proc, 31, "sftp-server", 1, 64 * 300000); /* 0.3 ms a file */
-    reads(m, 30, 64);
-    reads(m, 31, 64);
-    hapi_meter_stats st;
-    hapi_meter_stats_get(m, &st);
-    ck_assert_uint_eq(st.windows, 2);
-    ck_assert_int_eq(st.followed, 2);
-    ck_assert_double_eq_tol(st.cpu_ms, 64 * 0.4, 1e-9);
-    ck_assert_double_eq_tol(st.ms_per_file, 0.1, 1e-9);
-    /* a server that exits loses its open window, and is followed no more */
-    reads(m, 31, 10);
-    char cmd[700];
-    snprintf(cmd, sizeof(cmd), "rm -r '%s/31'", proc);
-    ck_assert_int_eq(system(cmd), 0);
-    reads(m, 31, 54);
-    hapi_meter_stats_get(m, &st);
-    ck_assert_uint_eq(st.windows, 2);
-    ck_assert_int_eq(st.followed, 1);
-    hapi_meter_free(m);
-    hapi_meter_free(NULL);
-    /* no /proc: an error, not a crash */
-    ck_assert_int_lt(hapi_meter_new("/nonexistent-proc", NULL, &m), 0);
-}
-END_TEST
-
 int main(void)
 {
     hapi_log_open("/dev/null", 0, 0);
@@ -542,8 +412,6 @@ int main(void)
         { "source_may_see", test_source_may_see },
         { "error_ring", test_error_ring },
         { "error_ring_filter", test_error_ring_filter },
-        { "meter_windows", test_meter_windows },
-        { "meter_readers", test_meter_readers },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
         TCase *tc = tcase_create(cases[i].name);

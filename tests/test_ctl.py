@@ -371,8 +371,7 @@ def test_metrics_are_the_stats_for_prometheus(tree, mounter, models):
     # every number of stats is there: one sample per numeric leaf, one per state
     def leaves(j):
         if isinstance(j, dict):
-            return sum(leaves(v) for k, v in j.items()
-                       if k not in ("path", "file", "mode", "server", "source"))
+            return sum(leaves(v) for k, v in j.items() if k not in ("path", "file", "mode"))
         return 1 if isinstance(j, (int, float, str)) else 0
     assert sum(len(s) for _, _, s in fams.values()) == leaves(stats)
     # the man page names every family

@@ -564,15 +564,6 @@ static int cmd_profile(const char *mnt)
 }
 
 /* The terms of the chosen candidate's estimate, one tier a line, from .hapifs/policy. */
-/* Where the transport's CPU per file comes from (the policy's storage_file_source). */
-static const char *transport_source(const char *source)
-{
-    return strcmp(source, "measured") == 0 ? "measured on this node, see stats"
-           : strcmp(source, "stored") == 0 ? "as an earlier mount measured it"
-           : strcmp(source, "default") == 0 ? "the default, not measured yet"
-                                             : "?";
-}
-
 static void explain_terms(json_t *p)
 {
     json_t *c = NULL, *k;
@@ -588,12 +579,11 @@ static void explain_terms(json_t *p)
     printf("  storage  %.3f ms: decode and stages [0, %.0f) at batch %.0f, from the profile, and\n"
            "           %.3f ms to serve a feature computed on demand; a cached one costs %.3f ms\n"
            "           instead (%.0f%% cached now, %.0f%% by a later epoch); plus %.3f ms of\n"
-           "           transport CPU per file (sftp server, ssh: %s); a CPU quota below one\n"
-           "           CPU slows all but the profile's figures, which were measured under it\n",
+           "           transport CPU per file (sftp server, ssh); a CPU quota below one CPU\n"
+           "           slows all but the profile's figures, which were measured under it\n",
            num(c, "storage_ms"), num(c, "split"), num(c, "batch"),
            num(p, "inputs.storage_serve_ms"), num(p, "inputs.hit_ms"), 100 * num(c, "cached"),
-           100 * num(c, "storage_fit"), num(p, "inputs.storage_file_ms"),
-           transport_source(str(p, "inputs.storage_file_source")));
+           100 * num(c, "storage_fit"), num(p, "inputs.storage_file_ms"));
     if (pack)
         printf("  link     %.3f ms: the features' row and index entry in a pack at %s; later\n"
                "           epochs read the compute-side cache\n",
