@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from test_cluster import need_cluster
-from conftest import PYTHON, SOURCE_ROOT
+from conftest import PYTHON, SOURCE_ROOT, load_tool
 
 BENCH = SOURCE_ROOT / "tools" / "bench-policy"
 
@@ -101,3 +101,24 @@ def test_grid_quick(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert other.returncode != 0
     assert "was measured with --storage-cpus 0, --compute-cpus 1" in other.stderr, other.stderr
+
+
+def test_contenders_are_measured_or_predicted_near_ties():
+    """--ties runs again the splits within 10% of the best run, and those the policy predicts
+    within 5% of its pick unless --cutoff stopped them; the pick with them."""
+    bp = load_tool("bench-policy")
+
+    def run(t):
+        return {"epochs_s": t, "stopped_s": None if t else 150.0}
+    cands = {1: {"total_s": 100}, 2: {"total_s": 104}, 3: {"total_s": 120}, 4: {"total_s": 103}}
+    # the pick (1) best, 2 measured 30% behind: only its prediction makes it a contender
+    assert bp.contenders(1, {1: run(100), 2: run(130), 3: run(200)}, cands, 2) == [1, 2]
+    # a predicted near tie that was stopped is none, and the pick alone runs no more
+    assert bp.contenders(1, {1: run(100), 4: run(None), 3: run(200)}, cands, 2) == []
+    assert bp.contenders(1, {1: run(100), 3: run(108)}, cands, 2) == [1, 3]
+    # measured within 10% without the pick (20% behind), 4 also predicted near: the pick runs
+    # with them
+    assert bp.contenders(1, {1: run(120), 2: run(130), 3: run(100), 4: run(109)},
+                         {**cands, 2: {"total_s": 110}}, 2) == [1, 3, 4]
+    # no --ties: none
+    assert bp.contenders(1, {1: run(100), 2: run(101)}, cands, 0) == []
