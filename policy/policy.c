@@ -516,13 +516,25 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
                              HAPI_POLICY_FILE_OVERHEAD, "file_round_trips",
                              HAPI_POLICY_FILE_ROUND_TRIPS, "cold_norm",
                              HAPI_POLICY_COLD_NORM);
-    json_t *stages = json_array();
+    json_t *stages = json_array(), *entries = json_array();
     for (int i = 0; i < in->compute_nstages; i++)
         json_array_append_new(stages, json_real(in->compute_stage_ms[i]));
-    if (more)
+    for (int s = 1; s <= in->freeze && s <= HAPI_PROFILE_MAX_STAGES; s++)
+        json_array_append_new(entries, json_real(in->cache_entry_bytes[s]));
+    /* the rest of the inputs, so that hapi_policy_input_from_json() gives them all back */
+    json_t *rest = json_pack("{s:i, s:I, s:I}", "decode_threads", in->decode_threads,
+                             "header_bytes", (json_int_t)in->header_bytes, "input_bytes",
+                             (json_int_t)in->input_bytes);
+    if (more && rest && json_object_update(more, rest) == 0) {
         json_object_set_new(more, "compute_stages_ms", stages);
-    else
+        json_object_set_new(more, "cache_entry_bytes", entries);
+    } else {
         json_decref(stages);
+        json_decref(entries);
+        json_decref(more);
+        more = NULL;
+    }
+    json_decref(rest);
     if (!more || json_object_update(json_object_get(root, "inputs"), more) < 0) {
         json_decref(more);
         json_decref(root);
@@ -532,4 +544,109 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
     json_decref(root);
     return text;
+}
+
+/* A number of obj (0 when absent); *bad set when it is there and not a number. */
+static double num_of(json_t *obj, const char *key, int *bad)
+{
+    json_t *v = json_object_get(obj, key);
+    if (v && !json_is_number(v))
+        *bad = 1;
+    return v ? json_number_value(v) : 0;
+}
+
+int hapi_policy_input_from_json(const char *text, const hapi_profile *profile,
+                                hapi_policy_input *out, hapi_error *err)
+{
+    json_error_t je;
+    json_t *root = json_loads(text, 0, &je);
+    if (!root)
+        return hapi_error_set(err, HAPI_EINVAL, "not JSON: %s (line %d)", je.text, je.line);
+    json_t *in = json_object_get(root, "inputs") ? json_object_get(root, "inputs") : root;
+    json_t *choice = json_object_get(root, "choice");
+    json_t *cands = json_object_get(root, "candidates");
+    int rc = 0, bad = 0;
+
+    memset(out, 0, sizeof(*out));
+    out->profile = profile;
+    static const char *const need[] = { "link_bps", "client_speed", "freeze", "epochs", "dtype",
+                                        "decode_ms", "hit_ms" };
+    for (size_t k = 0; k < sizeof(need) / sizeof(need[0]); k++)
+        if (!json_object_get(in, need[k])) {
+            rc = hapi_error_set(err, HAPI_EINVAL, "policy inputs: no \"%s\"", need[k]);
+            goto out;
+        }
+    out->link_bps = num_of(in, "link_bps", &bad);
+    out->rtt_s = num_of(in, "rtt_ms", &bad) / 1e3;
+    out->readers = (int)num_of(in, "readers", &bad);
+    out->client_speed = num_of(in, "client_speed", &bad);
+    out->mem_budget = (uint64_t)num_of(in, "mem_budget", &bad);
+    out->freeze = (int)num_of(in, "freeze", &bad);
+    out->epochs = (int)num_of(in, "epochs", &bad);
+    out->decode_ms = num_of(in, "decode_ms", &bad);
+    out->source_bytes = num_of(in, "source_bytes", &bad);
+    out->hit_ms = num_of(in, "hit_ms", &bad);
+    out->samples = (uint64_t)num_of(in, "samples", &bad);
+    out->cache_room = (uint64_t)num_of(in, "cache_room", &bad);
+    out->compute_cache = num_of(in, "compute_cache", &bad);
+    out->storage_file_ms = num_of(in, "storage_file_ms", &bad);
+    out->storage_serve_ms = num_of(in, "storage_serve_ms", &bad);
+    out->compute_byte_ns = num_of(in, "compute_byte_ns", &bad);
+    out->compute_load_ns = num_of(in, "compute_load_ns", &bad);
+    out->compute_file_ms = num_of(in, "compute_file_ms", &bad);
+    out->request_ms = num_of(in, "request_ms", &bad);
+    out->decode_threads = json_object_get(in, "decode_threads")
+                              ? (int)num_of(in, "decode_threads", &bad) : 1;
+    out->header_bytes = (size_t)num_of(in, "header_bytes", &bad);
+    out->input_bytes = (size_t)num_of(in, "input_bytes", &bad);
+    const char *dtype = json_string_value(json_object_get(in, "dtype"));
+    const char *transport = json_string_value(json_object_get(in, "transport"));
+    if (bad || !dtype || (strcmp(dtype, "float16") && strcmp(dtype, "float32")) ||
+        (transport && strcmp(transport, "file") && strcmp(transport, "pack"))) {
+        rc = hapi_error_set(err, HAPI_EINVAL, "policy inputs: a number is not a number, or "
+                            "dtype is not float16/float32, or transport not file/pack");
+        goto out;
+    }
+    out->dtype = !strcmp(dtype, "float16") ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32;
+    out->transport = transport && !strcmp(transport, "pack") ? HAPI_TRANSPORT_PACK
+                                                            : HAPI_TRANSPORT_FILE;
+    if (!profile || out->freeze < 1 || out->freeze > profile->nstages) {
+        rc = hapi_error_set(err, HAPI_EINVAL, "policy inputs: freeze %d and the profile's %d "
+                            "stages disagree", out->freeze, profile ? profile->nstages : 0);
+        goto out;
+    }
+    json_t *stages = json_object_get(in, "compute_stages_ms");
+    if (json_array_size(stages) > HAPI_PROFILE_MAX_STAGES) {
+        rc = hapi_error_set(err, HAPI_EINVAL, "policy inputs: too many compute_stages_ms");
+        goto out;
+    }
+    out->compute_nstages = (int)json_array_size(stages);
+    for (int i = 0; i < out->compute_nstages; i++)
+        out->compute_stage_ms[i] = json_number_value(json_array_get(stages, (size_t)i));
+    json_t *entries = json_object_get(in, "cache_entry_bytes");
+    for (int s = 1; s <= out->freeze && s <= (int)json_array_size(entries); s++)
+        out->cache_entry_bytes[s] = json_number_value(json_array_get(entries, (size_t)s - 1));
+    if (!json_object_get(in, "header_bytes")) { /* written before it was: the daemon's way */
+        const hapi_profile_stage *last = &profile->stage[profile->nstages - 1];
+        char header[HAPI_NPY_HEADER_MAX];
+        int len = hapi_npy_header(header, out->dtype, last->shape, last->ndim);
+        out->header_bytes = len > 0 ? (size_t)len : 0;
+    }
+    /* what an operator fixed, and what was cached then */
+    const char *bfix = json_string_value(json_object_get(in, "batch"));
+    const char *sfix = json_string_value(json_object_get(in, "split"));
+    if (bfix && !strcmp(bfix, "fixed"))
+        out->batch = (int)json_integer_value(json_object_get(choice, "batch"));
+    if (sfix && !strcmp(sfix, "fixed"))
+        out->split = (int)json_integer_value(json_object_get(choice, "split"));
+    size_t i;
+    json_t *c;
+    json_array_foreach(cands, i, c) {
+        int s = (int)json_integer_value(json_object_get(c, "split"));
+        if (s >= 1 && s <= HAPI_PROFILE_MAX_STAGES)
+            out->cached[s] = json_number_value(json_object_get(c, "cached"));
+    }
+out:
+    json_decref(root);
+    return rc;
 }

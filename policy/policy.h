@@ -285,6 +285,17 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
 char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice *c);
 
 /*
+ * The inputs back from hapi_policy_to_json()'s text (or from its "inputs" object alone) with
+ * profile (borrowed: out->profile points to it): what an operator fixed from "choice", what was
+ * cached from "candidates". Inputs written before header_bytes, input_bytes, decode_threads and
+ * cache_entry_bytes were get the daemon's header for the profile's output, 0, 1 and 0. With
+ * the same code, hapi_policy_choose() then gives the same choice: a choice can be replayed
+ * after the model changes (tools/policy-eval). Returns 0 or HAPI_EINVAL (says what).
+ */
+int hapi_policy_input_from_json(const char *text, const hapi_profile *profile,
+                                hapi_policy_input *out, hapi_error *err);
+
+/*
  * Parses a link rate: a number and a unit, bits ("100Mbit", "1Gbit", "10gbit",
  * "1.5Gbit/s", "800kbit") or bytes per second ("125MB/s", "1GiB/s"); k/M/G/T
  * are powers of 1000, Ki/Mi/Gi of 1024. A bare number has no unit and is

@@ -8,6 +8,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <jansson.h>
+
 #include "policy.h"
 
 /*
@@ -402,6 +404,84 @@ START_TEST(link_terms_apart)
 }
 END_TEST
 
+/* The inputs come back from the policy's JSON: the same choice again, to the byte. */
+START_TEST(inputs_json_round_trip)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c, again;
+    hapi_policy_input in = input(100e6, 4.0), back;
+    hapi_error err = { 0 };
+    in.rtt_s = 1e-3;
+    in.readers = 2;
+    in.decode_threads = 2;
+    in.compute_cache = 5e6;
+    in.storage_file_ms = 0.25;
+    in.storage_serve_ms = 1.5;
+    in.compute_file_ms = 1.5;
+    in.compute_byte_ns = 36;
+    in.compute_load_ns = 20;
+    in.request_ms = 0.6;
+    in.cache_room = 1u << 30;
+    in.compute_nstages = 6;
+    for (int i = 0; i < 6; i++)
+        in.compute_stage_ms[i] = 0.5 + i;
+    for (int s = 1; s <= 6; s++)
+        in.cache_entry_bytes[s] = 1000.0 * s;
+    in.cached[3] = 0.5;
+    choose(&in, &c);
+    char *a = hapi_policy_to_json(&in, &c);
+    ck_assert_ptr_nonnull(a);
+    ck_assert_int_eq(hapi_policy_input_from_json(a, &prof, &back, &err), 0);
+    ck_assert_ptr_eq(back.profile, &prof);
+    ck_assert_double_eq(back.cached[3], 0.5);
+    choose(&back, &again);
+    char *b = hapi_policy_to_json(&back, &again);
+    ck_assert_str_eq(a, b);
+    free(b);
+
+    /* what the operator fixed comes back fixed */
+    in.split = 2;
+    in.batch = 4;
+    choose(&in, &c);
+    char *fixed = hapi_policy_to_json(&in, &c);
+    ck_assert_int_eq(hapi_policy_input_from_json(fixed, &prof, &back, &err), 0);
+    ck_assert_int_eq(back.split, 2);
+    ck_assert_int_eq(back.batch, 4);
+    free(fixed);
+
+    /* the "inputs" object alone, as a grid cell keeps it; without the fields added later the
+       daemon's own header for the profile's output */
+    json_t *root = json_loads(a, 0, NULL), *inputs = json_object_get(root, "inputs");
+    json_object_del(inputs, "header_bytes");
+    char *old = json_dumps(inputs, 0);
+    ck_assert_int_eq(hapi_policy_input_from_json(old, &prof, &back, &err), 0);
+    ck_assert_uint_eq(back.header_bytes, 128);
+    ck_assert_int_eq(back.split, 0);
+    ck_assert_double_eq(back.cached[3], 0);
+    free(old);
+
+    /* bad input: an error that says what, nothing else */
+    json_object_del(inputs, "freeze");
+    char *nofreeze = json_dumps(inputs, 0);
+    ck_assert_int_eq(hapi_policy_input_from_json(nofreeze, &prof, &back, &err), HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "freeze"));
+    free(nofreeze);
+    json_object_set_new(inputs, "freeze", json_integer(99));
+    char *far = json_dumps(inputs, 0);
+    ck_assert_int_eq(hapi_policy_input_from_json(far, &prof, &back, &err), HAPI_EINVAL);
+    free(far);
+    json_object_set_new(inputs, "freeze", json_integer(6));
+    json_object_set_new(inputs, "dtype", json_string("int8"));
+    char *int8 = json_dumps(inputs, 0);
+    ck_assert_int_eq(hapi_policy_input_from_json(int8, &prof, &back, &err), HAPI_EINVAL);
+    free(int8);
+    ck_assert_int_eq(hapi_policy_input_from_json("{\"inputs\": [", &prof, &back, &err),
+                     HAPI_EINVAL);
+    json_decref(root);
+    free(a);
+}
+END_TEST
+
 /* What the compute tier keeps in its page cache is not read again: only its open and close. */
 START_TEST(compute_cache_spares_later_epochs)
 {
@@ -705,6 +785,7 @@ int main(void)
     tcase_add_test(tc, compute_stages_measured);
     tcase_add_test(tc, transport_round_trips_and_packs);
     tcase_add_test(tc, link_terms_apart);
+    tcase_add_test(tc, inputs_json_round_trip);
     tcase_add_test(tc, compute_cache_spares_later_epochs);
     tcase_add_test(tc, per_file_transport_cpu);
     tcase_add_test(tc, readers_wait_then_work);

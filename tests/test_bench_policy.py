@@ -102,6 +102,25 @@ def test_grid_quick(tmp_path):
     assert other.returncode != 0
     assert "was measured with --storage-cpus 0, --compute-cpus 1" in other.stderr, other.stderr
 
+    # --replay: the cell keeps its profile, and this build's policy (tools/policy-eval) on it
+    # and the cell's inputs predicts every split as the daemon did when the cell was measured
+    assert c["profile"]["stages"] and c["profile"]["model_digest"]
+    replay = subprocess.run([PYTHON, str(BENCH), "--replay", "--json", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert replay.returncode == 0, replay.stderr[-2000:]
+    assert "1 of 1 cells keep their profile" in replay.stdout, replay.stdout
+    assert "cells whose every split is predicted as when measured: 1 of 1" in replay.stdout
+    assert f"| {c['pick_stage']} / {c['pick_stage']} |" in replay.stdout, replay.stdout
+    # an input changed first: another prediction; an input the policy does not have: refused
+    far = subprocess.run([PYTHON, str(BENCH), "--replay", "--json", str(out), "--set",
+                          "rtt_ms=50"], capture_output=True, text=True, timeout=120)
+    assert far.returncode == 0, far.stderr[-2000:]
+    assert "with rtt_ms=50" in far.stdout
+    assert "cells whose every split is predicted as when measured: 0 of 1" in far.stdout
+    bad = subprocess.run([PYTHON, str(BENCH), "--replay", "--json", str(out), "--set",
+                          "rtt=50"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and 'the inputs have no "rtt"' in bad.stderr, bad.stderr
+
 
 def test_contenders_are_measured_or_predicted_near_ties():
     """--ties runs again the splits within 10% of the best run, and those the policy predicts
@@ -122,3 +141,34 @@ def test_contenders_are_measured_or_predicted_near_ties():
                          {**cands, 2: {"total_s": 110}}, 2) == [1, 3, 4]
     # no --ties: none
     assert bp.contenders(1, {1: run(100), 2: run(101)}, cands, 0) == []
+
+
+def test_rescore_takes_the_measured_runs():
+    """--replay scores another pick against the runs the cell measured: the best stays, the
+    pick's run and prediction change; a pick the cell did not run, or a stopped one, has no
+    prediction ratio."""
+    bp = load_tool("bench-policy")
+
+    def run(split, t, stopped=None, process=None):
+        return {"split": split, "epochs_s": t, "stopped_s": stopped,
+                "process_s": process or (t or stopped) + 5}
+    cell = {"runs": [run(1, 100.0), run(2, 110.0), run(3, None, stopped=160.0)],
+            "pick": 1, "pick_stage": "a", "time_ratio": 1.0, "round_time_ratios": [1.0],
+            "best_is_last": False, "best_job_stage": "a"}
+
+    def pol(pick, total):
+        return {"choice": {"split": pick, "stage": "abc"[pick - 1]}, "why": "w",
+                "candidates": [{"split": s, "total_s": total} for s in (1, 2, 3)]}
+    a = bp.rescore(cell, pol(2, 99.0))
+    assert a["pick"] == 2 and a["pick_stage"] == "b" and a["replayed"]
+    assert a["time_ratio"] == pytest.approx(1.10)
+    assert a["predicted_over_measured"] == pytest.approx(0.90)
+    assert a["job_time_ratio"] == pytest.approx(115 / 105)
+    assert a["predicted"] == {1: 99.0, 2: 99.0, 3: 99.0} and a["round_time_ratios"] == []
+    assert cell["pick"] == 1  # the cell itself unchanged
+    stopped = bp.rescore(cell, pol(3, 99.0))
+    assert stopped["time_ratio"] == pytest.approx(1.60) and stopped["pick_stopped"]
+    assert stopped["predicted_over_measured"] is None
+    unrun = bp.rescore(cell, dict(pol(1, 99.0), choice={"split": 4, "stage": "d"}))
+    assert unrun["time_ratio"] is None and unrun["predicted_over_measured"] is None
+    bp.summarize([a, stopped, unrun])  # a pick without a ratio counts as a miss, not a crash
