@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Measures this (compute) node's speed relative to the storage node that serves ROOT.
 
-    probe-speed.py ROOT [--model auto|PATH] [--threads N] [--batch 32] [--seconds 3] [--json]
+    probe-speed.py ROOT [--model auto|PATH] [--threads N] [--batch 32] [--seconds 3]
+                   [--files 128] [--json]
 
 The policy of a hapifs mount weighs moving frozen stages to the compute tier by
 client_speed, the compute tier's speed relative to the storage node. This measures
@@ -20,12 +21,34 @@ The two batches differ where the storage node's profile stops early (under a CPU
 quota it may stop at 4), and a stage costs per sample at 4 up to twice what it
 does at 32 (VGG-16's fc6).
 
-Prints a table per stage and two last lines, "client_speed X" and
-"compute_stages MS,MS,..."; pass them on to the storage node, where the mount's
-control file is writable:
+Then the training loop's own cost per file beside those stages (the policy's
+compute_file_ms): what reading a .feat file costs this node's CPUs (the network
+filesystem and ssh, the DataLoader's workers, numpy.load, collation) with the
+head's step on it. --files files of ROOT (a few from each class folder) are
+read through a DataLoader as train.py reads them (its workers, its batch, the
+mount's trunk [split, freeze) when the split is before the freeze point, the
+head trained on the rest), once to warm up (this computes their features on
+the storage node unless they are cached) and then again and again for about
+--seconds. The CPU of every CPU this process may use (/proc/stat, so the
+network filesystem's and ssh's work counts) over those passes, less the trunk's
+(its own process CPU time), per file read, is the loop's cost per file; the
+policy charges a file's bytes apart (compute_load_ns, compute_byte_ns, read
+from the mount's .hapifs/policy), so they are taken out of it:
+
+    compute_file_ms = (CPU - trunk CPU) / files - bytes * load_ns
+                      - bytes received (/proc/net/dev) / files * byte_ns
+
+A later epoch of train.py is what it measures (the files kept in this node's
+page cache as far as the filesystem keeps them), on a quiet node: another
+process's CPU counts too. --files 0 skips it.
+
+Prints a table per stage and three last lines, "client_speed X",
+"compute_stages MS,MS,..." and "compute_file_ms MS"; pass them on to the storage
+node, where the mount's control file is writable:
 
     hapifs-ctl set-client-speed X /mnt/feat        (on the storage node)
     hapifs-ctl set-compute-stages MS,MS,... /mnt/feat
+    hapifs-ctl set-compute-file-ms MS /mnt/feat
 
 It is measured, not written through the mount: the compute node reads hapifs
 through a read-only network filesystem, and the control file takes commands only
@@ -42,6 +65,141 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def cpu_busy_s(cpus):
+    """Seconds the CPUs numbered in cpus have been busy since boot: user, nice, system, irq
+    and softirq (not idle, not waiting for I/O, not stolen by a hypervisor)."""
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            w = line.split()
+            if w and w[0][:3] == "cpu" and w[0][3:].isdigit() and int(w[0][3:]) in cpus:
+                v = [int(x) for x in w[1:8]]
+                busy += v[0] + v[1] + v[2] + v[5] + v[6]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def received_bytes():
+    """Bytes received by this network namespace's interfaces other than lo."""
+    total = 0
+    with open("/proc/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, _, data = line.partition(":")
+            if data and name.strip() != "lo":
+                total += int(data.split()[0])
+    return total
+
+
+def sample_files(root, n):
+    """Up to n (path, label) of ROOT/<class>/*.feat, a few from each class folder in order
+    (so that a tree of a thousand folders is not listed whole), labels by folder."""
+    classes = sorted(e.name for e in os.scandir(root)
+                     if not e.name.startswith(".") and e.is_dir())
+    per = max(8, -(-n // max(len(classes), 1)))
+    files = []
+    for label, name in enumerate(classes):
+        d = os.path.join(root, name)
+        feats = sorted(e.name for e in os.scandir(d) if e.name.endswith(".feat"))
+        files += [(os.path.join(d, f), label) for f in feats[:min(per, n - len(files))]]
+        if len(files) >= n:
+            break
+    return files
+
+
+class FeatureFiles:
+    """The files as train.py's DatasetFolder gives them: np.load, then to fp32."""
+
+    def __init__(self, files, load, to_tensor):
+        self.files, self.load, self.to_tensor = files, load, to_tensor
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        path, label = self.files[i]
+        return self.to_tensor(self.load(path)), label
+
+
+class TimedTrunk:
+    """Calls a trunk, adding up this process's CPU time (all its threads) spent in its stages."""
+
+    def __init__(self, trunk):
+        self.trunk, self.cpu_s = trunk, 0.0
+
+    def __call__(self, x):
+        if not self.trunk.names:  # no stages: the input as it is, nothing to take out
+            return self.trunk(x)
+        t = time.process_time()
+        y = self.trunk(x)
+        self.cpu_s += time.process_time() - t
+        return y
+
+
+def loop_cost(args, root, ctl, config, trunk):
+    """The training loop's CPU per file on this node beside the trunk (see the top)."""
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader, Subset
+    import train
+
+    files = sample_files(root, args.files)
+    if len(files) < 2:
+        raise train.TrunkError(f"{root}: {len(files)} .feat file(s) in its class folders, "
+                               "the loop's cost needs at least 2 (--files 0 skips it)")
+    split, freeze = int(config["split"]["index"]), int(config["split"]["freeze"])
+    tail = TimedTrunk(train.StageTrunk(list(zip(trunk.names[split:freeze],
+                                                trunk.stages[split:freeze])), start=split))
+    ds = FeatureFiles(files, np.load, train.to_float_tensor)
+    first = ds[0][0]
+    train.check_shape(root, tuple(first.shape), config["split"])
+    with torch.no_grad():
+        in_features = tail.trunk(first[None]).flatten(1).shape[1]
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()
+    n_val = int(round(len(ds) * 0.2))  # train.py's --val-fraction
+    kept, val = order[:len(ds) - n_val], order[len(ds) - n_val:]
+    workers = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
+    train_loader = DataLoader(Subset(ds, kept), batch_size=args.batch, shuffle=True,
+                              drop_last=len(kept) > args.batch,
+                              generator=torch.Generator().manual_seed(0), **workers)
+    val_loader = DataLoader(Subset(ds, val), batch_size=args.batch, **workers)
+    head = train.make_head(in_features, 1 + max(label for _, label in files))
+    optimizer = torch.optim.Adam(head.parameters(), lr=1e-3)
+
+    def one_pass():  # an epoch of train.py: the head trained, then validated
+        n = train.run_epoch(head, tail, train_loader, optimizer)[2]
+        return n + (train.run_epoch(head, tail, val_loader)[2] if val else 0)
+
+    one_pass()  # the warm-up: the workers start, the files come across once
+    cpus = os.sched_getaffinity(0)
+    tail.cpu_s, passes, read = 0.0, 0, 0
+    busy0, rx0, t0 = cpu_busy_s(cpus), received_bytes(), time.monotonic()
+    while passes < 2 or time.monotonic() - t0 < args.seconds:
+        read += one_pass()
+        passes += 1
+    seconds = time.monotonic() - t0
+    busy, rx = cpu_busy_s(cpus) - busy0, received_bytes() - rx0
+    now = train.read_config(ctl).get("split", {})
+    if now.get("index") != split:
+        raise train.TrunkError(f"the mount's split changed from {split} to {now.get('index')} "
+                               "while the loop was measured; run the probe again")
+    try:
+        with open(os.path.join(ctl, "policy")) as f:
+            inputs = json.load(f).get("inputs", {})
+    except (OSError, ValueError):
+        inputs = {}
+    load_ns = float(inputs.get("compute_load_ns", 0.0))
+    byte_ns = float(inputs.get("compute_byte_ns", 0.0))
+    file_bytes = sum(os.stat(path).st_size for path, _ in files) / len(files)
+    per_file = 1e3 * (busy - tail.cpu_s) / read
+    received = rx / read
+    cost = per_file - file_bytes * load_ns / 1e6 - received * byte_ns / 1e6
+    return {"compute_file_ms": max(cost, 0.0), "files": len(files), "passes": passes,
+            "files_read": read, "seconds": seconds, "cpus": sorted(cpus), "cpu_s": busy,
+            "trunk_cpu_s": tail.cpu_s, "cpu_ms_per_file": per_file, "split": split,
+            "file_bytes": file_bytes, "received_bytes_per_file": received,
+            "compute_load_ns": load_ns, "compute_byte_ns": byte_ns,
+            "policy_inputs": bool(inputs)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("root", help="a folder on the mount (or the mount through sshfs)")
@@ -55,10 +213,14 @@ def main(argv=None):
                     help="the training loop's batch (train.py --batch-size)")
     ap.add_argument("--seconds", type=float, default=3.0,
                     help="time spent measuring each batch")
+    ap.add_argument("--files", type=int, default=128,
+                    help="files read to measure the training loop's cost per file (0: not)")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
     if args.batch < 1:
         ap.error("--batch must be at least 1")
+    if args.files < 0:
+        ap.error("--files must be 0 or more")
 
     import torch
     import train
@@ -100,9 +262,9 @@ def main(argv=None):
         return [per[name] for name in trunk.names], runs
 
     here, runs = per_stage(batch)
-    train, train_runs = (here, runs) if args.batch == batch else per_stage(args.batch)
+    at_batch, train_runs = (here, runs) if args.batch == batch else per_stage(args.batch)
     rows = []
-    for s, name, ms, ms_train in zip(stages, trunk.names, here, train):
+    for s, name, ms, ms_train in zip(stages, trunk.names, here, at_batch):
         rows.append({"stage": name, "storage_ms": float(s["ms_per_sample"][-1]),
                      "compute_ms": ms, "compute_train_ms": ms_train})
     storage = sum(r["storage_ms"] for r in rows)
@@ -113,8 +275,15 @@ def main(argv=None):
     out = {"client_speed": speed, "batch": batch, "runs": runs, "threads": threads,
            "storage_threads": profile.get("threads"), "freeze": freeze, "stages": rows,
            "storage_ms": storage, "compute_ms": compute, "train_batch": args.batch,
-           "train_runs": train_runs, "compute_stages_ms": train}
-    stages_line = ",".join(f"{ms:.4g}" for ms in train)
+           "train_runs": train_runs, "compute_stages_ms": at_batch, "compute_file_ms": None,
+           "loop": None}
+    if args.files:
+        try:
+            out["loop"] = loop_cost(args, args.root, ctl, config, trunk)
+        except (train.TrunkError, OSError) as e:
+            sys.exit(f"probe-speed: the training loop's cost: {e}")
+        out["compute_file_ms"] = out["loop"]["compute_file_ms"]
+    stages_line = ",".join(f"{ms:.4g}" for ms in at_batch)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -127,9 +296,24 @@ def main(argv=None):
         ratio = r["storage_ms"] / r["compute_ms"] if r["compute_ms"] > 0 else float("inf")
         print(f"{r['stage']:<12} {r['storage_ms']:>10.3f} {r['compute_ms']:>10.3f} {ratio:>7.2f} "
               f"{r['compute_train_ms']:>10.3f}")
-    print(f"{'total':<12} {storage:>10.3f} {compute:>10.3f} {speed:>7.2f} {sum(train):>10.3f}")
+    print(f"{'total':<12} {storage:>10.3f} {compute:>10.3f} {speed:>7.2f} {sum(at_batch):>10.3f}")
+    loop = out["loop"]
+    if loop:
+        kb = loop["file_bytes"] / 1e3
+        print(f"the training loop at split {loop['split']}: {loop['files_read']} files read in "
+              f"{loop['passes']} passes over {loop['files']} ({loop['seconds']:.1f} s), "
+              f"{loop['cpu_ms_per_file']:.3f} ms CPU a file on CPUs "
+              f"{','.join(map(str, loop['cpus']))} beside the trunk's "
+              f"{1e3 * loop['trunk_cpu_s'] / loop['files_read']:.3f};\n"
+              f"less {kb:.1f} KB loaded at {loop['compute_load_ns']:g} ns/B and "
+              f"{loop['received_bytes_per_file'] / 1e3:.1f} KB received at "
+              f"{loop['compute_byte_ns']:g} ns/B: {loop['compute_file_ms']:.3f} ms a file"
+              + ("" if loop["policy_inputs"] else
+                 " (the mount's .hapifs/policy was not readable: bytes not taken out)"))
     print(f"client_speed {speed:.3g}")
     print(f"compute_stages {stages_line}")
+    if loop:
+        print(f"compute_file_ms {loop['compute_file_ms']:.3g}")
     return 0
 
 

@@ -119,7 +119,7 @@ static json_t *render_config(hapi_ctl *c)
     return json_pack(
         "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s, s:o}, s:o, "
         "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
-        "s:{s:s, s:f, s:s, s:f, s:o, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
+        "s:{s:s, s:f, s:s, s:f, s:o, s:f, s:b, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
         "source", o->source,
         "mountpoint", o->mountpoint,
@@ -138,8 +138,9 @@ static json_t *render_config(hapi_ctl *c)
         "policy",
           "link", rate, "rtt_ms", ts.rtt_s * 1e3,
           "transport", ts.transport == HAPI_TRANSPORT_PACK ? "pack" : "file",
-          "client_speed", ts.client_speed, "compute_stages_ms", compute_stages, "epochs",
-          ts.epochs,
+          "client_speed", ts.client_speed, "compute_stages_ms", compute_stages,
+          "compute_file_ms", ts.compute_file_ms, "compute_file_ms_given", ts.compute_file_given,
+          "epochs", ts.epochs,
         "runtime",
           "threads", o->threads, "torch_threads", o->torch_threads, "show_raw", o->show_raw,
           "watch", o->watch, "no_open", c->cfg.no_open, "uring", uring_active(c), "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch,
@@ -591,6 +592,8 @@ static const char ctl_help[] =
     "#   readers N     the policy's other inputs\n"
     "#   compute_stages MS,MS,...|none   the compute tier's ms per sample of the frozen\n"
     "#                 stages, measured there (probe-speed.py prints the line)\n"
+    "#   compute_file_ms MS|default   its training loop's CPU per file beside the stages,\n"
+    "#                 measured there (probe-speed.py prints the line)\n"
     "# a write that is refused fails (EINVAL, EBUSY, ...); reading the same open file\n"
     "# then returns \"error: REASON\" (after a command that worked, \"ok\")\n";
 
@@ -835,7 +838,7 @@ static int cmd_batch(hapi_ctl *c, int n, char **words, hapi_error *err)
     return rc < 0 ? command_errno(rc, -EINVAL) : 0;
 }
 
-/* link RATE, client_speed X, epochs N: the policy's inputs. */
+/* link RATE, client_speed X, epochs N, ..., compute_file_ms MS|default: the policy's inputs. */
 static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
 {
     (void)n;
@@ -847,6 +850,7 @@ static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
                 : strcmp(words[0], "transport") == 0    ? HAPI_TUNE_TRANSPORT
                 : strcmp(words[0], "compute_cache") == 0 ? HAPI_TUNE_COMPUTE_CACHE
                 : strcmp(words[0], "readers") == 0      ? HAPI_TUNE_READERS
+                : strcmp(words[0], "compute_file_ms") == 0 ? HAPI_TUNE_COMPUTE_FILE_MS
                                                         : HAPI_TUNE_EPOCHS;
     if (which == HAPI_TUNE_LINK) {
         if (hapi_policy_parse_rate(words[1], &value, err) < 0)
@@ -865,6 +869,12 @@ static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
             return hapi_error_set(err, -EINVAL, "compute_cache %s: expected a size, e.g. 8G, 0",
                                   words[1]);
         value = (double)bytes;
+    } else if (which == HAPI_TUNE_COMPUTE_FILE_MS) {
+        int is_default = strcmp(words[1], "default") == 0; /* < 0 tells tune so */
+        value = is_default ? -1 : strtod(words[1], &end);
+        if (!is_default && (end == words[1] || *end || !(value >= 0) || value > 1e6))
+            return hapi_error_set(err, -EINVAL, "compute_file_ms %s: expected ms, 0 or more "
+                                  "(e.g. 1.2), or default", words[1]);
     } else {
         value = strtod(words[1], &end);
         int is_epochs = which == HAPI_TUNE_EPOCHS || which == HAPI_TUNE_READERS;
@@ -928,6 +938,7 @@ static const struct command {
     { "transport", 1, 1, "transport file|pack", cmd_input },
     { "compute_cache", 1, 1, "compute_cache SIZE", cmd_input },
     { "readers", 1, 1, "readers N", cmd_input },
+    { "compute_file_ms", 1, 1, "compute_file_ms MS|default", cmd_input },
     { "compute_stages", 1, 1, "compute_stages MS,MS,...|none", cmd_compute_stages },
 };
 
@@ -958,7 +969,7 @@ static int run_line(hapi_ctl *c, int remote, char *line, hapi_error *err)
     return hapi_error_set(err, -EINVAL,
                           "unknown command '%s' (known: warm, evict, split, batch, link, "
                           "client_speed, epochs, rtt, transport, compute_cache, readers, "
-                          "compute_stages)",
+                          "compute_stages, compute_file_ms)",
                           words[0]);
 }
 

@@ -52,6 +52,8 @@ typedef struct hapi_fs_options {
     double rtt_s;          /* its round-trip time, seconds (0: not counted) */
     int transport;         /* enum hapi_policy_transport: how the compute tier reads */
     double client_speed;   /* the compute tier's speed relative to this node */
+    double compute_file_ms; /* its training loop's CPU per file beside the stages, measured
+                              there (< 0: not given, HAPI_POLICY_COMPUTE_FILE_MS) */
     int epochs;            /* epochs a job is expected to read */
     int profile_redo;      /* measure the model even if a profile is stored */
     int show_raw;
@@ -829,7 +831,8 @@ enum hapi_tune_input {
     HAPI_TUNE_RTT,          /* seconds */
     HAPI_TUNE_TRANSPORT,    /* enum hapi_policy_transport */
     HAPI_TUNE_COMPUTE_CACHE, /* bytes */
-    HAPI_TUNE_READERS       /* concurrent per-file readers on the compute tier */
+    HAPI_TUNE_READERS,      /* concurrent per-file readers on the compute tier */
+    HAPI_TUNE_COMPUTE_FILE_MS /* ms; < 0: back to HAPI_POLICY_COMPUTE_FILE_MS */
 };
 /* Sets one of the policy's inputs (bits/s, a ratio, a count); the caller validated it. */
 void hapi_tune_set_input(hapi_tune *t, int which, double value);
@@ -853,6 +856,8 @@ typedef struct hapi_tune_status {
     int split_by_operator;
     int batch, batch_auto;
     double link_bps, client_speed, rtt_s;
+    double compute_file_ms;    /* the policy's input */
+    int compute_file_given;    /* ... measured and given (mount option, ctl), not the default */
     int epochs, transport;
     uint64_t split_changes;
     int state;                 /* 0 measuring, 1 ready, < 0 failed (code) */

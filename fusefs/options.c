@@ -24,7 +24,7 @@ struct raw_options {
     char *model, *split, *freeze, *dtype, *preprocess, *precision, *cache, *cache_size;
     char *threads, *torch_threads, *show_raw, *watch, *no_open, *uring, *max_pixels, *device, *log;
     char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
-    char *link, *client_speed, *epochs, *profile, *prefetch;
+    char *link, *client_speed, *compute_file_ms, *epochs, *profile, *prefetch;
     char *refresh, *fetch_threads, *rtt, *transport, *ctl_group;
     char *node, *node_mem, *node_cores;
     int remote;
@@ -68,6 +68,7 @@ static const struct fuse_opt option_table[] = {
     RAW("cache_reset=%s", cache_reset),
     RAW("link=%s", link),
     RAW("client_speed=%s", client_speed),
+    RAW("compute_file_ms=%s", compute_file_ms),
     RAW("epochs=%s", epochs),
     RAW("profile=%s", profile),
     RAW("refresh=%s", refresh),
@@ -214,6 +215,8 @@ void hapi_fs_usage(const char *prog)
            "    transport=file|pack  how the compute tier reads: one .feat at a time through a\n"
            "                         network filesystem (default), or packs through hapifs -o remote\n"
            "    client_speed=X       compute tier's speed relative to this node (default 1)\n"
+           "    compute_file_ms=MS   the compute tier's training loop per file beside the stages\n"
+           "                         (examples/probe-speed.py measures it; default 1.5)\n"
            "    epochs=N             epochs a job is expected to read (default 5)\n"
            "    profile=redo         measure the model again instead of using the stored profile\n"
            "    warm=0|1             compute the whole tree in the background at mount\n"
@@ -521,7 +524,8 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
         { "decode_threads", raw->decode_threads }, { "mem", raw->mem }, { "warm", raw->warm },
         { "node", raw->node }, { "node_mem", raw->node_mem }, { "node_cores", raw->node_cores },
         { "prefetch", raw->prefetch }, { "link", raw->link },
-        { "client_speed", raw->client_speed }, { "epochs", raw->epochs },
+        { "client_speed", raw->client_speed }, { "compute_file_ms", raw->compute_file_ms },
+        { "epochs", raw->epochs },
         { "profile", raw->profile }, { "device", raw->device }, { "max_pixels", raw->max_pixels },
         { "rtt", raw->rtt }, { "transport", raw->transport },
         { "show_raw", raw->show_raw }, { "watch", raw->watch },
@@ -732,6 +736,17 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
                                   "tier's speed relative to this node (e.g. 4)",
                                   raw->client_speed);
     }
+    o->compute_file_ms = -1; /* the policy's default */
+    if (raw->compute_file_ms) {
+        char *end;
+        o->compute_file_ms = strtod(raw->compute_file_ms, &end);
+        if (end == raw->compute_file_ms || *end || !(o->compute_file_ms >= 0) ||
+            o->compute_file_ms > 1e6)
+            return hapi_error_set(err, HAPI_EINVAL,
+                                  "compute_file_ms=%s: expected ms, 0 or more: what the compute "
+                                  "tier's training loop costs a file beside the stages (e.g. 1.2)",
+                                  raw->compute_file_ms);
+    }
     o->epochs = HAPI_POLICY_EPOCHS_DEFAULT;
     if (raw->epochs) {
         if (parse_int(raw->epochs, 1, 100000, &v) < 0)
@@ -908,6 +923,7 @@ out:
     free(raw.prefetch);
     free(raw.link);
     free(raw.client_speed);
+    free(raw.compute_file_ms);
     free(raw.epochs);
     free(raw.profile);
     free(raw.cache_reset);

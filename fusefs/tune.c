@@ -25,6 +25,7 @@ struct hapi_tune {
     hapi_profile profile;
     hapi_policy_input in;        /* without profile, cached[], samples: filled per use */
     int split_by_operator;       /* the split was given (option or control command) */
+    int compute_file_given;      /* in.compute_file_ms was given (option or control command) */
     int batch_auto;
     int batch;                   /* the batch set now */
     double decode_ms, source_bytes;
@@ -291,7 +292,8 @@ int hapi_tune_start(const hapi_tune_config *cfg, hapi_tune **out, hapi_error *er
         .hit_ms = HIT_MS,
         .cache_room = o->cache_size,
         .storage_file_ms = HAPI_POLICY_STORAGE_FILE_MS,
-        .compute_file_ms = HAPI_POLICY_COMPUTE_FILE_MS,
+        .compute_file_ms = o->compute_file_ms >= 0 ? o->compute_file_ms
+                                                   : HAPI_POLICY_COMPUTE_FILE_MS,
         .storage_serve_ms = HAPI_POLICY_STORAGE_SERVE_MS,
         .compute_byte_ns = HAPI_POLICY_COMPUTE_BYTE_NS,
         .compute_load_ns = HAPI_POLICY_COMPUTE_LOAD_NS,
@@ -301,6 +303,7 @@ int hapi_tune_start(const hapi_tune_config *cfg, hapi_tune **out, hapi_error *er
     for (int s = 1; s <= t->in.freeze && s <= HAPI_PROFILE_MAX_STAGES; s++)
         t->in.cache_entry_bytes[s] = (double)hapi_cache_entry_bytes(
             cfg->cache, HAPI_TYPICAL_PATH, hapi_extractor_split_bytes(cfg->ex, s));
+    t->compute_file_given = o->compute_file_ms >= 0;
     t->split_by_operator = o->split && strcmp(o->split, "auto") != 0;
     t->batch_auto = o->batch == 0;
     t->batch = o->batch;
@@ -483,6 +486,10 @@ void hapi_tune_set_input(hapi_tune *t, int which, double value)
         t->in.compute_cache = value;
     else if (which == HAPI_TUNE_READERS)
         t->in.readers = (int)value;
+    else if (which == HAPI_TUNE_COMPUTE_FILE_MS) {
+        t->in.compute_file_ms = value >= 0 ? value : HAPI_POLICY_COMPUTE_FILE_MS;
+        t->compute_file_given = value >= 0;
+    }
     pthread_mutex_unlock(&t->lock);
 }
 
@@ -503,6 +510,8 @@ void hapi_tune_status_get(hapi_tune *t, hapi_tune_status *st)
         .batch_auto = t->batch_auto,
         .link_bps = t->in.link_bps,
         .client_speed = t->in.client_speed,
+        .compute_file_ms = t->in.compute_file_ms,
+        .compute_file_given = t->compute_file_given,
         .rtt_s = t->in.rtt_s,
         .transport = t->in.transport,
         .epochs = t->in.epochs,

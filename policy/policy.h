@@ -202,7 +202,9 @@ typedef struct hapi_policy_input {
     double storage_file_ms;   /* CPU per file the transport costs the storage tier (sftp
                                  server, ssh cipher), on top of serving it (0: none) */
     double compute_file_ms;   /* what the training loop costs the compute tier per sample beside
-                                 the stages it runs (sshfs, the loader, the head's step) */
+                                 the stages it runs (sshfs, the loader, the head's step);
+                                 measured there (probe-speed.py), else
+                                 HAPI_POLICY_COMPUTE_FILE_MS */
     double storage_serve_ms;  /* storage CPU per feature computed on demand beyond its decode and
                                  stages (queueing, the cache's write, the first reply) (0: none) */
     double compute_byte_ns;   /* compute CPU per byte of a file that crosses the link (the

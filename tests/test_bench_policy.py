@@ -37,6 +37,10 @@ def test_grid_quick(tmp_path):
     assert (c["model"], c["link"], c["rtt"], c["speed_set"]) == ("resnet18", "1gbit", "0", 4.0)
     # measured, not assumed: the storage tier runs at a quarter of a core
     assert c["client_speed"] > 1.5, c["client_speed"]
+    # and the training loop's CPU per file, handed to the policy as measured
+    loop = c["probe_loop"]
+    assert loop["passes"] >= 2 and loop["files_read"] > loop["files"] > 0, loop
+    assert c["inputs"]["compute_file_ms"] == pytest.approx(loop["compute_file_ms"], rel=1e-3)
     runs = {run["split"]: run for run in c["runs"]}
     order = [run["split"] for run in c["runs"]]
     assert order[:2] == [c["freeze"], 1] and order[2:] in ([], [c["pick"]]), order

@@ -62,7 +62,8 @@ def test_status_and_stats_after_reads(tree, mounter, models):
     assert lines["policy"].split(None, 1)[1] == (
         f"split by {config['split']['by']}; link {pol['link']}, rtt {pol['rtt_ms']:.3g} ms, "
         f"{pol['transport']} transport; compute tier {pol['client_speed']:.3g}x this node "
-        "(client_speed)"), lines["policy"]
+        f"(client_speed), its loop {pol['compute_file_ms']:.3g} ms a file (the default)"), \
+        lines["policy"]
     assert config["cache"]["namespace"][:12] in lines["cache"]
     assert ": 5 entries" in lines["cache"]
     f = m.ctl("stats")["feat"]

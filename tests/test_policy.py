@@ -217,14 +217,24 @@ def test_probe_speed_stages_reach_the_policy(tree, mounter, models):
              "--seconds", "0.1", "--threads", "1"]
     r = subprocess.run(probe + ["--batch", "3"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    last = r.stdout.splitlines()[-2:]
+    last = r.stdout.splitlines()[-3:]
     assert last[0].startswith("client_speed ") and last[1].startswith("compute_stages "), last
+    assert last[2].startswith("compute_file_ms "), last
     r = subprocess.run(probe + ["--batch", "3", "--json"], capture_output=True, text=True,
                        timeout=300)
     out = json.loads(r.stdout)
     stages = out["compute_stages_ms"]
     assert out["train_batch"] == 3 and len(stages) == freeze and min(stages) > 0
     assert out["client_speed"] > 0 and out["batch"] == m.ctl("profile")["batches"][-1]
+    # the training loop per file: every file of the tree read, two passes at least, on the
+    # CPUs this process may use; the bytes the policy charges apart taken out
+    loop = out["loop"]
+    assert loop["files"] == 16 and loop["passes"] >= 2 and loop["split"] == \
+        m.ctl("config")["split"]["index"], loop
+    assert loop["files_read"] >= 2 * 12 and loop["cpus"] == sorted(os.sched_getaffinity(0))
+    assert loop["policy_inputs"] and loop["compute_load_ns"] > 0, loop
+    assert 0 < out["compute_file_ms"] == loop["compute_file_ms"] < loop["cpu_ms_per_file"], loop
+    assert (loop["trunk_cpu_s"] > 0) == (loop["split"] < freeze), loop
     # as printed, to the storage side's mount
     line = ",".join(f"{ms:.4g}" for ms in stages)
     r = ctl("set-compute-stages", line, m.path)
@@ -260,6 +270,61 @@ def test_probe_speed_stages_reach_the_policy(tree, mounter, models):
     assert "this node (client_speed)" in status and "measured there" not in status, status
 
 
+def test_probe_speed_takes_the_trunk_out_of_the_loop(tree, mounter, models):
+    """At a split before the freeze point the loop runs the mount's trunk [split, freeze), as
+    train.py does; its CPU is the trunk's, not the loop's."""
+    src, _ = tree
+    m = mounter(src, model=models(), split="layer3")
+    config = m.ctl("config")["split"]
+    assert config["index"] < config["freeze"]
+    r = subprocess.run([PYTHON, str(SOURCE_ROOT / "examples" / "probe-speed.py"), str(m.path),
+                        "--seconds", "0.2", "--threads", "1", "--batch", "4", "--files", "12"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-1].startswith("compute_file_ms ") and float(lines[-1].split()[1]) >= 0
+    loop = [ln for ln in lines if ln.startswith("the training loop at split ")]
+    assert len(loop) == 1 and f"at split {config['index']}:" in loop[0], lines
+    words = loop[0].split()
+    read, passes = int(words[6]), int(words[10])
+    assert passes >= 2 and read >= 2 * 8 and "passes over 12 " in loop[0], loop
+    assert float(loop[0].split("beside the trunk's ")[1].rstrip(";")) > 0, loop
+
+
+def test_compute_file_ms_reaches_the_policy(tree, mounter, models, tmp_path):
+    """The compute tier's loop per file: a mount option, a control command (hapifs-ctl
+    set-compute-file-ms), back to the default; the policy charges it to every reader."""
+    src, _ = tree
+    m = mounter(src, model=models(), compute_file_ms="0.7")
+    assert m.ctl("config")["policy"]["compute_file_ms"] == pytest.approx(0.7)
+    assert m.ctl("config")["policy"]["compute_file_ms_given"] is True
+    before = m.ctl("policy")
+    assert before["inputs"]["compute_file_ms"] == pytest.approx(0.7)
+    assert "(measured there)" in ctl("status", m.path).stdout
+    assert "0.700 ms of the training loop" in ctl("policy", m.path).stdout
+    r = ctl("set-compute-file-ms", "2.2", m.path)
+    assert r.returncode == 0 and "compute_file_ms 2.2" in r.stdout, (r.stdout, r.stderr)
+    after = m.ctl("policy")
+    assert after["inputs"]["compute_file_ms"] == pytest.approx(2.2)
+    for b, a in zip(before["candidates"], after["candidates"]):
+        assert a["reader_ms"] - b["reader_ms"] == pytest.approx(1.5), (b, a)
+    # refused whole: nothing changes
+    for bad in ["-1", "x", "1e7", "nan", ""]:
+        with pytest.raises(OSError) as e:
+            with open(m.path / ".hapifs" / "ctl", "w") as f:
+                f.write(f"compute_file_ms {bad}\n")
+        assert e.value.errno == 22, bad
+    assert m.ctl("policy")["inputs"]["compute_file_ms"] == pytest.approx(2.2)
+    # default: the policy's constant, said to be one
+    r = ctl("set-compute-file-ms", "default", m.path)
+    assert r.returncode == 0 and "(default)" in r.stdout, r.stdout
+    config = m.ctl("config")["policy"]
+    assert config["compute_file_ms_given"] is False and config["compute_file_ms"] > 0
+    assert m.ctl("policy")["inputs"]["compute_file_ms"] == config["compute_file_ms"]
+    assert "(the default)" in ctl("status", m.path).stdout
+    assert "a default: probe-speed.py measures it" in ctl("policy", m.path).stdout
+
+
 def test_injected_oom_halves_the_batch_and_every_read_succeeds(tree, mounter, models,
                                                                monkeypatch):
     src, names = tree
@@ -282,6 +347,7 @@ def test_injected_oom_halves_the_batch_and_every_read_succeeds(tree, mounter, mo
     ("link=100", "no unit"),
     ("link=fast", "link rate"),
     ("client_speed=0", "client_speed"),
+    ("compute_file_ms=-1", "compute_file_ms"),
     ("epochs=0", "epochs"),
     ("profile=again", "profile"),
     ("batch=0", "batch"),

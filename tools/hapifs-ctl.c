@@ -33,6 +33,8 @@ static const char usage_text[] =
     "                       there (examples/probe-speed.py prints it)\n"
     "    set-compute-stages MS,MS,...|none  ... the compute tier's ms per sample of each frozen\n"
     "                       stage at its training batch (probe-speed.py prints them)\n"
+    "    set-compute-file-ms MS|default  ... its training loop's CPU per file beside the\n"
+    "                       stages (probe-speed.py prints it)\n"
     "    set-compute-cache SIZE  ... how many bytes of .feat files the compute tier keeps\n"
     "                       between epochs (its page cache; 0: none)\n"
     "    warm [PATH]        compute the features of PATH (default: everything), showing progress\n"
@@ -255,9 +257,12 @@ static int cmd_status(const char *mnt)
            num(config, "policy.rtt_ms"), str(config, "policy.transport"),
            num(config, "policy.client_speed"));
     if (nstages)
-        printf(", its stages measured there (%zu)\n", nstages);
+        printf(", its stages measured there (%zu)", nstages);
     else
-        printf(" (client_speed)\n");
+        printf(" (client_speed)");
+    printf(", its loop %.3g ms a file%s\n", num(config, "policy.compute_file_ms"),
+           json_is_true(get(config, "policy.compute_file_ms_given")) ? " (measured there)"
+                                                                      : " (the default)");
     printf("%-10s %s namespace %.12s: %.0f entries, %s (all: %.0f entries, %s of %s)\n",
            "cache", str(config, "cache.dir"), str(config, "cache.namespace"),
            num(stats, "cache.namespace.entries"),
@@ -563,8 +568,9 @@ static int cmd_profile(const char *mnt)
     return 0;
 }
 
-/* The terms of the chosen candidate's estimate, one tier a line, from .hapifs/policy. */
-static void explain_terms(json_t *p)
+/* The terms of the chosen candidate's estimate, one tier a line, from .hapifs/policy;
+   file_given: the loop's cost per file was given (config's policy.compute_file_ms_given). */
+static void explain_terms(json_t *p, int file_given)
 {
     json_t *c = NULL, *k;
     size_t i;
@@ -617,11 +623,13 @@ static void explain_terms(json_t *p)
                  num(p, "inputs.client_speed"));
     printf("  compute  %.3f ms: stages [%.0f, %.0f) %s;\n"
            "           plus the reader's %.3f ms a file: %.3f ms of the training loop beside\n"
-           "           the stages (ssh, sshfs, the loader, the head's step), %.3g ns per byte\n"
-           "           loaded (%.3f ms a file, every epoch) and %.3g ns per byte received\n"
-           "           across the link (%.3f ms a file, in the epochs that read it there)\n",
+           "           the stages (ssh, sshfs, the loader, the head's step; %s),\n"
+           "           %.3g ns per byte loaded (%.3f ms a file, every epoch) and %.3g ns per\n"
+           "           byte received across the link (%.3f ms a file, in the epochs that read\n"
+           "           it there)\n",
            num(c, "compute_ms"), num(c, "split"), num(p, "inputs.freeze"), how,
            num(c, "reader_ms"), num(p, "inputs.compute_file_ms"),
+           file_given ? "measured there" : "a default: probe-speed.py measures it",
            num(p, "inputs.compute_load_ns"),
            num(c, "file_bytes") * num(p, "inputs.compute_load_ns") / 1e6,
            num(p, "inputs.compute_byte_ns"),
@@ -697,7 +705,9 @@ static int cmd_policy(const char *mnt)
     }
     json_decref(all);
     printf("\n* %s\n", str(p, "why"));
-    explain_terms(p);
+    json_t *config = load(mnt, "config");
+    explain_terms(p, config && json_is_true(get(config, "policy.compute_file_ms_given")));
+    json_decref(config);
     if (get(p, "current"))
         printf("\nserving split %.0f (%s), batch %.0f, set by the %s%s\n", num(p, "current.split"),
                str(p, "current.stage"), num(p, "current.batch"), str(p, "current.by"),
@@ -709,8 +719,7 @@ static int cmd_policy(const char *mnt)
 }
 
 /* set-split, set-batch, set-link, set-rtt, set-client-speed, set-compute-cache,
-   set-compute-stages: one control
-   command, then what the mount says now. */
+   set-compute-stages, set-compute-file-ms: one control command, then what the mount says now. */
 static int cmd_set(const char *mnt, const char *cmd, const char *value)
 {
     const char *command = strcmp(cmd, "set-split") == 0          ? "split"
@@ -719,6 +728,7 @@ static int cmd_set(const char *mnt, const char *cmd, const char *value)
                           : strcmp(cmd, "set-client-speed") == 0 ? "client_speed"
                           : strcmp(cmd, "set-compute-cache") == 0 ? "compute_cache"
                           : strcmp(cmd, "set-compute-stages") == 0 ? "compute_stages"
+                          : strcmp(cmd, "set-compute-file-ms") == 0 ? "compute_file_ms"
                                                                  : "link";
     int rc = send(mnt, command, value);
     if (rc)
@@ -736,7 +746,7 @@ static int cmd_set(const char *mnt, const char *cmd, const char *value)
         char *shape = json_dumps(get(config, "split.shape"), JSON_COMPACT);
         char s1[32];
         printf("split %.0f (%s, by %s): .feat of %s, shape %s; batch %.0f%s; link %s, rtt %.3g "
-               "ms, client_speed %.3g%s\n",
+               "ms, client_speed %.3g%s, compute_file_ms %.3g%s\n",
                num(config, "split.index"), str(config, "split.stage"), str(config, "split.by"),
                human_size(num(config, "split.feat_size"), s1, sizeof(s1)), shape ? shape : "?",
                num(config, "runtime.batch"),
@@ -744,7 +754,9 @@ static int cmd_set(const char *mnt, const char *cmd, const char *value)
                str(config, "policy.link"), num(config, "policy.rtt_ms"),
                num(config, "policy.client_speed"),
                json_array_size(get(config, "policy.compute_stages_ms"))
-                   ? ", compute stages measured" : "");
+                   ? ", compute stages measured" : "",
+               num(config, "policy.compute_file_ms"),
+               json_is_true(get(config, "policy.compute_file_ms_given")) ? "" : " (default)");
         free(shape);
     }
     json_decref(config);
@@ -778,7 +790,7 @@ int main(int argc, char *argv[])
                 strcmp(cmd, "set-split") == 0 || strcmp(cmd, "set-batch") == 0 ||
                 strcmp(cmd, "set-link") == 0 || strcmp(cmd, "set-rtt") == 0 ||
                 strcmp(cmd, "set-client-speed") == 0 || strcmp(cmd, "set-compute-cache") == 0 ||
-                strcmp(cmd, "set-compute-stages") == 0;
+                strcmp(cmd, "set-compute-stages") == 0 || strcmp(cmd, "set-compute-file-ms") == 0;
     if (!known)
         return say("unknown command '%s'", cmd), fputs(usage_text, stderr), EXIT_USAGE;
     if (takes_value) {
