@@ -28,8 +28,10 @@ head's step on it. --files files of ROOT (a few from each class folder) are
 read through a DataLoader as train.py reads them (its workers, its batch, the
 mount's trunk [split, freeze) when the split is before the freeze point, the
 head trained on the rest), once to warm up (this computes their features on
-the storage node unless they are cached) and then again and again for about
---seconds. The CPU of every CPU this process may use (/proc/stat, so the
+the storage node unless they are cached, and with prefetch=dir the rest of
+their folders: the probe then waits, up to --settle seconds, until the storage
+node computes nothing, since reads that wait on it make the loop cost more
+CPU a file) and then again and again for about --seconds. The CPU of every CPU this process may use (/proc/stat, so the
 network filesystem's and ssh's work counts) over those passes, less the trunk's
 (its own process CPU time), per file read, is the loop's cost per file; the
 policy charges a file's bytes apart (compute_load_ns, compute_byte_ns, read
@@ -134,6 +136,31 @@ class TimedTrunk:
         return y
 
 
+def storage_busy(ctl):
+    """What the storage node's batcher still has to compute (queued and in flight), from the
+    mount's .hapifs/stats; 0 where it says nothing of it (a compute-side -o remote mount)."""
+    try:
+        with open(os.path.join(ctl, "stats")) as f:
+            batcher = json.load(f).get("batcher", {})
+    except (OSError, ValueError):
+        return 0
+    return sum(batcher.get("queued", {}).values()) + batcher.get("in_flight", 0)
+
+
+def settle(ctl, limit_s):
+    """Waits (up to limit_s) until the storage node computes nothing: the warm-up's reads make it
+    compute the rest of their folders (prefetch=dir), and reads meanwhile wait on it, so that
+    the loop would run slower, and a slower loop costs more CPU a file (measured: 3.9 ms a file
+    with the storage tier busy, 1.0-1.4 once it was idle). Returns (seconds waited, work still
+    left)."""
+    t0 = time.monotonic()
+    left = storage_busy(ctl)
+    while left and time.monotonic() - t0 < limit_s:
+        time.sleep(0.5)
+        left = storage_busy(ctl)
+    return time.monotonic() - t0, left
+
+
 def loop_cost(args, root, ctl, config, trunk):
     """The training loop's CPU per file on this node beside the trunk (see the top)."""
     import numpy as np
@@ -155,20 +182,36 @@ def loop_cost(args, root, ctl, config, trunk):
         in_features = tail.trunk(first[None]).flatten(1).shape[1]
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()
     n_val = int(round(len(ds) * 0.2))  # train.py's --val-fraction
-    kept, val = order[:len(ds) - n_val], order[len(ds) - n_val:]
+    fit, val = order[:len(ds) - n_val], order[len(ds) - n_val:]
     workers = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
-    train_loader = DataLoader(Subset(ds, kept), batch_size=args.batch, shuffle=True,
-                              drop_last=len(kept) > args.batch,
+    train_loader = DataLoader(Subset(ds, fit), batch_size=args.batch, shuffle=True,
+                              drop_last=len(fit) > args.batch,
                               generator=torch.Generator().manual_seed(0), **workers)
     val_loader = DataLoader(Subset(ds, val), batch_size=args.batch, **workers)
     head = train.make_head(in_features, 1 + max(label for _, label in files))
     optimizer = torch.optim.Adam(head.parameters(), lr=1e-3)
 
     def one_pass():  # an epoch of train.py: the head trained, then validated
-        n = train.run_epoch(head, tail, train_loader, optimizer)[2]
-        return n + (train.run_epoch(head, tail, val_loader)[2] if val else 0)
+        try:
+            n = train.run_epoch(head, tail, train_loader, optimizer)[2]
+            return n + (train.run_epoch(head, tail, val_loader)[2] if val else 0)
+        except RuntimeError:  # e.g. features of two shapes in a batch
+            changed_split()
+            raise
+
+    def changed_split():  # as train.py stops when the mount's split changes under it
+        now = train.read_config(ctl).get("split", {})
+        if now.get("index") != split:
+            raise train.TrunkError(f"the mount's split changed from {split} to "
+                                   f"{now.get('index')} while the loop was measured; run the "
+                                   "probe again")
 
     one_pass()  # the warm-up: the workers start, the files come across once
+    waited, left = settle(ctl, args.settle)
+    if left:
+        print(f"probe-speed: the storage node still has {left} features to compute after "
+              f"{waited:.0f} s (--settle); the loop's cost measured beside it is too high",
+              file=sys.stderr)
     cpus = os.sched_getaffinity(0)
     tail.cpu_s, passes, read = 0.0, 0, 0
     busy0, rx0, t0 = cpu_busy_s(cpus), received_bytes(), time.monotonic()
@@ -177,10 +220,7 @@ def loop_cost(args, root, ctl, config, trunk):
         passes += 1
     seconds = time.monotonic() - t0
     busy, rx = cpu_busy_s(cpus) - busy0, received_bytes() - rx0
-    now = train.read_config(ctl).get("split", {})
-    if now.get("index") != split:
-        raise train.TrunkError(f"the mount's split changed from {split} to {now.get('index')} "
-                               "while the loop was measured; run the probe again")
+    changed_split()
     try:
         with open(os.path.join(ctl, "policy")) as f:
             inputs = json.load(f).get("inputs", {})
@@ -197,7 +237,7 @@ def loop_cost(args, root, ctl, config, trunk):
             "trunk_cpu_s": tail.cpu_s, "cpu_ms_per_file": per_file, "split": split,
             "file_bytes": file_bytes, "received_bytes_per_file": received,
             "compute_load_ns": load_ns, "compute_byte_ns": byte_ns,
-            "policy_inputs": bool(inputs)}
+            "policy_inputs": bool(inputs), "settle_s": waited, "storage_left": left}
 
 
 def main(argv=None):
@@ -215,6 +255,9 @@ def main(argv=None):
                     help="time spent measuring each batch")
     ap.add_argument("--files", type=int, default=128,
                     help="files read to measure the training loop's cost per file (0: not)")
+    ap.add_argument("--settle", type=float, default=600.0,
+                    help="seconds to wait after the warm-up for the storage node to compute "
+                         "nothing more (its prefetch of the files' folders)")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
     if args.batch < 1:

@@ -233,6 +233,7 @@ def test_probe_speed_stages_reach_the_policy(tree, mounter, models):
         m.ctl("config")["split"]["index"], loop
     assert loop["files_read"] >= 2 * 12 and loop["cpus"] == sorted(os.sched_getaffinity(0))
     assert loop["policy_inputs"] and loop["compute_load_ns"] > 0, loop
+    assert loop["storage_left"] == 0 and loop["settle_s"] >= 0, loop  # measured beside no work
     assert 0 < out["compute_file_ms"] == loop["compute_file_ms"] < loop["cpu_ms_per_file"], loop
     assert (loop["trunk_cpu_s"] > 0) == (loop["split"] < freeze), loop
     # as printed, to the storage side's mount
