@@ -31,11 +31,12 @@ head trained on the rest), once to warm up (this computes their features on
 the storage node unless they are cached, and with prefetch=dir the rest of
 their folders: the probe then waits, up to --settle seconds, until the storage
 node computes nothing, since reads that wait on it make the loop cost more
-CPU a file) and then again and again for about --seconds. The CPU of every CPU this process may use (/proc/stat, so the
-network filesystem's and ssh's work counts) over those passes, less the trunk's
-(its own process CPU time), per file read, is the loop's cost per file; the
-policy charges a file's bytes apart (compute_load_ns, compute_byte_ns, read
-from the mount's .hapifs/policy), so they are taken out of it:
+CPU a file) and then again and again for about --seconds. The CPU of every
+CPU this process may use (/proc/stat, so the network filesystem's and ssh's
+work counts) over those passes, less the trunk's (its own process CPU time),
+per file read, is the loop's cost per file; the policy charges a file's bytes
+apart (compute_load_ns, compute_byte_ns, read from the mount's .hapifs/policy),
+so they are taken out of it:
 
     compute_file_ms = (CPU - trunk CPU) / files - bytes * load_ns
                       - bytes received (/proc/net/dev) / files * byte_ns
@@ -175,6 +176,7 @@ def loop_cost(args, root, ctl, config, trunk):
     split, freeze = int(config["split"]["index"]), int(config["split"]["freeze"])
     tail = TimedTrunk(train.StageTrunk(list(zip(trunk.names[split:freeze],
                                                 trunk.stages[split:freeze])), start=split))
+    tail.trunk.ctl, tail.trunk.split = ctl, config["split"]  # for train.split_changed
     ds = FeatureFiles(files, np.load, train.to_float_tensor)
     first = ds[0][0]
     train.check_shape(root, tuple(first.shape), config["split"])
@@ -200,11 +202,9 @@ def loop_cost(args, root, ctl, config, trunk):
             raise
 
     def changed_split():  # as train.py stops when the mount's split changes under it
-        now = train.read_config(ctl).get("split", {})
-        if now.get("index") != split:
-            raise train.TrunkError(f"the mount's split changed from {split} to "
-                                   f"{now.get('index')} while the loop was measured; run the "
-                                   "probe again")
+        if train.split_changed(tail.trunk):
+            raise train.TrunkError(f"the mount's split changed from {split} while the loop was "
+                                   "measured; run the probe again")
 
     one_pass()  # the warm-up: the workers start, the files come across once
     waited, left = settle(ctl, args.settle)
