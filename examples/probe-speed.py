@@ -36,10 +36,14 @@ CPU this process may use (/proc/stat, so the network filesystem's and ssh's
 work counts) over those passes, less the trunk's (its own process CPU time),
 per file read, is the loop's cost per file; the policy charges a file's bytes
 apart (compute_load_ns, compute_byte_ns, read from the mount's .hapifs/policy),
-so they are taken out of it:
+so they are taken out of it. train.py, as most training scripts, starts its
+DataLoaders' workers anew every epoch: a cost per epoch, whatever its files, so
+the same passes run again with new workers each, and the difference per pass
+(start) is spread over the tree's samples (the policy's inputs):
 
     compute_file_ms = (CPU - trunk CPU) / files - bytes * load_ns
                       - bytes received (/proc/net/dev) / files * byte_ns
+                      + start / samples
 
 A later epoch of train.py is what it measures (the files kept in this node's
 page cache as far as the filesystem keeps them), on a quiet node: another
@@ -185,15 +189,18 @@ def loop_cost(args, root, ctl, config, trunk):
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()
     n_val = int(round(len(ds) * 0.2))  # train.py's --val-fraction
     fit, val = order[:len(ds) - n_val], order[len(ds) - n_val:]
-    workers = dict(num_workers=args.workers, persistent_workers=args.workers > 0)
-    train_loader = DataLoader(Subset(ds, fit), batch_size=args.batch, shuffle=True,
-                              drop_last=len(fit) > args.batch,
-                              generator=torch.Generator().manual_seed(0), **workers)
-    val_loader = DataLoader(Subset(ds, val), batch_size=args.batch, **workers)
+
+    def loaders(persistent):  # train.py's two, with their workers kept across passes or not
+        workers = dict(num_workers=args.workers, persistent_workers=persistent)
+        return (DataLoader(Subset(ds, fit), batch_size=args.batch, shuffle=True,
+                           drop_last=len(fit) > args.batch,
+                           generator=torch.Generator().manual_seed(0), **workers),
+                DataLoader(Subset(ds, val), batch_size=args.batch, **workers))
+
     head = train.make_head(in_features, 1 + max(label for _, label in files))
     optimizer = torch.optim.Adam(head.parameters(), lr=1e-3)
 
-    def one_pass():  # an epoch of train.py: the head trained, then validated
+    def one_pass(train_loader, val_loader):  # an epoch of train.py: trained, then validated
         try:
             n = train.run_epoch(head, tail, train_loader, optimizer)[2]
             return n + (train.run_epoch(head, tail, val_loader)[2] if val else 0)
@@ -206,20 +213,36 @@ def loop_cost(args, root, ctl, config, trunk):
             raise train.TrunkError(f"the mount's split changed from {split} while the loop was "
                                    "measured; run the probe again")
 
-    one_pass()  # the warm-up: the workers start, the files come across once
+    kept = loaders(args.workers > 0)
+    one_pass(*kept)  # the warm-up: the workers start, the files come across once
     waited, left = settle(ctl, args.settle)
     if left:
         print(f"probe-speed: the storage node still has {left} features to compute after "
               f"{waited:.0f} s (--settle); the loop's cost measured beside it is too high",
               file=sys.stderr)
     cpus = os.sched_getaffinity(0)
-    tail.cpu_s, passes, read = 0.0, 0, 0
-    busy0, rx0, t0 = cpu_busy_s(cpus), received_bytes(), time.monotonic()
-    while passes < 2 or time.monotonic() - t0 < args.seconds:
-        read += one_pass()
-        passes += 1
-    seconds = time.monotonic() - t0
-    busy, rx = cpu_busy_s(cpus) - busy0, received_bytes() - rx0
+
+    def measure(make):  # passes for about --seconds: (CPU less the trunk's, passes, files, s)
+        tail.cpu_s, passes, read = 0.0, 0, 0
+        busy0, rx0, t0 = cpu_busy_s(cpus), received_bytes(), time.monotonic()
+        while passes < 2 or time.monotonic() - t0 < args.seconds:
+            read += one_pass(*make())
+            passes += 1
+        busy = cpu_busy_s(cpus) - busy0
+        return busy, tail.cpu_s, passes, read, time.monotonic() - t0, received_bytes() - rx0
+
+    busy, trunk_s, passes, read, seconds, rx = measure(lambda: kept)
+    kept = None  # its workers stop
+    # train.py starts each loader's workers anew every epoch (DataLoader's default), as most
+    # training scripts do: a fork of this process and its exit, per worker. That costs the
+    # epoch the same whatever its files (0.7 s of CPU for 2 x 2 workers here), so it is
+    # measured apart, as the same passes with new workers each, and spread over the tree's
+    # samples (the mount's policy inputs) below.
+    start_s = 0.0
+    if args.workers > 0:
+        fresh_loaders = loaders(False)
+        fresh = measure(lambda: fresh_loaders)
+        start_s = (fresh[0] - fresh[1]) / fresh[2] - (busy - trunk_s) / passes
     changed_split()
     try:
         with open(os.path.join(ctl, "policy")) as f:
@@ -228,15 +251,18 @@ def loop_cost(args, root, ctl, config, trunk):
         inputs = {}
     load_ns = float(inputs.get("compute_load_ns", 0.0))
     byte_ns = float(inputs.get("compute_byte_ns", 0.0))
+    samples = int(inputs.get("samples", 0))
     file_bytes = sum(os.stat(path).st_size for path, _ in files) / len(files)
-    per_file = 1e3 * (busy - tail.cpu_s) / read
+    per_file = 1e3 * (busy - trunk_s) / read
     received = rx / read
-    cost = per_file - file_bytes * load_ns / 1e6 - received * byte_ns / 1e6
+    start_ms = 1e3 * max(start_s, 0.0) / samples if samples else 0.0
+    cost = per_file - file_bytes * load_ns / 1e6 - received * byte_ns / 1e6 + start_ms
     return {"compute_file_ms": max(cost, 0.0), "files": len(files), "passes": passes,
             "files_read": read, "seconds": seconds, "cpus": sorted(cpus), "cpu_s": busy,
-            "trunk_cpu_s": tail.cpu_s, "cpu_ms_per_file": per_file, "split": split,
+            "trunk_cpu_s": trunk_s, "cpu_ms_per_file": per_file, "split": split,
             "file_bytes": file_bytes, "received_bytes_per_file": received,
             "compute_load_ns": load_ns, "compute_byte_ns": byte_ns,
+            "epoch_start_s": start_s, "samples": samples, "start_ms_per_file": start_ms,
             "policy_inputs": bool(inputs), "settle_s": waited, "storage_left": left}
 
 
@@ -350,9 +376,12 @@ def main(argv=None):
               f"{1e3 * loop['trunk_cpu_s'] / loop['files_read']:.3f};\n"
               f"less {kb:.1f} KB loaded at {loop['compute_load_ns']:g} ns/B and "
               f"{loop['received_bytes_per_file'] / 1e3:.1f} KB received at "
-              f"{loop['compute_byte_ns']:g} ns/B: {loop['compute_file_ms']:.3f} ms a file"
+              f"{loop['compute_byte_ns']:g} ns/B, plus {1e3 * loop['epoch_start_s']:.0f} ms "
+              f"of worker starts an epoch over {loop['samples']} samples: "
+              f"{loop['compute_file_ms']:.3f} ms a file"
               + ("" if loop["policy_inputs"] else
-                 " (the mount's .hapifs/policy was not readable: bytes not taken out)"))
+                 " (the mount's .hapifs/policy was not readable: bytes not taken out, "
+                 "worker starts not counted)"))
     print(f"client_speed {speed:.3g}")
     print(f"compute_stages {stages_line}")
     if loop:
