@@ -256,6 +256,10 @@ def loop_cost(args, root, ctl, config, trunk):
     per_file = 1e3 * (busy - trunk_s) / read
     received = rx / read
     start_ms = 1e3 * max(start_s, 0.0) / samples if samples else 0.0
+    if inputs and not samples and start_s > 0:  # the daemon counts its tree in the background
+        print(f"probe-speed: the mount has not counted its tree yet, so the workers' start "
+              f"({1e3 * start_s:.0f} ms an epoch) is not in compute_file_ms; probe again once "
+              "its .hapifs/policy has samples", file=sys.stderr)
     cost = per_file - file_bytes * load_ns / 1e6 - received * byte_ns / 1e6 + start_ms
     return {"compute_file_ms": max(cost, 0.0), "files": len(files), "passes": passes,
             "files_read": read, "seconds": seconds, "cpus": sorted(cpus), "cpu_s": busy,
