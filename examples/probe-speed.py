@@ -222,16 +222,16 @@ def loop_cost(args, root, ctl, config, trunk):
               file=sys.stderr)
     cpus = os.sched_getaffinity(0)
 
-    def measure(make):  # passes for about --seconds: (CPU less the trunk's, passes, files, s)
+    def measure(pair):  # passes for about --seconds: (CPU, trunk CPU, passes, files, s, rx)
         tail.cpu_s, passes, read = 0.0, 0, 0
         busy0, rx0, t0 = cpu_busy_s(cpus), received_bytes(), time.monotonic()
         while passes < 2 or time.monotonic() - t0 < args.seconds:
-            read += one_pass(*make())
+            read += one_pass(*pair)
             passes += 1
         busy = cpu_busy_s(cpus) - busy0
         return busy, tail.cpu_s, passes, read, time.monotonic() - t0, received_bytes() - rx0
 
-    busy, trunk_s, passes, read, seconds, rx = measure(lambda: kept)
+    busy, trunk_s, passes, read, seconds, rx = measure(kept)
     kept = None  # its workers stop
     # train.py starts each loader's workers anew every epoch (DataLoader's default), as most
     # training scripts do: a fork of this process and its exit, per worker. That costs the
@@ -240,9 +240,8 @@ def loop_cost(args, root, ctl, config, trunk):
     # samples (the mount's policy inputs) below.
     start_s = 0.0
     if args.workers > 0:
-        fresh_loaders = loaders(False)
-        fresh = measure(lambda: fresh_loaders)
-        start_s = (fresh[0] - fresh[1]) / fresh[2] - (busy - trunk_s) / passes
+        fresh_busy, fresh_trunk_s, fresh_passes, *_ = measure(loaders(False))
+        start_s = (fresh_busy - fresh_trunk_s) / fresh_passes - (busy - trunk_s) / passes
     changed_split()
     try:
         with open(os.path.join(ctl, "policy")) as f:
