@@ -220,8 +220,16 @@ def test_probe_speed_stages_reach_the_policy(tree, mounter, models):
     last = r.stdout.splitlines()[-3:]
     assert last[0].startswith("client_speed ") and last[1].startswith("compute_stages "), last
     assert last[2].startswith("compute_file_ms "), last
-    r = subprocess.run(probe + ["--batch", "3", "--json"], capture_output=True, text=True,
-                       timeout=300)
+    # another process on the node, busy a fifth of the time: the loop's figure is not its
+    busy = subprocess.Popen([PYTHON, "-c", "import time\nwhile True:\n t = time.monotonic()\n"
+                             " while time.monotonic() - t < 0.01: pass\n time.sleep(0.04)"])
+    try:
+        r = subprocess.run(probe + ["--batch", "3", "--json"], capture_output=True, text=True,
+                           timeout=300)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     stages = out["compute_stages_ms"]
     assert out["train_batch"] == 3 and len(stages) == freeze and min(stages) > 0
@@ -233,6 +241,11 @@ def test_probe_speed_stages_reach_the_policy(tree, mounter, models):
         m.ctl("config")["split"]["index"], loop
     assert loop["files_read"] >= 2 * 12 and loop["cpus"] == sorted(os.sched_getaffinity(0))
     assert loop["policy_inputs"] and loop["compute_load_ns"] > 0, loop
+    # the CPUs' work at rest (the busy process above) measured and taken out at its rate
+    assert loop["rest_s"] == 3 and loop["rest_cpus"] >= 0.1, loop
+    assert loop["rest_cpu_s"] == pytest.approx(loop["rest_cpus"] * loop["seconds"]), loop
+    assert loop["cpu_ms_per_file"] == pytest.approx(
+        1e3 * (loop["cpu_s"] - loop["rest_cpu_s"] - loop["trunk_cpu_s"]) / loop["files_read"])
     assert loop["storage_left"] == 0 and loop["settle_s"] >= 0, loop  # measured beside no work
     # train.py's workers start anew every epoch: measured apart, spread over the tree's samples
     assert loop["samples"] == 16 and loop["epoch_start_s"] > 0, loop
