@@ -236,6 +236,9 @@ def loop_cost(args, root, ctl, config, trunk):
         time.sleep(args.rest)
         rest_rate = (cpu_busy_s(cpus) - busy0) / (time.monotonic() - t0)
 
+    def own(busy, trunk_s, seconds):  # the loop's CPU: less the trunk's and the rest's
+        return busy - rest_rate * seconds - trunk_s
+
     def measure(pair):  # passes for about --seconds: (CPU, trunk CPU, passes, files, s, rx)
         tail.cpu_s, passes, read = 0.0, 0, 0
         busy0, rx0, t0 = cpu_busy_s(cpus), received_bytes(), time.monotonic()
@@ -255,8 +258,8 @@ def loop_cost(args, root, ctl, config, trunk):
     start_s = 0.0
     if args.workers > 0:
         fresh_busy, fresh_trunk_s, fresh_passes, _, fresh_s, _ = measure(loaders(False))
-        start_s = ((fresh_busy - rest_rate * fresh_s - fresh_trunk_s) / fresh_passes
-                   - (busy - rest_rate * seconds - trunk_s) / passes)
+        start_s = (own(fresh_busy, fresh_trunk_s, fresh_s) / fresh_passes
+                   - own(busy, trunk_s, seconds) / passes)
     changed_split()
     try:
         with open(os.path.join(ctl, "policy")) as f:
@@ -267,7 +270,7 @@ def loop_cost(args, root, ctl, config, trunk):
     byte_ns = float(inputs.get("compute_byte_ns", 0.0))
     samples = int(inputs.get("samples", 0))
     file_bytes = sum(os.stat(path).st_size for path, _ in files) / len(files)
-    per_file = 1e3 * (busy - rest_rate * seconds - trunk_s) / read
+    per_file = 1e3 * own(busy, trunk_s, seconds) / read
     received = rx / read
     start_ms = 1e3 * max(start_s, 0.0) / samples if samples else 0.0
     if inputs and not samples and start_s > 0:  # the daemon counts its tree in the background
