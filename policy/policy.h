@@ -19,6 +19,7 @@ extern "C" {
 #define HAPI_PROFILE_MAX_BATCHES 4
 #define HAPI_PROFILE_VERSION 2 /* 2: the least of several sweeps (1: one, disturbed) */
 #define HAPI_PROFILE_BUDGET_S 20.0  /* batches past 1 only while the profile fits this */
+#define HAPI_PROFILE_MAX_SWEEPS 6  /* the least of at most this many sweeps */
 
 /* What one stage costs on this node, measured. */
 typedef struct hapi_profile_stage {
@@ -60,9 +61,9 @@ typedef struct hapi_profile {
  * its widest activation stays under max_batch_bytes, 0 = no cap, and while the
  * profile's estimated time stays within HAPI_PROFILE_BUDGET_S), the mean of at
  * least three timed runs and 100 ms (at most 40 runs) after warm-up runs, so
- * that a CPU quota's stalls are counted; the least such mean of up to six
+ * that a CPU quota's stalls are counted; the least such mean of two to six
  * sweeps over the batches, until a sweep lowers no batch's sum by more than 5%
- * (a mount's start-up disturbs the first ones). Under a CFS quota of fewer CPUs
+ * (a mount's start-up disturbs the first ones: hapi_profile_sweep_again()). Under a CFS quota of fewer CPUs
  * than threads (hapi_cpu_quota()), each stage's CPU time divided by the quota
  * instead of its wall time (the stalls fall on whichever stage runs). And each
  * stage's peak memory at the smallest and largest batch. digest is the model file's XXH3-128, device and threads what
@@ -97,6 +98,16 @@ void hapi_profile_file_name(const uint8_t digest[16], const char *device, int th
 
 /* Reads a stored profile. Returns 0, -ENOENT (none), -errno, or HAPI_EINVAL (unreadable: says why). */
 int hapi_profile_load(const char *path, hapi_profile *out, hapi_error *err);
+
+/*
+ * Whether hapi_profile_measure() sweeps the batches again after `sweeps` sweeps (the last of
+ * which took sweep_s, the profile elapsed_s so far): never after HAPI_PROFILE_MAX_SWEEPS, nor
+ * once a sweep lowered no batch's sum by more than 5% (`lowered` 0); always after the first,
+ * since a figure from one sweep is the start-up's (measured: a VGG-16 block 6x slow after a
+ * throttled start, with no second sweep to take the least of); from the second on only while
+ * another sweep fits HAPI_PROFILE_BUDGET_S.
+ */
+int hapi_profile_sweep_again(int sweeps, int lowered, double elapsed_s, double sweep_s);
 
 /* Stores a profile atomically (a temporary file renamed). Returns 0 or -errno. */
 int hapi_profile_save(const char *path, const hapi_profile *p, hapi_error *err);

@@ -191,6 +191,16 @@ static int measure_once(hapi_model *m, int batch, hapi_model_hook_fn hook, void 
     return hapi_model_measure(m, batch, hook, ctx, ns, err);
 }
 
+/* A sweep that lowers some batch's sum over the stages by more than this calls for another. */
+static const double SETTLED = 0.05;
+
+int hapi_profile_sweep_again(int sweeps, int lowered, double elapsed_s, double sweep_s)
+{
+    if (sweeps >= HAPI_PROFILE_MAX_SWEEPS || !lowered)
+        return 0;
+    return sweeps < 2 || elapsed_s + sweep_s <= HAPI_PROFILE_BUDGET_S;
+}
+
 int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *device,
                          int threads, uint64_t max_batch_bytes, atomic_int *stop,
                          hapi_profile *out, hapi_error *err)
@@ -202,8 +212,7 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
      * full speed and stalls wherever the quota runs out: a median of a few runs would miss
      * the stalls, a mean over several periods counts them where they fall.
      */
-    enum { REPS = 3, MAX_REPS = 40, MAX_SWEEPS = 6 };
-    const double SETTLED = 0.05;
+    enum { REPS = 3, MAX_REPS = 40 };
     const uint64_t WINDOW_NS = 100000000;
     static const int wanted[] = { 1, 4, 16 };
     uint64_t t0 = hapi_now_ns();
@@ -272,11 +281,12 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
      * beside the profile (measured: the first sweep at batch 1 3-4x too slow after a
      * daemonised start, the first two 2x in tools/hapifs-cluster while its ssh and sshfs
      * start), so each stage keeps the least of its sweeps' means, and sweeping ends once a
-     * sweep lowers no batch's sum over the stages by more than SETTLED, after MAX_SWEEPS,
-     * or when another sweep would not fit HAPI_PROFILE_BUDGET_S.
+     * sweep lowers no batch's sum over the stages by more than SETTLED, after
+     * HAPI_PROFILE_MAX_SWEEPS, or (from the second sweep on) when another would not fit
+     * HAPI_PROFILE_BUDGET_S: hapi_profile_sweep_again().
      */
     double prev_sum[HAPI_PROFILE_MAX_BATCHES] = { 0 };
-    for (int sweep = 0; sweep < MAX_SWEEPS; sweep++) {
+    for (int sweep = 0;; sweep++) {
         uint64_t sweep_t0 = hapi_now_ns();
         int lowered = 0;
         for (int k = 0; k < out->nbatches; k++) {
@@ -327,7 +337,7 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
         out->sweeps = sweep + 1;
         double sweep_s = (double)(hapi_now_ns() - sweep_t0) / 1e9;
         double elapsed_s = (double)(hapi_now_ns() - t0) / 1e9;
-        if (!lowered || elapsed_s + sweep_s > HAPI_PROFILE_BUDGET_S)
+        if (!hapi_profile_sweep_again(out->sweeps, lowered, elapsed_s, sweep_s))
             break;
     }
 

@@ -756,6 +756,25 @@ START_TEST(profile_round_trip)
 }
 END_TEST
 
+START_TEST(sweeps_until_settled)
+{
+    const double B = HAPI_PROFILE_BUDGET_S;
+    /* one sweep is never the figure, even one that took the whole budget (a slow start) */
+    ck_assert(hapi_profile_sweep_again(1, 1, 12.0, 12.0));
+    ck_assert(hapi_profile_sweep_again(1, 1, B + 5, B + 5));
+    /* from the second on, only while another fits the budget */
+    ck_assert(hapi_profile_sweep_again(2, 1, 10.0, 4.0));
+    ck_assert(hapi_profile_sweep_again(2, 1, B - 4, 4.0));
+    ck_assert(!hapi_profile_sweep_again(2, 1, B - 4, 4.5));
+    ck_assert(!hapi_profile_sweep_again(3, 1, 17.0, 4.0));
+    /* settled: a sweep that lowered nothing by more than 5% ends it */
+    ck_assert(!hapi_profile_sweep_again(2, 0, 1.0, 0.5));
+    /* and never past the most sweeps */
+    ck_assert(hapi_profile_sweep_again(HAPI_PROFILE_MAX_SWEEPS - 1, 1, 1.0, 0.1));
+    ck_assert(!hapi_profile_sweep_again(HAPI_PROFILE_MAX_SWEEPS, 1, 1.0, 0.1));
+}
+END_TEST
+
 START_TEST(interpolation)
 {
     resnet_like(&prof);
@@ -796,6 +815,7 @@ int main(void)
     tcase_add_test(tp, cpu_quota_from_cgroups);
     tcase_add_test(tp, profile_round_trip);
     tcase_add_test(tp, interpolation);
+    tcase_add_test(tp, sweeps_until_settled);
     suite_add_tcase(s, tp);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
