@@ -468,7 +468,7 @@ def test_tiers_on_their_own_cpus(cluster, dataset, models):
     src, images = dataset
     c = cluster()
     r = c.up(src, models(), "--storage-cpus", "0", "--compute-cpus", "1",
-             "--compute-quota", "0.25", check=False)
+             "--compute-quota", "0.25", "--storage-quota", "0.5", check=False)
     if r.returncode != 0 and "need cgroups" in r.stderr:
         pytest.skip(r.stderr.strip())
     assert r.returncode == 0, r.stderr
@@ -479,6 +479,8 @@ def test_tiers_on_their_own_cpus(cluster, dataset, models):
     status = Path(f"/proc/{pid}/status").read_text()
     assert "Cpus_allowed_list:\t0\n" in status
     assert "torch_threads=1" in (c.state / "cluster.conf").read_text()
+    # ssh's handshake with a throttled sshd gets 10 s / quota (a 0.1-CPU one took 6-14 s)
+    assert "ConnectTimeout 20\n" in (c.state / "compute" / "ssh_config").read_text()
     # a command of `run` is on the compute tier: CPU 1, and a quarter of its time
     r = c.run(PYTHON, "-c", TIER_BUSY)
     assert r.returncode == 0, r.stderr
@@ -491,6 +493,7 @@ def test_tiers_on_their_own_cpus(cluster, dataset, models):
     assert r.returncode == 0 and r.stdout.strip() == "NUMPY", r.stderr
     st = c.cli("status", "--state", c.state)
     assert "cpus 0 " in st.stdout and "cpus 1 " in st.stdout and "quota 2500 period 10000" in st.stdout
+    assert "quota 5000 period 10000" in st.stdout
     assert _cgroups(c.prefix)
     assert c.down().returncode == 0
     assert _cgroups(c.prefix) == []
