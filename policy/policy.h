@@ -63,11 +63,12 @@ typedef struct hapi_profile {
  * least three timed runs and 100 ms (at most 40 runs) after warm-up runs, so
  * that a CPU quota's stalls are counted; the least such mean of two to six
  * sweeps over the batches, until a sweep lowers no batch's sum by more than 5%
- * (a mount's start-up disturbs the first ones: hapi_profile_sweep_again()). Under a CFS quota of fewer CPUs
- * than threads (hapi_cpu_quota()), each stage's CPU time divided by the quota
- * instead of its wall time (the stalls fall on whichever stage runs). And each
- * stage's peak memory at the smallest and largest batch. digest is the model file's XXH3-128, device and threads what
- * it runs with. stop (may be NULL) set nonzero ends it between runs with
+ * (a mount's start-up disturbs the first ones: hapi_profile_sweep_again()).
+ * Under a CFS quota of fewer CPUs than threads (hapi_cpu_quota()), each
+ * stage's CPU time divided by the quota instead of its wall time (the stalls
+ * fall on whichever stage runs). And each stage's peak memory at the smallest
+ * and largest batch. digest is the model file's XXH3-128, device and threads
+ * what it runs with. stop (may be NULL) set nonzero ends it between runs with
  * -ECANCELED (an unmount need not wait for a big model's profile).
  * Returns 0, -ECANCELED, or an error of hapi_model_measure().
  */
