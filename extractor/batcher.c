@@ -312,6 +312,7 @@ out:
 static void *decode_main(void *arg)
 {
     hapi_batcher *b = arg;
+    pthread_setname_np(pthread_self(), "hapifs-decode");
     hapi_decoder *dec = NULL;
     int ok = hapi_decoder_new(&dec) == 0;
 
@@ -412,6 +413,7 @@ static int run_batch(hapi_batcher *b, float *input, int n, void *output, hapi_er
 static void *inference_main(void *arg)
 {
     hapi_batcher *b = arg;
+    pthread_setname_np(pthread_self(), "hapifs-infer");
     int cap = b->cfg.batch;
     struct job **jobs = calloc((size_t)cap, sizeof(*jobs));
     hapi_batch_result *results = calloc((size_t)cap, sizeof(*results));

@@ -126,6 +126,7 @@ static int warm_one(const hapi_source_entry *e, void *arg)
 static void *warm_main(void *arg)
 {
     hapi_background *bg = arg;
+    pthread_setname_np(pthread_self(), "hapifs-warm");
     const char *root = bg->warm.root;
     int rc = hapi_source_walk(bg->cfg.source, root, HAPI_WALK_RECURSE, &bg->warm.stop, count_one,
                               bg);
@@ -400,6 +401,7 @@ static int prefetch_one(const hapi_source_entry *e, void *arg)
 static void *prefetch_main(void *arg)
 {
     hapi_background *bg = arg;
+    pthread_setname_np(pthread_self(), "hapifs-prefetch");
     for (;;) {
         pthread_mutex_lock(&bg->prefetch.lock);
         while (!atomic_load(&bg->prefetch.stop) && !bg->prefetch.head)
@@ -459,6 +461,7 @@ void hapi_prefetch_stats_get(hapi_background *bg, hapi_prefetch_stats *ps)
 static void *keeper_main(void *arg)
 {
     hapi_background *bg = arg;
+    pthread_setname_np(pthread_self(), "hapifs-keeper");
     pthread_mutex_lock(&bg->keeper.lock);
     while (!bg->keeper.stop) {
         struct timespec ts;

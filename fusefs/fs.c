@@ -389,6 +389,7 @@ struct notice_watchdog {
 static void *watchdog_main(void *arg)
 {
     hapi_fs *fs = arg;
+    pthread_setname_np(pthread_self(), "hapifs-watchdog");
     struct notice_watchdog *w = fs->watchdog;
     pthread_mutex_lock(&w->lock);
     while (!w->stop) {

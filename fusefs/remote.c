@@ -1279,6 +1279,7 @@ out:
 static void *fetch_thread(void *arg)
 {
     hapi_remote *r = arg;
+    pthread_setname_np(pthread_self(), "hapifs-fetch");
     pthread_mutex_lock(&r->fetch_lock);
     for (;;) {
         while (!r->queue_head && !r->stopping)
@@ -1605,6 +1606,7 @@ static int warm_dir(hapi_remote *r, const char *dir)
 static void *warm_thread(void *arg)
 {
     hapi_remote *r = arg;
+    pthread_setname_np(pthread_self(), "hapifs-rwarm");
     pthread_mutex_lock(&r->warm_lock);
     char *path = strdup(r->warm.path ? r->warm.path : "");
     pthread_mutex_unlock(&r->warm_lock);

@@ -200,6 +200,7 @@ static uint64_t model_bytes(hapi_tune *t, int split, int batch)
 static void *tune_main(void *arg)
 {
     hapi_tune *t = arg;
+    pthread_setname_np(pthread_self(), "hapifs-policy");
     hapi_profile *prof = malloc(sizeof(*prof));
     hapi_error err = { 0 };
     int reused = 0, rc;

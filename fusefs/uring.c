@@ -235,6 +235,7 @@ static void pin(int cpu)
 static void *worker_main(void *arg)
 {
     struct uring_worker *w = arg;
+    pthread_setname_np(pthread_self(), "hapifs-uring");
     hapi_uring *u = w->u;
     current = w;
     pin(w->qid);

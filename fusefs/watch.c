@@ -274,6 +274,7 @@ static void add(hapi_watch *w, const struct inotify_event *ev, struct pending *p
 static void *watch_main(void *arg)
 {
     hapi_watch *w = arg;
+    pthread_setname_np(pthread_self(), "hapifs-watch");
     /* Aligned for struct inotify_event; one read returns as many events as fit. */
     char buf[64 * 1024] __attribute__((aligned(__alignof__(struct inotify_event))));
     struct pending pending[MAX_PENDING];

@@ -401,3 +401,18 @@ def test_mount_helper_and_fstab(kinds_tree, models, tmp_path):
     r = subprocess.run(["mount", "-t", "hapifs", str(src), str(mnt), "-o", opts + ",dtype=bad"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "dtype=bad" in r.stderr
+
+
+def test_threads_are_named_for_their_work(kinds_tree, models, mounter):
+    """top -H tells the inference from decoding and the rest; pidof still finds the daemon."""
+    src, made = kinds_tree
+    m = mounter(src, model=models())
+    for p in made:
+        (m.path / (p + ".feat")).read_bytes()
+    names = [(t / "comm").read_text().strip() for t in Path(f"/proc/{m.pid}/task").iterdir()]
+    assert names.count("hapifs-infer") >= 1
+    assert names.count("hapifs-decode") == int(m.ctl("config")["runtime"]["decode_threads"]), names
+    assert "hapifs-keeper" in names and "hapifs-watch" in names, names
+    assert Path(f"/proc/{m.pid}/comm").read_text().strip() == "hapifs"
+    pids = subprocess.run(["pidof", "hapifs"], capture_output=True, text=True).stdout.split()
+    assert str(m.pid) in pids
