@@ -217,6 +217,7 @@ struct hapi_cache {
     char *slab_dir;
     atomic_int crash_before_commit; /* tests: see hapi_cache__crash_before_commit() */
     bool trim_pending; /* a commit lowered a high-water mark: see slab_trim() (under write_lock) */
+    uint64_t lmdb_free_pages; /* LMDB's free list as the current put began (under write_lock) */
 
     /* Counters of this handle, relaxed atomics: lookups update them from any thread. */
     _Atomic uint64_t hits, misses, stale, bad, busy, errors, hit_ns;
@@ -629,6 +630,22 @@ static int count_free_pages(MDB_txn *rtxn, uint64_t *out)
     return 0;
 }
 
+/*
+ * Sets c->lmdb_free_pages to the length of LMDB's free list, for slot_alloc()
+ * (write_lock held, no write transaction open: the count needs a lookup's
+ * snapshot). On failure, 0: slabs are then measured against the high-water mark.
+ */
+static void lmdb_free_pages_update(hapi_cache *c)
+{
+    MDB_txn *rtxn;
+    c->lmdb_free_pages = 0;
+    if (read_begin(c, &rtxn) != 0)
+        return;
+    if (count_free_pages(rtxn, &c->lmdb_free_pages) != 0)
+        c->lmdb_free_pages = 0;
+    read_end(c, rtxn);
+}
+
 /* ---- slab files ---- */
 
 /*
@@ -882,12 +899,22 @@ static int slot_alloc(hapi_cache *c, MDB_txn *txn, uint32_t slot_size, uint64_t 
             return rc;
         sc.free = 0; /* the count disagreed with the list: the list is what holds */
     }
+    /*
+     * LMDB's pages in use, not its high-water mark: its file never shrinks,
+     * and pages copied while lookups pinned older ones (two processes sharing
+     * the store grew a 4 MiB map's file to 1,019 pages with 8 in use) are
+     * reused by LMDB before it grows again. Counting the high-water mark let
+     * a store whose every entry was evicted refuse every slab put for good,
+     * while eviction_goal(), which counts the free list, saw room.
+     */
     MDB_envinfo info;
     struct slab_totals t;
     if ((rc = mdb_env_info(c->env, &info)) != 0 || (rc = slab_totals(c, txn, &t)) != 0)
         return rc;
-    if (((uint64_t)info.me_last_pgno + 1) * c->psize + t.bytes + slot_size +
-            lmdb_reserve(c, info.me_mapsize) > (uint64_t)info.me_mapsize)
+    uint64_t pages = (uint64_t)info.me_last_pgno + 1;
+    pages -= c->lmdb_free_pages < pages ? c->lmdb_free_pages : pages;
+    if (pages * c->psize + t.bytes + slot_size + lmdb_reserve(c, info.me_mapsize) >
+        (uint64_t)info.me_mapsize)
         return MDB_MAP_FULL;
     *slot = sc.high++;
     return class_put(c, txn, slot_size, &sc);
@@ -2207,6 +2234,7 @@ int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
         uint64_t stamp = 0;
         bool applied = c->drain_used > 0;
 
+        lmdb_free_pages_update(c);
         if ((rc = write_begin(c, &txn, err)) != 0)
             goto out;
         rc = stamp_first(c, txn, &stamp);

@@ -229,8 +229,9 @@ typedef struct hapi_cache_stats {
     uint64_t entries;       /* all namespaces */
     uint64_t bytes_used;    /* the store's size: LMDB's high-water mark ((last page + 1) *
                                page size) and the slab files' (slots * slot size), free
-                               pages and slots kept for reuse included; bounded by map_size
-                               (but for LMDB pages copied since the slabs last grew) */
+                               pages and slots kept for reuse included; less bytes_free,
+                               bounded by map_size; at most twice map_size (LMDB's file,
+                               which never shrinks, can reach map_size on its own) */
     uint64_t map_size;      /* current bound */
     uint64_t bytes_free;    /* of bytes_used, the pages on LMDB's free list (reusable once
                                no lookup older than their release is held) and the free

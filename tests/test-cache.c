@@ -1651,6 +1651,64 @@ START_TEST(two_processes_share)
 }
 END_TEST
 
+/*
+ * LMDB's file never shrinks: pages copied while a lookup pins older ones stay
+ * in it, free. A store whose LMDB file has grown to nearly the whole map that
+ * way, then emptied, must still take slab entries (it refused every one: the
+ * slabs' room was measured against LMDB's high-water mark, not its pages in use).
+ */
+START_TEST(slab_room_after_lmdb_grew)
+{
+    enum { MAP = 4 << 20 };
+    hapi_cache *c = open_ok(tmp, MAP);
+    hapi_cache_namespace ns = make_ns(3);
+    hapi_cache_stats st;
+    hapi_cache_value held;
+    static uint8_t small[32][400], big[8][4096];
+    char paths[32][32];
+    hapi_cache_item items[32];
+    hapi_error err = { 0 };
+
+    fill(small[0], 400, "held.jpg", 0);
+    put_one(c, &ns, "held.jpg", ID, small[0], 400);
+    ck_assert_int_eq(hapi_cache_get(c, &ns, "held.jpg", &ID, &held), 1);
+    /* Held, the lookup pins every page freed from here on: each rewrite takes new ones. */
+    for (int round = 0; round < 4000; round++) {
+        for (int i = 0; i < 32; i++) {
+            snprintf(paths[i], sizeof(paths[i]), "grow/%d.jpg", i);
+            fill(small[i], 400, paths[i], (uint64_t)round);
+            items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = small[i],
+                                          .size = 400 };
+        }
+        if (hapi_cache_put(c, &ns, items, 32, &err) != 0)
+            break; /* full: nothing more can be copied */
+        ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+        if (st.bytes_used >= (uint64_t)MAP / 16 * 15)
+            break;
+    }
+    hapi_cache_release(c, &held);
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_msg(st.bytes_used >= (uint64_t)MAP / 16 * 14, "LMDB's file grew to %llu bytes only",
+                  (unsigned long long)st.bytes_used);
+    ck_assert_int_ge(hapi_cache_evict_all(c, NULL, &err), 1);
+
+    for (int i = 0; i < 8; i++) {
+        snprintf(paths[i], sizeof(paths[i]), "slab/%d.jpg", i);
+        fill(big[i], 4096, paths[i], 1);
+        items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = big[i], .size = 4096 };
+    }
+    ck_assert_msg(hapi_cache_put(c, &ns, items, 8, &err) == 0, "put after eviction: %s",
+                  err.message);
+    for (int i = 0; i < 8; i++)
+        expect_hit(c, &ns, paths[i], ID, big[i], 4096);
+    /* The store's files: LMDB's, at most the map, and the slabs within what LMDB leaves. */
+    ck_assert_int_eq(hapi_cache_stats_get(c, &st), 0);
+    ck_assert_uint_le(st.bytes_used, 2 * (uint64_t)MAP);
+    check_index(c);
+    hapi_cache_close(c);
+}
+END_TEST
+
 /* ---- slab files ---- */
 
 enum { SLOT = 1152 };
@@ -2214,6 +2272,7 @@ static Suite *cache_suite(void)
     ADD_TCASE(s, reset_garbage_store);
     ADD_TCASE(s, reset_foreign_store);
     ADD_TCASE(s, two_processes_share);
+    ADD_TCASE(s, slab_room_after_lmdb_grew);
     ADD_TCASE(s, kill9_loop);
     ADD_TCASE(s, slab_slots_reused_and_freed);
     ADD_TCASE(s, slab_mismatch_is_miss);
