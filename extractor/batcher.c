@@ -62,7 +62,8 @@ struct hapi_batcher {
     pthread_cond_t work_cond;     /* decode threads: jobs queued or memory freed */
     pthread_cond_t ready_cond;    /* inference thread: tensors ready */
     pthread_cond_t done_cond;     /* ticket holders: jobs done */
-    pthread_cond_t throttle_cond; /* throttled submitters: queues shrank */
+    pthread_cond_t throttle_cond; /* throttled submitters: queues shrank, or a wake */
+    uint64_t throttle_wakes;      /* hapi_batcher_wake() calls (under lock) */
     int stop;
     hapi_stop_flag node_stop;     /* stop, for the node's waits (read without the lock) */
 
@@ -742,12 +743,23 @@ int hapi_batcher_throttle(hapi_batcher *b, int priority, size_t limit)
 {
     int rc = 0;
     pthread_mutex_lock(&b->lock);
-    while (!b->stop && b->queue[priority].count > limit)
+    uint64_t wakes = b->throttle_wakes;
+    while (!b->stop && b->queue[priority].count > limit && b->throttle_wakes == wakes)
         pthread_cond_wait(&b->throttle_cond, &b->lock);
     if (b->stop)
         rc = -ECANCELED;
+    else if (b->throttle_wakes != wakes)
+        rc = -EINTR;
     pthread_mutex_unlock(&b->lock);
     return rc;
+}
+
+void hapi_batcher_wake(hapi_batcher *b)
+{
+    pthread_mutex_lock(&b->lock);
+    b->throttle_wakes++;
+    pthread_cond_broadcast(&b->throttle_cond);
+    pthread_mutex_unlock(&b->lock);
 }
 
 int hapi_batcher_set_batch(hapi_batcher *b, int batch)

@@ -509,9 +509,18 @@ void hapi_ticket_release(hapi_batcher *b, hapi_ticket *t);
 /*
  * Blocks while more than limit fire-and-forget requests of priority are
  * queued (so a warm-up walker feeds the queue without flooding it). Returns
- * 0, or -ECANCELED when the batcher shuts down.
+ * 0, -ECANCELED when the batcher shuts down, or -EINTR when
+ * hapi_batcher_wake() was called meanwhile (the caller checks why, e.g. its
+ * own stop flag, and waits again or gives up). Thread-safe.
  */
 int hapi_batcher_throttle(hapi_batcher *b, int priority, size_t limit);
+
+/*
+ * Makes every hapi_batcher_throttle() now waiting return -EINTR: lets a
+ * walker that waits for queue room be stopped without waiting for a batch,
+ * which on a slow model can take seconds. Thread-safe.
+ */
+void hapi_batcher_wake(hapi_batcher *b);
 
 typedef struct hapi_batcher_stats {
     uint64_t queued[HAPI_PRIORITY_COUNT]; /* waiting for a decode thread */

@@ -49,6 +49,7 @@ struct hapi_background {
         atomic_uint_fast64_t cached;    /* already in the cache */
         atomic_uint_fast64_t skipped;   /* vanished or unreadable during the walk */
         atomic_uint_fast64_t submitted; /* handed to the batcher */
+        hapi_view *view;           /* the walker's, while it walks (under status_lock) */
     } warm;
 
     struct {
@@ -137,6 +138,9 @@ static void *warm_main(void *arg)
         atomic_store(&bg->warm.walked, 1);
         return NULL;
     }
+    pthread_mutex_lock(&bg->warm.status_lock);
+    bg->warm.view = w.view; /* for halt(), which wakes it where it waits for queue room */
+    pthread_mutex_unlock(&bg->warm.status_lock);
     hapi_log(HAPI_LOG_INFO, "warm-up of '%s' started at split %d", root, w.view->split);
     if (rc >= 0)
         rc = hapi_source_walk(bg->cfg.source, root, HAPI_WALK_RECURSE, &bg->warm.stop, warm_one,
@@ -148,6 +152,9 @@ static void *warm_main(void *arg)
         hapi_log(HAPI_LOG_INFO, "warm-up of '%s' queued %llu images (%llu were cached)", root,
                  (unsigned long long)atomic_load(&bg->warm.submitted),
                  (unsigned long long)atomic_load(&bg->warm.cached));
+    pthread_mutex_lock(&bg->warm.status_lock);
+    bg->warm.view = NULL;
+    pthread_mutex_unlock(&bg->warm.status_lock);
     hapi_view_put(w.view);
     return NULL;
 }
@@ -208,9 +215,21 @@ static int halt(hapi_background *bg, char **root)
         if (root)
             *root = strdup(bg->warm.root ? bg->warm.root : "");
         atomic_store(&bg->warm.stop, 1);
+        /*
+         * A walker waiting for queue room sees the flag now, not once a batch
+         * is taken (seconds on a slow model). status_lock is a leaf: wake
+         * outside it, through a reference.
+         */
+        pthread_mutex_lock(&bg->warm.status_lock);
+        hapi_view *v = bg->warm.view;
+        if (v)
+            hapi_view_ref(v);
+        pthread_mutex_unlock(&bg->warm.status_lock);
+        if (v)
+            hapi_batcher_wake(v->batcher);
+        hapi_view_put(v);
     }
     if (bg->warm.running) {
-        /* A walker waiting for queue room goes once its batcher takes a batch. */
         pthread_join(bg->warm.thread, NULL);
         bg->warm.running = 0;
     }

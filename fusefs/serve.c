@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 /*
  * This layer never sees FUSE: it fills buffers and returns codes, and fs.c
@@ -14,6 +16,7 @@
 struct hapi_serve {
     hapi_serve_config cfg;
     int fault_oom_above;         /* test hook HAPIFS_FAULT_OOM_ABOVE, read once */
+    char *hold_path;             /* test hook HAPIFS_TEST_HOLD, read once: see load_source() */
     void (*on_miss)(void *arg, hapi_view *v, const char *path);
     void *on_miss_arg;
     struct {
@@ -39,12 +42,19 @@ int hapi_serve_new(const hapi_serve_config *cfg, hapi_serve **out, hapi_error *e
     s->cfg = *cfg;
     const char *fault = getenv("HAPIFS_FAULT_OOM_ABOVE");
     s->fault_oom_above = fault ? atoi(fault) : 0;
+    const char *hold = getenv("HAPIFS_TEST_HOLD");
+    if (hold && *hold && !(s->hold_path = strdup(hold))) {
+        free(s);
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    }
     *out = s;
     return 0;
 }
 
 void hapi_serve_free(hapi_serve *s)
 {
+    if (s)
+        free(s->hold_path);
     free(s);
 }
 
@@ -63,6 +73,13 @@ static int load_source(void *ctx, const char *path, void **data, size_t *size, v
 {
     struct batch_ctx *c = ctx;
     hapi_source_id id;
+    /*
+     * Test hook: while the file HAPIFS_TEST_HOLD names exists, no image is
+     * loaded, so that work stays queued and in flight for as long as a test
+     * needs it there, whatever the machine's speed.
+     */
+    while (c->serve->hold_path && access(c->serve->hold_path, F_OK) == 0)
+        nanosleep(&(struct timespec){ .tv_nsec = 10000000L }, NULL);
     int rc = hapi_source_load(c->serve->cfg.source, path, data, size, &id, err);
     if (rc == 0)
         memcpy(tag, &id, sizeof(id)); /* the tag buffer need not be aligned */
@@ -368,8 +385,11 @@ int hapi_serve_queue(hapi_serve *s, hapi_view *v, const char *path, int priority
     /* Feed the queue without flooding it: background work yields to every reader anyway. */
     hapi_batcher_stats bs;
     hapi_batcher_stats_get(v->batcher, &bs);
-    int rc = hapi_batcher_throttle(v->batcher, priority, (size_t)bs.batch * 2);
-    if (rc == 0 && stop && atomic_load(stop))
+    int rc;
+    do
+        rc = hapi_batcher_throttle(v->batcher, priority, (size_t)bs.batch * 2);
+    while (rc == -EINTR && !(stop && atomic_load(stop)));
+    if (rc <= 0 && stop && atomic_load(stop))
         rc = -ECANCELED;
     if (rc == 0)
         rc = hapi_batcher_submit(v->batcher, path, priority, NULL);

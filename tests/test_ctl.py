@@ -239,23 +239,38 @@ def wait_for(predicate, timeout=60):
     raise AssertionError("timed out")
 
 
-def test_warm_stop(tmp_path, mounter, models):
+def test_warm_stop(tmp_path, mounter, models, monkeypatch):
     """warm stop ends a warm-up in progress: its walk stops, stats say stopped, and the images
     it had not queued are not computed; a later warm starts afresh. With nothing running it
     is not an error; a folder named stop is warmed as /stop."""
     src = tmp_path / "src"
     paths = make_tree(src, classes=2, per_class=80, size=(64, 80))
     stop_dir = make_tree(src / "stop", classes=1, per_class=3, size=(64, 80))
+    # while this file exists the daemon loads no image: the warm-up is surely in progress
+    # when it is stopped, however fast the machine
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("HAPIFS_TEST_HOLD", str(hold))
     m = mounter(src, model=models(), batch=1, prefetch="off")
     m.ctl("config")  # the split is chosen
     assert write_ctl(m, "warm stop") == "ok\n"
     assert m.ctl("stats")["warm"]["state"] == "idle"
 
+    hold.touch()
     assert write_ctl(m, "warm") == "ok\n"
+    # the walker queues two batches of 1, one image waits in its decode thread, and the
+    # walker waits for room: stop wakes it there
+    def held():
+        b = m.ctl("stats")["batcher"]
+        return b if b["queued"]["warm"] >= 3 and b["in_flight"] >= 1 else None
+    wait_for(held)
     assert write_ctl(m, "warm stop") == "ok\n"
-    warm = m.ctl("stats")["warm"]
+    held = m.ctl("stats")
+    warm = held["warm"]
     assert warm["state"] == "stopped" and warm["path"] == "", warm
-    # what was queued (two batches of 1) and in flight finishes; nothing more is computed
+    assert held["feat"]["computed"] == 0, held["feat"]
+    pending = sum(held["batcher"]["queued"].values()) + held["batcher"]["in_flight"]
+    hold.unlink()
+    # what was queued and in flight finishes; nothing more is computed
     def settled():
         a = m.ctl("stats")
         time.sleep(0.5)  # the batch in inference is not in in_flight: see that nothing moves
@@ -263,11 +278,10 @@ def test_warm_stop(tmp_path, mounter, models):
         idle = not any(b["batcher"]["queued"].values()) and not b["batcher"]["in_flight"]
         return b if idle and a["feat"]["computed"] == b["feat"]["computed"] else None
     first = wait_for(settled)
-    time.sleep(1.0)
     later = m.ctl("stats")
-    # how far the walk got before the stop depends on the machine's load (65 of 160 were
-    # computed once, beside another soak run): what matters is that it ended short and stays
-    assert later["feat"]["computed"] == first["feat"]["computed"] < len(paths), later["feat"]
+    assert later["feat"]["computed"] == first["feat"]["computed"] == pending, \
+        (later["feat"], held["batcher"])
+    assert pending <= 4, held["batcher"]  # three queued, one decoding
     assert later["warm"]["state"] == "stopped" and later["warm"]["eta_s"] == 0
     elapsed = later["warm"]["elapsed_s"]
     time.sleep(0.2)
