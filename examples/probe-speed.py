@@ -41,7 +41,11 @@ apart (compute_load_ns, compute_byte_ns, read from the mount's .hapifs/policy),
 so they are taken out of it. train.py, as most training scripts, starts its
 DataLoaders' workers anew every epoch: a cost per epoch, whatever its files, so
 the same passes run again with new workers each, and the difference per pass
-(start) is spread over the tree's samples (the policy's inputs):
+(start) is spread over the tree's samples (the policy's inputs). A difference of
+two noisy figures can come out below what starting the workers surely costs (once
+below zero): start is at least the CPU that starting and stopping the same
+loaders' workers over no files takes this process and its children (getrusage,
+which no other process's work touches):
 
     compute_file_ms = (CPU - rest - trunk CPU) / files - bytes * load_ns
                       - bytes received (/proc/net/dev) / files * byte_ns
@@ -171,6 +175,24 @@ def settle(ctl, limit_s):
     return time.monotonic() - t0, left
 
 
+def workers_start_s(args, ds, with_val, reps=3):
+    """The CPU (this process's and its children's, getrusage) that starting and stopping
+    train.py's loaders' workers costs an epoch, over no files: the least an epoch's start
+    costs, measured without any other process's work in it."""
+    import resource
+    from torch.utils.data import DataLoader, Subset
+
+    def cpu_s():
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+    t0 = cpu_s()
+    for _ in range(reps):
+        for _ in range(2 if with_val else 1):
+            for _ in DataLoader(Subset(ds, []), batch_size=args.batch, num_workers=args.workers):
+                pass
+    return (cpu_s() - t0) / reps
+
+
 def loop_cost(args, root, ctl, config, trunk):
     """The training loop's CPU per file on this node beside the trunk (see the top)."""
     import numpy as np
@@ -255,11 +277,13 @@ def loop_cost(args, root, ctl, config, trunk):
     # epoch the same whatever its files (0.7 s of CPU for 2 x 2 workers here), so it is
     # measured apart, as the same passes with new workers each, and spread over the tree's
     # samples (the mount's policy inputs) below.
-    start_s = 0.0
+    start_s = start_floor_s = 0.0
     if args.workers > 0:
         fresh_busy, fresh_trunk_s, fresh_passes, _, fresh_s, _ = measure(loaders(False))
         start_s = (own(fresh_busy, fresh_trunk_s, fresh_s) / fresh_passes
                    - own(busy, trunk_s, seconds) / passes)
+        start_floor_s = workers_start_s(args, ds, bool(val))
+        start_s = max(start_s, start_floor_s)
     changed_split()
     try:
         with open(os.path.join(ctl, "policy")) as f:
@@ -284,7 +308,8 @@ def loop_cost(args, root, ctl, config, trunk):
             "rest_s": args.rest, "rest_cpus": rest_rate, "rest_cpu_s": rest_rate * seconds,
             "file_bytes": file_bytes, "received_bytes_per_file": received,
             "compute_load_ns": load_ns, "compute_byte_ns": byte_ns,
-            "epoch_start_s": start_s, "samples": samples, "start_ms_per_file": start_ms,
+            "epoch_start_s": start_s, "epoch_start_floor_s": start_floor_s,
+            "samples": samples, "start_ms_per_file": start_ms,
             "policy_inputs": bool(inputs), "settle_s": waited, "storage_left": left}
 
 
