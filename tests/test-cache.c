@@ -617,7 +617,8 @@ START_TEST(open_read_only_dir)
     }
     /* As root modes do not bind: a read-only tmpfs is read-only for everyone. */
     if (mount("tmpfs", dir, "tmpfs", MS_RDONLY, "size=1m") != 0) {
-        fprintf(stderr, "open_read_only_dir: skipped, cannot mount a tmpfs: %s\n",
+        /* Not a pass: tools/count-tests counts the line as a skip. */
+        fprintf(stderr, "hapi-skip: open_read_only_dir: cannot mount a tmpfs: %s\n",
                 strerror(errno));
         return;
     }
