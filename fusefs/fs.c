@@ -1831,6 +1831,7 @@ struct open_file {
     hapi_source_id id;     /* its identity when opened */
     hapi_view *view;       /* the split it was opened at (FEAT) */
     hapi_remote_feat *remote_feat; /* a remote mount's .feat, as its index was at open */
+    off_t remote_size;     /* a remote mount's other file: its size at open (see read_remote) */
     /*
      * A control file's content, made at open; for ctl, replaced by the
      * outcome of each write ("ok" or "error: REASON"), so that the writer
@@ -2344,6 +2345,10 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         if ((rc = hapi_remote_open_file(fs->remote, path)) < 0)
             goto fail;
         h->fd = rc;
+        struct stat st;
+        h->remote_size = fstat(h->fd, &st) == 0 ? st.st_size : 0;
+        h->path = path; /* for the error a short read records */
+        path = NULL;
     } else if (kind == HAPI_NODE_FEAT) {
         /* The source is read when the features are computed; here it must only exist. */
         if ((rc = hapi_source_identity(fs->source, path, &h->id)) < 0) {
@@ -2433,6 +2438,49 @@ static void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t s
         free(buf);
 }
 
+/*
+ * A remote mount's file other than a .feat it fetches: read from its source
+ * into a buffer, not spliced, so that a read that ends before the size the
+ * file had at open is an error, not a short reply. A network filesystem whose
+ * server lost the file (sshfs, while a storage daemon restarts) answers such
+ * reads with 0 bytes, which a reader would take for the whole file.
+ */
+static void read_remote(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off)
+{
+    char *buf = malloc(size ? size : 1);
+    size_t got = 0;
+    if (!buf) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    while (got < size) {
+        ssize_t n = pread(h->fd, buf + got, size - got, off + (off_t)got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0) {
+            int e = errno;
+            free(buf);
+            fuse_reply_err(req, e == ENOMEM ? ENOMEM : EIO);
+            return;
+        }
+        if (n == 0)
+            break;
+        got += (size_t)n;
+    }
+    if (got < size && off + (off_t)got < h->remote_size) {
+        char msg[200];
+        snprintf(msg, sizeof(msg), "the file ended at %lld bytes of %lld read through its source "
+                 "(the source is down or the file changed)", (long long)(off + (off_t)got),
+                 (long long)h->remote_size);
+        hapi_error_ring_add(fs->errors, h->path ? h->path : "", -EIO, msg);
+        free(buf);
+        fuse_reply_err(req, EIO);
+        return;
+    }
+    fuse_reply_buf(req, buf, got);
+    free(buf);
+}
+
 /* A pack read: rows computed or looked up by pack.c into a buffer of ours. */
 static void read_pack(fuse_req_t req, struct open_file *h, size_t size, off_t off)
 {
@@ -2484,6 +2532,10 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         return;
     }
     default: {
+        if (fs->remote) {
+            read_remote(req, fs, h, size, off);
+            return;
+        }
         /* Passthrough: let the kernel splice from the source file where it can. */
         struct fuse_bufvec buf = FUSE_BUFVEC_INIT(size);
         buf.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK;

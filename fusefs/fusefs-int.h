@@ -620,15 +620,16 @@ void hapi_remote_close(hapi_remote *r);
 enum hapi_remote_kind {
     HAPI_REMOTE_DIR,
     HAPI_REMOTE_FILE,       /* a regular file of a source, read through */
-    HAPI_REMOTE_FEAT,       /* a .feat in a directory's index: served from the cache or a pack */
-    HAPI_REMOTE_FEAT_FILE   /* a .feat no index lists (yet): read through from its source */
+    HAPI_REMOTE_FEAT        /* a .feat in a directory's index: served from the cache or a pack
+                               (a .feat no index lists is not served) */
 };
 
 /*
  * What path is (enum hapi_remote_kind) and its attributes: a .feat's from
  * its directory's index (exact size, the image's times; no request per
  * file), anything else the first source's that has it. Returns 0, -ENOENT,
- * -EIO (a source that has it may be unreachable) or -ENOMEM.
+ * -EIO (a source that has it may be unreachable, or is not a storage mount
+ * now: its daemon restarting) or -ENOMEM.
  */
 int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *st);
 

@@ -38,6 +38,7 @@
 
 #define FETCH_CHUNK (1u << 20)   /* bytes per read of a pack: large sequential reads */
 #define FAILED_INDEX_RETRY_NS (1000ull * 1000 * 1000) /* an unreachable source is tried again after 1 s */
+#define SERVING_CHECK_NS (200ull * 1000 * 1000) /* a source seen serving is believed for 0.2 s */
 #define INDEX_MAX (256u << 20)   /* an index longer than this is refused */
 #define INDEX_HEAD 4096          /* bytes read to check a kept index's version */
 
@@ -64,6 +65,7 @@ struct remote_source {
             rows_failed, fetch_failures, file_reads;
     } stats;
     char last_error[512];         /* under lock */
+    atomic_uint_fast64_t serving_ns; /* when it last showed its .hapifs/config: see serving() */
 };
 
 /* ------------------------------------------------------------- indexes */
@@ -353,6 +355,49 @@ static int source_read_text(hapi_remote *r, int src, const char *path, size_t ma
     return read_text(source_open(r, src, path, O_RDONLY), max, text, len);
 }
 
+/*
+ * Whether src is a storage mount now: its .hapifs/config can be read, around
+ * page caches (O_DIRECT where allowed), at most once per SERVING_CHECK_NS
+ * while it is. A storage daemon that is restarting leaves the directory under
+ * its mountpoint in view, empty (or, through sshfs, with attributes cached
+ * from before): every name in it is missing then, and a reader must hear that
+ * the source is down (EIO), not that its files are gone (ENOENT).
+ */
+static int serving(hapi_remote *r, int src)
+{
+    struct remote_source *s = &r->sources[src];
+    uint64_t now = hapi_now_ns(), seen = atomic_load(&s->serving_ns);
+    if (seen && now - seen < SERVING_CHECK_NS)
+        return 1;
+    char buf[4096] __attribute__((aligned(4096)));
+    ssize_t n = -EINVAL;
+    for (int direct = 1; direct >= 0 && n == -EINVAL; direct--) {
+        int fd = source_open(r, src, ".hapifs/config", O_RDONLY | (direct ? O_DIRECT : 0));
+        if (fd < 0) {
+            n = fd;
+            continue;
+        }
+        n = pread(fd, buf, sizeof(buf), 0);
+        n = n < 0 ? -errno : n;
+        close(fd);
+    }
+    if (n > 0) {
+        atomic_store(&s->serving_ns, now);
+        return 1;
+    }
+    atomic_store(&s->serving_ns, 0);
+    return 0;
+}
+
+/* -ENOENT if every source that is not refused is serving, else -EIO: see serving(). */
+static int missing_or_down(hapi_remote *r)
+{
+    for (size_t i = 0; i < r->nsources; i++)
+        if (!r->sources[i].refused && !serving(r, (int)i))
+            return -EIO;
+    return -ENOENT;
+}
+
 /* ----------------------------------------------------------- index text */
 
 /* A name from an index: one path component, not "." or "..", an image. */
@@ -578,6 +623,14 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
         }
     } else if (rc != -ENOENT && rc != -ENOTDIR) {
         source_failed(r, src, path, rc, "cannot read the index");
+    } else if (!serving(r, src)) {
+        /*
+         * No index because no storage mount is there now (its daemon
+         * restarting): a failure, kept FAILED_INDEX_RETRY_NS, not a directory
+         * without images, which would be kept refresh= long after it is back.
+         */
+        rc = -EIO;
+        source_failed(r, src, path, rc, "not a storage mount now (its daemon restarting?)");
     }
     free(text);
     free(path);
@@ -773,8 +826,10 @@ static void feat_attr(const struct dir_index *x, const struct index_entry *e, st
 
 /*
  * The source and index entry of image name in dir: the first source whose
- * index lists it. Returns 0 (with a reference in *x), -ENOENT or < 0 (a
- * source that could not say, when no other had it).
+ * index lists it. Returns 0 (with a reference in *x), -ENOENT, -ENOMEM or
+ * -EIO (a source that could not say, when no other had it: whatever its
+ * network filesystem answered, EPERM or ENOTCONN through sshfs, the image may
+ * well exist, and a reader must not be told otherwise).
  */
 static int find_image(hapi_remote *r, const char *dir, const char *name, struct dir_index **x,
                       const struct index_entry **e, size_t *row)
@@ -785,7 +840,7 @@ static int find_image(hapi_remote *r, const char *dir, const char *name, struct 
         int rc = index_get(r, (int)i, dir, &xi);
         if (rc < 0) {
             if (rc != -ENOENT)
-                result = rc;
+                result = rc == -ENOMEM ? rc : -EIO;
             continue;
         }
         const struct index_entry *ei = index_find(xi, name, row);
@@ -796,7 +851,7 @@ static int find_image(hapi_remote *r, const char *dir, const char *name, struct 
         }
         index_put(xi);
     }
-    return result;
+    return result == -ENOENT ? missing_or_down(r) : result;
 }
 
 int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *st)
@@ -820,7 +875,18 @@ int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *s
             free(dir);
             return 0;
         }
-        why = rc;
+        /*
+         * A .feat is what an index lists, never the storage mount's file of
+         * that name read through: its network filesystem shows that file
+         * from attributes cached before a failure (through sshfs, a size of
+         * 0 for 600 s after the storage daemon restarted), and reads of it
+         * then end at 0 bytes or fail with EPERM: 2,715 reads of 0 bytes of
+         * 1,152 in 10 s, no error. An index that cannot be read is EIO (the
+         * source is down); an image newer than its index is seen once the
+         * index is read again (refresh=).
+         */
+        free(dir);
+        return rc;
     }
     /* Directories and other files: the first source that has it, as it shows it. */
     for (size_t i = 0; i < r->nsources; i++) {
@@ -829,8 +895,7 @@ int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *s
         struct stat s;
         rc = source_stat(r, (int)i, path, &s);
         if (rc == 0 && (S_ISDIR(s.st_mode) || S_ISREG(s.st_mode))) {
-            *kind = S_ISDIR(s.st_mode) ? HAPI_REMOTE_DIR
-                    : stem ? HAPI_REMOTE_FEAT_FILE : HAPI_REMOTE_FILE;
+            *kind = S_ISDIR(s.st_mode) ? HAPI_REMOTE_DIR : HAPI_REMOTE_FILE;
             *st = s;
             st->st_mode &= ~(mode_t)0222;
             free(dir);
@@ -842,7 +907,7 @@ int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *s
         }
     }
     free(dir);
-    return why == -ENOENT || why == -ENOTDIR ? -ENOENT : -EIO;
+    return why == -ENOENT || why == -ENOTDIR ? missing_or_down(r) : -EIO;
 }
 
 /* The names seen while listing, to merge the sources' listings: a hash set. */
@@ -934,10 +999,10 @@ static int list_source(hapi_remote *r, int src, const char *dir, struct seen *se
             memcpy(image, name, stem);
             image[stem] = '\0';
             const struct index_entry *e = have_index ? index_find(x, image, NULL) : NULL;
-            if (e) {
-                feat_attr(x, e, &st);
-                kind = HAPI_REMOTE_FEAT;
-            }
+            if (!e)
+                continue; /* not served: see hapi_remote_stat() */
+            feat_attr(x, e, &st);
+            kind = HAPI_REMOTE_FEAT;
         }
         if (kind < 0) {
             char *child = hapi_path_join(dir, name);
@@ -949,8 +1014,7 @@ static int list_source(hapi_remote *r, int src, const char *dir, struct seen *se
             free(child);
             if (src_rc < 0 || !(S_ISDIR(st.st_mode) || S_ISREG(st.st_mode)))
                 continue;
-            kind = S_ISDIR(st.st_mode) ? HAPI_REMOTE_DIR
-                   : stem ? HAPI_REMOTE_FEAT_FILE : HAPI_REMOTE_FILE;
+            kind = S_ISDIR(st.st_mode) ? HAPI_REMOTE_DIR : HAPI_REMOTE_FILE;
             st.st_mode &= ~(mode_t)0222;
         }
         if (r->nsources > 1 && (rc = seen_add(seen, name)) < 0)
