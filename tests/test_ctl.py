@@ -301,18 +301,23 @@ def test_warm_stop(tmp_path, mounter, models, monkeypatch):
     assert warm["path"] == "stop" and warm["total"] == len(stop_dir)
 
 
-def test_hapifs_ctl_warm_says_when_the_warm_up_is_stopped(tmp_path, mounter, models):
+def test_hapifs_ctl_warm_says_when_the_warm_up_is_stopped(tmp_path, mounter, models,
+                                                          monkeypatch):
     src = tmp_path / "src"
     paths = make_tree(src, classes=2, per_class=80, size=(64, 80))
+    hold = tmp_path / "hold"  # while it exists no image is loaded: see test_warm_stop
+    monkeypatch.setenv("HAPIFS_TEST_HOLD", str(hold))
     m = mounter(src, model=models(), batch=1, prefetch="off")
     m.ctl("config")
     if not CTL.exists():
         pytest.skip(f"{CTL} is not built (set HAPI_BUILD_ROOT)")
+    hold.touch()
     p = subprocess.Popen([str(CTL), "warm", str(m.path)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: m.ctl("stats")["warm"]["state"] in ("counting", "running"))
+        wait_for(lambda: m.ctl("stats")["batcher"]["queued"]["warm"] >= 1)
         assert write_ctl(m, "warm stop") == "ok\n"
+        hold.unlink()
         out, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:

@@ -41,6 +41,14 @@ def remote(mounter, tmp_path, sources, cache="rcache", mountpoint=None, **opts):
                    remote=None, **opts)
 
 
+def wait_until(predicate, timeout=60):
+    """Polls predicate until it is true; fails after timeout seconds."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
 def feats(root, paths):
     return {p: (Path(root) / (p + ".feat")).read_bytes() for p in paths}
 
@@ -360,22 +368,32 @@ def test_mount_helper_and_fstab_for_a_remote_mount(tmp_path, storage):
         assert wait_gone(pid)
 
 
-def test_warm_stop(tmp_path, storage, mounter):
+def test_warm_stop(tmp_path, storage, mounter, monkeypatch):
     """warm stop on a remote mount ends the walk: stats say stopped, and the folders it had not
     reached are not fetched."""
+    # while this file exists the storage daemon loads no image: the remote warm-up's first
+    # fetch waits on it, so the warm-up is surely in progress when it is stopped
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("HAPIFS_TEST_HOLD", str(hold))
     src, st, paths = storage(classes=60, per_class=2, batch=1)
     r = remote(mounter, tmp_path, [st.path], fetch_threads=1)
     ctl_write(r, "warm stop")  # nothing running: not an error
     assert r.ctl("stats")["warm"]["state"] == "idle"
+    hold.touch()
     ctl_write(r, "warm")
+    wait_until(lambda: r.ctl("stats")["remote"]["fetches_running"] == 1)
     ctl_write(r, "warm stop")
     stats = r.ctl("stats")
     assert stats["warm"]["state"] == "stopped", stats["warm"]
-    time.sleep(2)  # the fetch in progress and the one queued finish
+    assert stats["remote"]["packs"] == 0, stats["remote"]
+    hold.unlink()
+    # the fetch in progress and the one queued (fetch_threads=1) finish; no other starts
+    wait_until(lambda: r.ctl("stats")["remote"]["fetches_running"] ==
+               r.ctl("stats")["remote"]["fetches_queued"] == 0)
     packs = r.ctl("stats")["remote"]["packs"]
     time.sleep(1)
     later = r.ctl("stats")
-    assert later["remote"]["packs"] == packs < 30, later["remote"]
+    assert later["remote"]["packs"] == packs <= 2, later["remote"]
     assert later["warm"]["state"] == "stopped"
     ctl_write(r, "warm class7")  # a new warm-up runs to the end
     end = time.time() + 60
