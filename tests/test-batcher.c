@@ -188,15 +188,56 @@ static void *fetch_thread(void *arg)
     return NULL;
 }
 
+static void close_gate(void)
+{
+    pthread_mutex_lock(&rec_lock);
+    gate_closed = 1;
+    pthread_mutex_unlock(&rec_lock);
+}
+
+static void open_gate(void)
+{
+    pthread_mutex_lock(&rec_lock);
+    gate_closed = 0;
+    pthread_cond_broadcast(&gate_cond);
+    pthread_mutex_unlock(&rec_lock);
+}
+
+#define WAIT_NS 30000000000ull /* deadline of every wait for the batcher's threads */
+
+/*
+ * Fills st from b's stats once cond holds. After WAIT_NS it opens the gate
+ * (so that nothing stays blocked) and fails with the message.
+ */
+#define WAIT_STATS(b, st, cond, ...)                      \
+    do {                                                  \
+        uint64_t deadline_ = hapi_now_ns() + WAIT_NS;     \
+        for (;;) {                                        \
+            hapi_batcher_stats_get((b), &(st));           \
+            if (cond)                                     \
+                break;                                    \
+            if (hapi_now_ns() >= deadline_) {             \
+                open_gate();                              \
+                ck_abort_msg(__VA_ARGS__);                \
+            }                                             \
+            usleep(1000);                                 \
+        }                                                 \
+    } while (0)
+
 START_TEST(single_flight)
 {
     hapi_batcher *b = start(8, 2000, 1, 0);
     struct fetcher f[12];
     pthread_t th[12];
+    hapi_batcher_stats st;
+    close_gate(); /* the first request's load waits: the 11 others come while it runs */
     for (int i = 0; i < 12; i++) {
         f[i] = (struct fetcher){ .b = b, .key = "k3" };
         pthread_create(&th[i], NULL, fetch_thread, &f[i]);
     }
+    WAIT_STATS(b, st, st.joined == 11, "%llu of 11 requests joined the first one's k3",
+               (unsigned long long)st.joined);
+    open_gate();
     for (int i = 0; i < 12; i++)
         pthread_join(th[i], NULL);
     float ref[512];
@@ -205,26 +246,41 @@ START_TEST(single_flight)
         ck_assert_int_eq(f[i].rc, 0);
         ck_assert(close_enough(f[i].out, ref, 512));
     }
-    hapi_batcher_stats st;
     hapi_batcher_stats_get(b, &st);
+    pthread_mutex_lock(&rec_lock);
+    int loads3 = loads[3];
+    pthread_mutex_unlock(&rec_lock);
     ck_assert_int_eq(st.samples, 1);
-    ck_assert_int_eq(loads[3], 1);
-    ck_assert_int_ge(st.joined, 1);
+    ck_assert_int_eq(loads3, 1);
+    ck_assert_int_eq(st.joined, 11);
     finish_batcher(b);
 }
 END_TEST
 
 START_TEST(batches_equal_singles)
 {
-    hapi_batcher *b = start(8, 50000, 2, 0);
+    /*
+     * All 16 are asked for before any is loaded (the gate), so a batch runs
+     * when 8 are ready or nothing more is coming. The partial-batch wait is
+     * long so that a decode thread descheduled on a loaded machine does not
+     * cut batches short; a batcher that runs samples one by one still fails.
+     */
+    hapi_batcher *b = start(8, 10 * 1000 * 1000, 2, 0);
     struct fetcher f[16];
     pthread_t th[16];
     char keys[16][16];
+    hapi_batcher_stats st;
+    close_gate();
     for (int i = 0; i < 16; i++) {
         key_name(keys[i], i);
         f[i] = (struct fetcher){ .b = b, .key = keys[i] };
         pthread_create(&th[i], NULL, fetch_thread, &f[i]);
     }
+    /* nothing passes the gate: each request is queued or with a decode thread */
+    WAIT_STATS(b, st, st.queued[HAPI_PRIORITY_DEMAND] + st.in_flight == 16,
+               "only %llu of 16 requests queued",
+               (unsigned long long)(st.queued[HAPI_PRIORITY_DEMAND] + st.in_flight));
+    open_gate();
     for (int i = 0; i < 16; i++)
         pthread_join(th[i], NULL);
     for (int i = 0; i < 16; i++) {
@@ -233,7 +289,6 @@ START_TEST(batches_equal_singles)
         ck_assert_int_eq(f[i].rc, 0);
         ck_assert_msg(close_enough(f[i].out, ref, 512), "key %d", i);
     }
-    hapi_batcher_stats st;
     hapi_batcher_stats_get(b, &st);
     ck_assert_int_eq(st.samples, 16);
     ck_assert_int_le(st.batches, 8); /* batched, not one by one */
@@ -247,33 +302,28 @@ START_TEST(demand_promotes_warm)
 {
     hapi_batcher *b = start(1, 0, 1, 0);
     char key[16];
-    pthread_mutex_lock(&rec_lock);
-    gate_closed = 1; /* hold the decode thread so everything stays queued */
-    pthread_mutex_unlock(&rec_lock);
+    hapi_batcher_stats st;
+    close_gate(); /* hold the decode thread so everything stays queued */
     for (int i = 0; i < 10; i++) {
         key_name(key, i);
         ck_assert_int_eq(hapi_batcher_submit(b, key, HAPI_PRIORITY_WARM, NULL), 0);
     }
+    /* the decode thread has k0 (and waits at the gate); k1..k9 are queued */
+    WAIT_STATS(b, st, st.in_flight == 1, "the decode thread never took k0");
+    ck_assert_int_eq(st.queued[HAPI_PRIORITY_WARM], 9);
     struct fetcher f = { .b = b, .key = "k9" };
     pthread_t th;
     pthread_create(&th, NULL, fetch_thread, &f);
-    usleep(50000);
-    hapi_batcher_stats st;
-    hapi_batcher_stats_get(b, &st);
+    WAIT_STATS(b, st, st.joined == 1, "the demand read of k9 never joined the queued one");
     ck_assert_int_eq(st.promoted, 1);
+    ck_assert_int_eq(st.queued[HAPI_PRIORITY_DEMAND], 1); /* moved up, not duplicated */
     ck_assert_int_eq(st.queued[HAPI_PRIORITY_DEMAND] + st.queued[HAPI_PRIORITY_WARM], 9);
-    pthread_mutex_lock(&rec_lock);
-    gate_closed = 0;
-    pthread_cond_broadcast(&gate_cond);
-    pthread_mutex_unlock(&rec_lock);
+    open_gate();
     pthread_join(th, NULL);
     ck_assert_int_eq(f.rc, 0);
-    while (1) { /* the rest of the warm-up finishes too */
-        hapi_batcher_stats_get(b, &st);
-        if (st.samples == 10)
-            break;
-        usleep(10000);
-    }
+    /* the rest of the warm-up finishes too */
+    WAIT_STATS(b, st, st.samples == 10, "%llu of 10 samples computed",
+               (unsigned long long)st.samples);
     /* k0 was already with the decode thread; k9 came before every other warm item */
     char first[16], second[16];
     pthread_mutex_lock(&rec_lock);
@@ -288,14 +338,6 @@ START_TEST(demand_promotes_warm)
     finish_batcher(b);
 }
 END_TEST
-
-static void open_gate(void)
-{
-    pthread_mutex_lock(&rec_lock);
-    gate_closed = 0;
-    pthread_cond_broadcast(&gate_cond);
-    pthread_mutex_unlock(&rec_lock);
-}
 
 /*
  * A result counts every request it answers, by priority, whoever asked
@@ -407,16 +449,21 @@ START_TEST(budget_bounds_memory)
     struct fetcher f[NKEYS];
     pthread_t th[NKEYS];
     char keys[NKEYS][16];
+    hapi_batcher_stats st;
+    close_gate(); /* every request is there before the first load: the decode threads contend */
     for (int i = 0; i < NKEYS; i++) {
         key_name(keys[i], i);
         f[i] = (struct fetcher){ .b = b, .key = keys[i] };
         pthread_create(&th[i], NULL, fetch_thread, &f[i]);
     }
+    WAIT_STATS(b, st, st.queued[HAPI_PRIORITY_DEMAND] + st.in_flight == NKEYS,
+               "only %llu of %d requests queued",
+               (unsigned long long)(st.queued[HAPI_PRIORITY_DEMAND] + st.in_flight), NKEYS);
+    open_gate();
     for (int i = 0; i < NKEYS; i++) {
         pthread_join(th[i], NULL);
         ck_assert_int_eq(f[i].rc, 0);
     }
-    hapi_batcher_stats st;
     hapi_batcher_stats_get(b, &st);
     ck_assert_int_eq(st.samples, NKEYS);
     ck_assert_int_gt(st.mem_waits, 0);

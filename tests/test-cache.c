@@ -13,6 +13,7 @@
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -1190,12 +1191,53 @@ END_TEST
 struct release_later {
     hapi_cache *c;
     hapi_cache_value *v;
+    pid_t evicter;         /* the thread that evicts */
+    atomic_bool evict_done; /* set once its eviction returned */
 };
 
-static void *release_after_100ms(void *arg)
+/*
+ * Whether thread tid sleeps in nanosleep(): in a cache call, only the wait of a
+ * full map does (full_wait()). -1: /proc/self/task/TID/syscall cannot be read.
+ */
+static int sleeping_in_nanosleep(pid_t tid)
+{
+    char name[64];
+    snprintf(name, sizeof(name), "/proc/self/task/%d/syscall", (int)tid);
+    FILE *f = fopen(name, "r");
+    if (!f)
+        return -1;
+    long nr = -2;
+    int got = fscanf(f, "%ld", &nr); /* "running" while it runs: no number */
+    fclose(f);
+    if (got != 1)
+        return 0;
+#ifdef SYS_nanosleep
+    if (nr == SYS_nanosleep)
+        return 1;
+#endif
+    return nr == SYS_clock_nanosleep;
+}
+
+/*
+ * Ends the lookup as soon as the eviction is seen waiting for room, so that
+ * it ends well within the cache's FULL_WAIT_MS (500 ms) of waiting however
+ * slow the machine is (a fixed 100 ms sleep lost that race when this thread
+ * ran 400 ms late). If the eviction returns without waiting, at once too.
+ */
+static void *release_when_evict_waits(void *arg)
 {
     struct release_later *r = arg;
-    usleep(100 * 1000);
+    uint64_t deadline = hapi_now_ns() + 30000000000ull;
+    while (!atomic_load(&r->evict_done) && hapi_now_ns() < deadline) {
+        int seen = sleeping_in_nanosleep(r->evicter);
+        if (seen < 0) {
+            usleep(100 * 1000); /* no /proc: as before, the eviction is waiting by then */
+            break;
+        }
+        if (seen)
+            break;
+        usleep(200);
+    }
     hapi_cache_release(r->c, r->v);
     return NULL;
 }
@@ -1228,12 +1270,13 @@ START_TEST(evict_in_a_full_map_waits_for_room)
             full = hapi_cache_put(c, &ns, &it, 1, &err) == HAPI_ECACHE;
         }
         ck_assert_msg(full, "the map never filled up");
-        /* the lookup ends 100 ms later; an eviction in between waits for it */
-        struct release_later r = { c, &held };
+        /* the lookup ends once the eviction waits for room; the eviction waits for it */
+        struct release_later r = { c, &held, (pid_t)syscall(SYS_gettid), false };
         pthread_t th;
-        pthread_create(&th, NULL, release_after_100ms, &r);
+        pthread_create(&th, NULL, release_when_evict_waits, &r);
         int rc = round == 0 ? hapi_cache_evict_path(c, &ns, "held.jpg", &err)
                             : hapi_cache_evict_all(c, &ns, &err);
+        atomic_store(&r.evict_done, true);
         pthread_join(th, NULL);
         ck_assert_msg(rc >= 1, "round %d: %d %s", round, rc, err.message);
         expect_miss(c, &ns, "held.jpg", ID);
