@@ -90,7 +90,12 @@ def test_run_training_samples_and_stops(tmp_path, dataset, models):
         assert "stopped_s" not in whole and len(whole["epochs"]) == 2
         marks = whole["samples"]  # before epoch 1, after epoch 1, after epoch 2
         assert len(marks) == 3 and marks[0] < marks[1] < marks[2], marks
-        assert abs((marks[2] - marks[0]) - whole["epochs_s"]) < 0.5, (marks, whole["epochs_s"])
+        # the marks span the epochs, plus what is not in an epoch's wall_s (the report written
+        # between epochs, the poll's own lag: each some ms, more on a busy core); marks taken
+        # anywhere else (all at the end, or all at once) would be an epoch or more off
+        span = marks[2] - marks[0]
+        assert abs(span - whole["epochs_s"]) < 0.5 + 0.25 * whole["epochs_s"], \
+            (marks, whole["epochs_s"])
 
         def trainers():  # train.py and its DataLoader workers (forked: the same command line)
             found = []
@@ -103,22 +108,32 @@ def test_run_training_samples_and_stops(tmp_path, dataset, models):
                     pass  # gone meanwhile
             return found
 
-        limit = whole["epochs"][0]["wall_s"] * 1.5  # less than the 200 epochs by far
+        # Room for an epoch of the second run even if it is a few times slower than the first
+        # run's slower one (a busy core, the node's page cache), and still less than the many
+        # epochs asked for by far (each forks its DataLoader workers: far more than 5 ms).
+        limit = max(3 * max(e["wall_s"] for e in whole["epochs"]), 5.0)
+        many = 1000
         t0 = time.monotonic()
-        cut = be.run_training(cl, cmd(200, tmp_path / "b.json"), tmp_path / "b.json",
+        cut = be.run_training(cl, cmd(many, tmp_path / "b.json"), tmp_path / "b.json",
                               tmp_path / "b.log", sample=time.monotonic, limit_s=limit,
-                              epochs=200)
-        assert limit <= cut["stopped_s"] < limit + 1.0, (limit, cut["stopped_s"])
+                              epochs=many)
+        # stopped at the limit: the poll (every 10 ms, a report read and the link counters)
+        # sees it late by far less than these seconds
+        assert limit <= cut["stopped_s"] < limit + 5.0, (limit, cut["stopped_s"])
         assert time.monotonic() - t0 < limit + 60
-        assert 1 <= len(cut["epochs"]) < 200 and len(cut["samples"]) == len(cut["epochs"]) + 1
-        assert cut["epochs_s"] == sum(e["wall_s"] for e in cut["epochs"]) <= cut["stopped_s"]
+        assert 1 <= len(cut["epochs"]) < many and len(cut["samples"]) == len(cut["epochs"]) + 1, \
+            (limit, cut["stopped_s"], [e["wall_s"] for e in cut["epochs"]])
+        # stopped_s counts from when the poll saw the first report, written just before epoch
+        # 1: on a busy core that can be after train.py's clock for epoch 1 started, hence the
+        # small slack
+        assert cut["epochs_s"] == sum(e["wall_s"] for e in cut["epochs"]) <= \
+            cut["stopped_s"] + 0.5, (cut["epochs_s"], cut["stopped_s"])
         assert cut["epochs"][0]["link_bytes"] > 0  # sshfs's opens cross the link, cached or not
         # nothing of the stopped run (train.py, its workers) is left in the compute node (sshfs
         # may have opened another ssh connection meanwhile: that is the node's own)
-        for _ in range(50):  # SIGKILLed workers may take a moment to go
-            if not trainers():
-                break
+        end = time.monotonic() + 30  # SIGKILLed workers may take a moment to go
+        while trainers() and time.monotonic() < end:
             time.sleep(0.1)
-        assert trainers() == []
+        assert trainers() == [], "the stopped run's processes are still in the compute node"
     finally:
         cl.down()

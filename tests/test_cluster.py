@@ -433,8 +433,11 @@ def test_remote_mount_over_two_sshfs_nodes(cluster, tmp_path, models):
         for k, s in zip(("s1", "s2"), srcs):
             assert s["packs"] >= 2  # both class folders on both nodes (and the changed one)
             assert after[k] - before[k] >= s["pack_bytes"] > 0
+        pid = daemon_pid(mnt)
+        assert pid, "no hapifs process serves the remote mount"
         subprocess.run(["fusermount3", "-u", str(mnt)], check=True)
-        time.sleep(0.5)
+        # the next mount must not start while the old daemon still holds the cache
+        assert wait_gone(pid, 30), f"the remote mount's hapifs ({pid}) did not exit"
         mount()
         for p in images:
             (mnt / (p + ".feat")).read_bytes()

@@ -76,7 +76,10 @@ def test_round_trips_take_the_delay_and_bytes_arrive_whole(server):
             assert read_exact(p.stdout, len(msg)) == msg
             times.append(time.monotonic() - t0)
         assert min(times) >= 0.010, times
-        assert sorted(times)[5] < 0.030, times  # the delay, not much more
+        # the delay, not much more: the median is 10-11 ms here; a busy or slow machine may add
+        # some ms of scheduling to a round trip, and a lost wake-up (a relay that holds a chunk
+        # until the next one comes, or for a poll's own timeout) would take far longer
+        assert sorted(times)[5] < 0.100, times
         # a bulk transfer both ways at once, in order
         blob = os.urandom(8 << 20)
         back = {}
@@ -110,8 +113,12 @@ def test_cheap_per_chunk(server):
         p.returncode = os.waitstatus_to_exitcode(status)
         cpu = ru.ru_utime + ru.ru_stime
         print(f"delay-relay: {cpu / (4 * n) * 1e6:.1f} us of CPU a chunk")
-        # 4 chunks a round trip; measured here 16-20 us a chunk (the Python relay: 94)
-        assert cpu / (4 * n) < 100e-6, f"{cpu / (4 * n) * 1e6:.1f} us of CPU a chunk"
+        # 4 chunks a round trip; measured 16-20 us a chunk (the Python relay: 94), 25-34 us on
+        # a loaded 2-core VM, nearly all of it system time (about 1 us of user time), so ASan
+        # would add little and a slower kernel or core more. The bound allows 4-5 times that
+        # and still catches a relay that spins out its delays: 2000 round trips of at least
+        # 1 ms of delay each spun away are at least 250 us a chunk.
+        assert cpu / (4 * n) < 150e-6, f"{cpu / (4 * n) * 1e6:.1f} us of CPU a chunk"
     finally:
         p.kill()
         p.wait()
