@@ -356,6 +356,28 @@ static int source_read_text(hapi_remote *r, int src, const char *path, size_t ma
 }
 
 /*
+ * Reads up to len bytes at the start of path on src into buf (aligned to 4096
+ * bytes), around page caches: O_DIRECT, or a plain read where the filesystem
+ * refuses it (a local one wants aligned lengths too). Returns the bytes read
+ * or -errno.
+ */
+static ssize_t source_read_head(hapi_remote *r, int src, const char *path, char *buf, size_t len)
+{
+    ssize_t n = -EINVAL;
+    for (int direct = 1; direct >= 0 && n == -EINVAL; direct--) {
+        int fd = source_open(r, src, path, O_RDONLY | (direct ? O_DIRECT : 0));
+        if (fd < 0) {
+            n = fd;
+            continue;
+        }
+        n = pread(fd, buf, len, 0);
+        n = n < 0 ? -errno : n;
+        close(fd);
+    }
+    return n;
+}
+
+/*
  * Whether src is a storage mount now: its .hapifs/config can be read, around
  * page caches (O_DIRECT where allowed), at most once per SERVING_CHECK_NS
  * while it is. A storage daemon that is restarting leaves the directory under
@@ -370,18 +392,7 @@ static int serving(hapi_remote *r, int src)
     if (seen && now - seen < SERVING_CHECK_NS)
         return 1;
     char buf[4096] __attribute__((aligned(4096)));
-    ssize_t n = -EINVAL;
-    for (int direct = 1; direct >= 0 && n == -EINVAL; direct--) {
-        int fd = source_open(r, src, ".hapifs/config", O_RDONLY | (direct ? O_DIRECT : 0));
-        if (fd < 0) {
-            n = fd;
-            continue;
-        }
-        n = pread(fd, buf, sizeof(buf), 0);
-        n = n < 0 ? -errno : n;
-        close(fd);
-    }
-    if (n > 0) {
+    if (source_read_head(r, src, ".hapifs/config", buf, sizeof(buf)) > 0) {
         atomic_store(&s->serving_ns, now);
         return 1;
     }
@@ -667,17 +678,7 @@ static int index_unchanged(hapi_remote *r, int src, const char *dir, const struc
         free(path);
         return 0;
     }
-    ssize_t n = -EINVAL;
-    for (int direct = 1; direct >= 0 && n == -EINVAL; direct--) {
-        int fd = source_open(r, src, path, O_RDONLY | (direct ? O_DIRECT : 0));
-        if (fd < 0) {
-            n = fd;
-            continue;
-        }
-        n = pread(fd, head, INDEX_HEAD, 0);
-        n = n < 0 ? -errno : n;
-        close(fd);
-    }
+    ssize_t n = source_read_head(r, src, path, head, INDEX_HEAD);
     if (n >= 0) {
         char version[17];
         head[n] = '\0';
