@@ -1831,7 +1831,7 @@ struct open_file {
     hapi_source_id id;     /* its identity when opened */
     hapi_view *view;       /* the split it was opened at (FEAT) */
     hapi_remote_feat *remote_feat; /* a remote mount's .feat, as its index was at open */
-    off_t remote_size;     /* a remote mount's other file: its size at open (see read_remote) */
+    off_t remote_size;     /* a remote mount's other file: its size at open, -1 if unknown (see read_remote) */
     /*
      * A control file's content, made at open; for ctl, replaced by the
      * outcome of each write ("ok" or "error: REASON"), so that the writer
@@ -2347,6 +2347,17 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         h->fd = rc;
         struct stat st;
         h->remote_size = fstat(h->fd, &st) == 0 ? st.st_size : 0;
+        const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+        if (strcmp(base, HAPI_PACK_NAME) == 0 || strcmp(base, HAPI_PACK_INDEX_NAME) == 0) {
+            /*
+             * A storage mount's pack is a snapshot taken at its open, whose
+             * size the attributes do not tell (they show the directory's
+             * pack now; an index's, a bound): read to its end, whatever the
+             * kernel was told.
+             */
+            h->remote_size = -1;
+            fi->direct_io = 1;
+        }
         h->path = path; /* for the error a short read records */
         path = NULL;
     } else if (kind == HAPI_NODE_FEAT) {
@@ -2457,6 +2468,10 @@ static void read_remote(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t
         ssize_t n = pread(h->fd, buf + got, size - got, off + (off_t)got);
         if (n < 0 && errno == EINTR)
             continue;
+        int fl;
+        if (n < 0 && errno == EINVAL && (fl = fcntl(h->fd, F_GETFL)) >= 0 && (fl & O_DIRECT) &&
+            fcntl(h->fd, F_SETFL, fl & ~O_DIRECT) == 0)
+            continue; /* a local filesystem wants aligned direct reads: read normally */
         if (n < 0) {
             int e = errno;
             free(buf);

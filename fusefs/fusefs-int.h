@@ -643,7 +643,12 @@ int hapi_remote_list(hapi_remote *r, const char *dir,
                      int (*fn)(void *arg, const char *name, int kind, const struct stat *st),
                      void *arg);
 
-/* Opens a regular file of the first source that has it for reading. Returns an fd or -errno. */
+/*
+ * Opens a regular file of the first source that has it for reading, with
+ * O_DIRECT where the source allows it (a caller whose pread is refused with
+ * EINVAL, unaligned on a local filesystem, clears it with fcntl). Returns an
+ * fd or -errno.
+ */
 int hapi_remote_open_file(hapi_remote *r, const char *path);
 /* Opens the storage side's .hapifs/NAME (the model archive) for reading. Returns an fd or -errno. */
 int hapi_remote_open_storage_file(hapi_remote *r, const char *name);

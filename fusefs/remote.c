@@ -293,6 +293,18 @@ static int source_open(hapi_remote *r, int src, const char *path, int flags)
     return rc;
 }
 
+/*
+ * Asks the filesystem of fd for the file's size now, past the kernel's
+ * attribute cache. Through FUSE (sshfs, attr_timeout=600), a direct read at
+ * or beyond the size the kernel cached returns 0 bytes, so a file that grew
+ * since would read as torn.
+ */
+static void refresh_size(int fd)
+{
+    struct statx stx;
+    (void)statx(fd, "", AT_EMPTY_PATH | AT_STATX_FORCE_SYNC, STATX_SIZE, &stx);
+}
+
 static int source_stat(hapi_remote *r, int src, const char *path, struct stat *st)
 {
     int fd = source_open(r, src, path, O_PATH);
@@ -371,6 +383,10 @@ static ssize_t source_read_head(hapi_remote *r, int src, const char *path, char 
             continue;
         }
         n = pread(fd, buf, len, 0);
+        if (n == 0) {
+            refresh_size(fd); /* a size of 0 cached: see refresh_size() */
+            n = pread(fd, buf, len, 0);
+        }
         n = n < 0 ? -errno : n;
         close(fd);
     }
@@ -614,6 +630,8 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
     for (int direct = 1; rc == -EINVAL && direct >= 0; direct--) {
         /* a local filesystem wants aligned buffers for O_DIRECT: then read normally */
         int fd = source_open(r, src, path, O_RDONLY | (direct ? O_DIRECT : 0));
+        if (fd >= 0)
+            refresh_size(fd); /* an index that grew past a cached size reads whole */
         if (fd >= 0 && fstat(fd, &ist) < 0)
             ist.st_mode = 0444;
         rc = read_text(fd, INDEX_MAX, &text, &len);
@@ -1060,8 +1078,12 @@ int hapi_remote_open_file(hapi_remote *r, const char *path)
     for (size_t i = 0; i < r->nsources; i++) {
         if (r->sources[i].refused)
             continue;
-        int fd = source_open(r, (int)i, path, O_RDONLY);
+        /* around page caches: a network filesystem's may hold what the file was */
+        int fd = source_open(r, (int)i, path, O_RDONLY | O_DIRECT);
+        if (fd == -EINVAL)
+            fd = source_open(r, (int)i, path, O_RDONLY);
         if (fd >= 0) {
+            refresh_size(fd);
             atomic_fetch_add(&r->sources[i].stats.file_reads, 1);
             return fd;
         }
@@ -1209,7 +1231,7 @@ static void deliver(hapi_remote *r, struct fetch *f, size_t a, size_t b, const c
 }
 
 /*
- * Fetches f's pack: checks its size and header against the index, then reads
+ * Fetches f's pack: checks its version and header against the index, then reads
  * it in chunks of about FETCH_CHUNK, handing each chunk's rows to the
  * waiting readers and storing them in the cache. Returns 0 or why not.
  */
@@ -1234,16 +1256,17 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
         rc = hapi_error_set(err, fd, "cannot open the pack: %s", hapi_strerror(fd));
         goto out;
     }
-    struct stat st;
-    if (fstat(fd, &st) < 0) {
-        rc = hapi_error_set(err, -errno, "cannot stat the pack: %s", strerror(errno));
-        goto out;
-    }
-    /* A pack of another size, or another header, is not the pack the index describes. */
-    if ((uint64_t)st.st_size != x->pack_size) {
-        rc = hapi_error_set(err, -ESTALE, "the pack has %lld bytes, its index says %llu "
-                            "(the directory changed, or the pack is torn)",
-                            (long long)st.st_size, (unsigned long long)x->pack_size);
+    refresh_size(fd);
+    /*
+     * The pack is a snapshot taken by the storage side at this open, the index
+     * one taken when it was read: the pack is the one the index describes
+     * when the index still has its version now, after the open (the version
+     * hashes every name and identity). Its size says nothing: the storage
+     * side shows the directory's current pack size, and a network filesystem
+     * may show an older one. The header (the row count) is checked below.
+     */
+    if (x->version[0] && !index_unchanged(r, x->src, x->dir, x)) {
+        rc = hapi_error_set(err, -ESTALE, "the directory changed since its index was read");
         goto out;
     }
     size_t rows_per_chunk = FETCH_CHUNK / x->row_bytes ? FETCH_CHUNK / x->row_bytes : 1;
@@ -1559,6 +1582,26 @@ ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, si
                             attempt == 0 ? &passes : NULL);
             if (rc == 1 || (rc == 0 && cache_copy(r, x, f->path, &f->id, dst, dpos, dend))) {
                 rc = 1;
+                break;
+            }
+            if (rc == -ESTALE || rc == HAPI_ECORRUPT) {
+                /*
+                 * The pack was refused: its directory changed since the index
+                 * was read (the refusal expired it). The image's row is in
+                 * the directory's new pack if the new index has it unchanged.
+                 */
+                index_put(cur);
+                cur = NULL;
+                size_t crow;
+                const struct index_entry *e = NULL;
+                if (index_get(r, x->src, x->dir, &cur) == 0 &&
+                    (e = index_find(cur, f->name, &crow)) &&
+                    memcmp(&e->id, &f->id, sizeof(f->id)) == 0 &&
+                    memcmp(&cur->ns, &x->ns, sizeof(x->ns)) == 0) {
+                    use = cur;
+                    row = crow;
+                    continue;
+                }
                 break;
             }
             if (rc < 0 && rc != -EAGAIN)

@@ -401,3 +401,72 @@ def test_warm_stop(tmp_path, storage, mounter, monkeypatch):
         time.sleep(0.05)
     warm = r.ctl("stats")["warm"]
     assert warm["state"] == "done" and warm["path"] == "class7" and warm["total"] == 2
+
+
+def test_a_pack_taken_after_its_index_changed_is_not_misread(tmp_path, storage, mounter):
+    """The compute side reads a pack by the index it kept: a pack of another version is refused
+    and its rows are read again by the directory's new index, never mapped to the old names."""
+    src, st, paths = storage(classes=1, per_class=4)
+    r = remote(mounter, tmp_path, [st.path], refresh=600)
+    os.stat(r.path / (paths[1] + ".feat"))  # the index is read and kept; nothing is fetched
+    assert r.ctl("stats")["remote"]["sources"][0]["packs"] == 0
+    # one image goes, another comes after the rest: the same row count, every row moved by one
+    os.unlink(src / paths[0])
+    shutil.copy(src / paths[3], src / "class0" / "zzz.jpg")
+    wait_until(lambda: "zzz.jpg" in (st.path / "class0" / INDEX).read_text())
+    want = (st.path / (paths[1] + ".feat")).read_bytes()
+    assert (r.path / (paths[1] + ".feat")).read_bytes() == want
+    # one more image: a pack of another size is read by the new index too, not refused for good
+    shutil.copy(src / paths[2], src / "class0" / "zzz2.jpg")
+    wait_until(lambda: "zzz2.jpg" in (st.path / "class0" / INDEX).read_text())
+    ctl_write(r, "evict all")
+    assert (r.path / (paths[2] + ".feat")).read_bytes() == (st.path / (paths[2] + ".feat")).read_bytes()
+    s = r.ctl("stats")["remote"]["sources"][0]
+    assert s["fetch_failures"] >= 1  # the packs of the older index were refused, then read again
+
+
+@pytest.fixture
+def sshfs_view(tmp_path):
+    """sshfs_view(dir) -> dir seen through sshfs with the options deployment.md recommends
+    (attributes and names cached 600 s), its sftp-server run directly instead of over ssh."""
+    if not shutil.which("sshfs") or not Path("/usr/lib/openssh/sftp-server").exists():
+        pytest.fail("sshfs and openssh-sftp-server are installed by tools/install-deps")
+    views = []
+
+    def make(d):
+        fake_ssh = tmp_path / "fake-ssh"
+        fake_ssh.write_text("#!/bin/sh\nexec /usr/lib/openssh/sftp-server\n")
+        fake_ssh.chmod(0o755)
+        view = tmp_path / f"sshfs-{len(views)}"
+        view.mkdir()
+        subprocess.run(["sshfs", f"localhost:{d}", str(view), "-o",
+                        f"ssh_command={fake_ssh},ro,kernel_cache,attr_timeout=600,"
+                        "entry_timeout=600,dir_cache=yes,dcache_timeout=600"], check=True)
+        views.append(view)
+        return view
+    yield make
+    for v in views:
+        subprocess.run(["fusermount3", "-u", "-z", str(v)])
+
+
+def test_pack_files_read_through_a_remote_mount_whole(tmp_path, storage, mounter, sshfs_view):
+    """A storage mount's pack files show a size that is not their snapshot's (an index's is a
+    bound, its pack's the directory's now), and sshfs shows the size it saw first for 600 s:
+    read through a remote mount, they read to their end, without an error."""
+    src, st, paths = storage(classes=1, per_class=4)
+    view = sshfs_view(st.path)
+    r = remote(mounter, tmp_path, [view])
+    d = "class0"
+    bound = os.stat(view / d / INDEX).st_size  # while every image is pending: the longest
+    pack_size = os.stat(view / d / PACK).st_size
+    feats(st.path, paths)  # computed: each status is shorter than "pending"
+    assert len((st.path / d / INDEX).read_bytes()) < bound
+    index = json.loads((r.path / d / INDEX).read_bytes())
+    assert [e["name"] for e in index["entries"]] == sorted(Path(p).name for p in paths)
+    assert np.array_equal(np.load(r.path / d / PACK), np.load(st.path / d / PACK))
+    # the directory grows: the next reads see the new pack whole, not the size sshfs kept
+    shutil.copy(src / paths[0], src / d / "zzz.jpg")
+    wait_until(lambda: "zzz.jpg" in (st.path / d / INDEX).read_text())
+    assert os.stat(view / d / PACK).st_size == pack_size
+    assert len(json.loads((r.path / d / INDEX).read_bytes())["entries"]) == 5
+    assert np.load(r.path / d / PACK).shape[0] == 5
