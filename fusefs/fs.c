@@ -494,6 +494,101 @@ static void invalidate_feats(void *arg)
         forget_nodes(fs, split_change_how);
 }
 
+/*
+ * A remote mount's split change, told from a thread of its own. remote.c
+ * notices the storage side's new split when it reads a directory's index,
+ * which a read of a .feat may do (a miss reads the index again); the kernel
+ * holds that file's page locked until the read is answered, and forgetting
+ * the inode waits for that lock: told from within the read, the daemon
+ * waited for itself. The counter and an epoch notice (which takes no lock)
+ * go at once; the inodes are forgotten by the notifier, after the reads in
+ * flight on them are answered.
+ */
+struct split_notifier {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    pthread_t thread;
+    int started, stop;
+    int pending;        /* a change to tell; 2: names too (no epoch notice went) */
+};
+
+static void *notifier_main(void *arg)
+{
+    hapi_fs *fs = arg;
+    pthread_setname_np(pthread_self(), "hapifs-notify");
+    struct split_notifier *n = fs->notifier;
+    pthread_mutex_lock(&n->lock);
+    while (!n->stop) {
+        if (!n->pending) {
+            pthread_cond_wait(&n->cond, &n->lock);
+            continue;
+        }
+        int names = n->pending == 2;
+        n->pending = 0; /* changes from now on are told again */
+        pthread_mutex_unlock(&n->lock);
+        forget_nodes(fs, names ? split_change_how : split_change_inodes_how);
+        pthread_mutex_lock(&n->lock);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return NULL;
+}
+
+static int notifier_start(hapi_fs *fs)
+{
+    struct split_notifier *n = calloc(1, sizeof(*n));
+    if (!n)
+        return -ENOMEM;
+    pthread_cond_init(&n->cond, NULL);
+    pthread_mutex_init(&n->lock, NULL);
+    fs->notifier = n;
+    int rc = pthread_create(&n->thread, NULL, notifier_main, fs);
+    n->started = rc == 0;
+    return -rc;
+}
+
+/* Joins the thread; later changes are counted, not told. The struct stays for them. */
+static void notifier_stop(hapi_fs *fs)
+{
+    struct split_notifier *n = fs->notifier;
+    if (!n || !n->started)
+        return;
+    pthread_mutex_lock(&n->lock);
+    n->stop = 1;
+    pthread_cond_signal(&n->cond);
+    pthread_mutex_unlock(&n->lock);
+    pthread_join(n->thread, NULL);
+    n->started = 0;
+}
+
+static void notifier_free(hapi_fs *fs)
+{
+    struct split_notifier *n = fs->notifier;
+    if (!n)
+        return;
+    notifier_stop(fs);
+    pthread_cond_destroy(&n->cond);
+    pthread_mutex_destroy(&n->lock);
+    free(n);
+    fs->notifier = NULL;
+}
+
+/* remote.c's callback: see struct split_notifier. */
+static void invalidate_remote_feats(void *arg)
+{
+    hapi_fs *fs = arg;
+    atomic_fetch_add(&fs->split_changes, 1);
+    struct split_notifier *n = fs->notifier;
+    if (!fs->se || !n)
+        return;
+    int names = !(fs->epochs && notify_epoch(fs) == 0);
+    pthread_mutex_lock(&n->lock);
+    if (n->started && !n->stop) {
+        n->pending = n->pending > 1 + names ? n->pending : 1 + names;
+        pthread_cond_signal(&n->cond);
+    }
+    pthread_mutex_unlock(&n->lock);
+}
+
 static size_t node_bucket(const struct node_table *t, uint64_t id)
 {
     return (size_t)(XXH3_64bits(&id, sizeof(id)) & (t->nbuckets - 1));
@@ -2805,8 +2900,10 @@ static int init_remote(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     hapi_remote_config rcfg = {
         .roots = (const char *const *)opt->roots, .nroots = opt->nroots, .cache = fs->cache,
         .errors = fs->errors, .refresh_ms = opt->refresh_ms,
-        .fetch_threads = opt->fetch_threads, .on_change = invalidate_feats, .arg = fs,
+        .fetch_threads = opt->fetch_threads, .on_change = invalidate_remote_feats, .arg = fs,
     };
+    if ((rc = notifier_start(fs)) < 0)
+        return hapi_error_set(err, rc, "cannot start a thread: %s", strerror(-rc));
     if ((rc = hapi_remote_open(&rcfg, &fs->remote, err)) < 0)
         return rc;
     /* The storage side's model archive, for the training side's remaining stages. */
@@ -2993,6 +3090,7 @@ void hapi_fs_stop_watching(hapi_fs *fs)
     hapi_watch_free(fs->watch);
     fs->watch = NULL;
     watchdog_stop(fs); /* after the watch thread, which uses it */
+    notifier_stop(fs);
     change_batch_free(fs->changes);
     fs->changes = NULL;
     if (fs->nodes)
@@ -3008,6 +3106,7 @@ void hapi_fs_destroy(hapi_fs *fs)
     node_table_drop_packs(fs->nodes);
     hapi_ctl_free(fs->ctl);
     hapi_remote_close(fs->remote);
+    notifier_free(fs); /* after the remote, which calls it */
     hapi_tune_stop(fs->tune);
     if (fs->views)
         hapi_views_stop(fs->views);

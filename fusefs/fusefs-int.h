@@ -1082,6 +1082,7 @@ typedef struct hapi_fs {
     hapi_watch *watch;           /* inotify on the source (watch=1); NULL: none */
     struct change_batch *changes; /* what watch.c's batch changed (its thread alone); NULL: none */
     struct notice_watchdog *watchdog; /* ends late names by an epoch notice (watch=1); NULL: none */
+    struct split_notifier *notifier; /* tells a remote mount's split changes (-o remote); NULL: none */
     hapi_fs_requests requests;
     pthread_mutex_t handles_lock;
     struct hapi_fs_handle handles; /* the list's head; next NULL before init */

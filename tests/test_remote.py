@@ -5,13 +5,14 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import Mount, daemon_pid, is_mounted, need_hapifs, wait_gone
+from conftest import Mount, abort_connection, daemon_pid, is_mounted, need_hapifs, wait_gone
 from test_cache_life import ctl_write
 from test_throughput import make_tree
 
@@ -470,3 +471,40 @@ def test_pack_files_read_through_a_remote_mount_whole(tmp_path, storage, mounter
     assert os.stat(view / d / PACK).st_size == pack_size
     assert len(json.loads((r.path / d / INDEX).read_bytes())["entries"]) == 5
     assert np.load(r.path / d / PACK).shape[0] == 5
+
+
+def test_a_read_that_sees_the_split_change_does_not_hang(tmp_path, storage, mounter):
+    """A read that misses the cache reads its directory's index again; when that finds the
+    storage side's new split, the kernel is told to forget the remote .feat files' pages, this
+    one's too, whose page the kernel holds locked until the read is answered: told from within
+    the read, the daemon waited for itself, for ever."""
+    src, st, paths = storage(classes=1, per_class=4)
+    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    f = r.path / (paths[0] + ".feat")
+    old = f.read_bytes()
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        ctl_write(st, "split 2")
+        wait_until(lambda: st.ctl("config")["split"]["index"] == 2)
+        ctl_write(r, "evict all")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the kernel asks the daemon again
+        got = {}
+
+        def read():
+            try:
+                got["data"] = os.pread(fd, 1 << 20, 0)
+            except OSError as e:
+                got["data"] = e.errno
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(60)
+        if t.is_alive():
+            abort_connection(r.path)
+            pytest.fail("a read that found the new split never returned (the daemon waited for "
+                        "the kernel, which waited for the read)")
+    finally:
+        os.close(fd)
+    # the open file's split is no longer served nor cached: EIO, never another split's bytes
+    # under its header
+    assert got["data"] == errno.EIO
+    assert f.read_bytes() == (st.path / (paths[0] + ".feat")).read_bytes() != old
