@@ -1538,6 +1538,14 @@ static int cache_copy(hapi_remote *r, const struct dir_index *x, const char *pat
     return 0;
 }
 
+/* Whether index x lists f's image as f's open saw it (identity, namespace); then *row is its row. */
+static int lists_unchanged(const struct dir_index *x, const hapi_remote_feat *f, size_t *row)
+{
+    const struct index_entry *e = index_find(x, f->name, row);
+    return e && memcmp(&e->id, &f->id, sizeof(f->id)) == 0 &&
+           memcmp(&x->ns, &f->index->ns, sizeof(x->ns)) == 0;
+}
+
 ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, size_t size,
                               off_t off)
 {
@@ -1562,15 +1570,11 @@ ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, si
          * the fetch of those after it); else fetch by the index of the open.
          */
         struct dir_index *cur = NULL, *use = f->index;
-        size_t row = f->row;
-        if (index_get(r, x->src, x->dir, &cur) == 0 && cur != f->index) {
-            size_t crow;
-            const struct index_entry *e = index_find(cur, f->name, &crow);
-            if (e && memcmp(&e->id, &f->id, sizeof(f->id)) == 0 &&
-                memcmp(&cur->ns, &x->ns, sizeof(x->ns)) == 0) {
-                use = cur;
-                row = crow;
-            }
+        size_t row = f->row, crow;
+        if (index_get(r, x->src, x->dir, &cur) == 0 && cur != f->index &&
+            lists_unchanged(cur, f, &crow)) {
+            use = cur;
+            row = crow;
         }
         /*
          * A row stored while we missed is looked up again (once; then a fetch
@@ -1592,12 +1596,7 @@ ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, si
                  */
                 index_put(cur);
                 cur = NULL;
-                size_t crow;
-                const struct index_entry *e = NULL;
-                if (index_get(r, x->src, x->dir, &cur) == 0 &&
-                    (e = index_find(cur, f->name, &crow)) &&
-                    memcmp(&e->id, &f->id, sizeof(f->id)) == 0 &&
-                    memcmp(&cur->ns, &x->ns, sizeof(x->ns)) == 0) {
+                if (index_get(r, x->src, x->dir, &cur) == 0 && lists_unchanged(cur, f, &crow)) {
                     use = cur;
                     row = crow;
                     continue;
