@@ -1056,11 +1056,17 @@ static void source_attr(const hapi_fs *fs, const struct stat *src, uint64_t id, 
 /*
  * A compute-side mount (-o remote) names nodes by a hash of their path (the
  * sources' inode numbers are another machine's, and a network filesystem
- * may not keep them); the path is the mount's, .feat included.
+ * may not keep them); the path is the mount's, .feat included. A .feat's id
+ * also has the key of what its bytes are (hapi_remote_stat()): features of
+ * another split or image version are another node, whose size and pages the
+ * kernel keeps apart (one node by name alone showed one split's size with
+ * another's bytes, the kernel's pages and size being those of before).
  */
-static uint64_t remote_node_id(const char *path, int kind)
+static uint64_t remote_node_id(const char *path, int kind, uint64_t key)
 {
-    uint64_t h = XXH3_64bits(path, strlen(path)) & ((1ull << 61) - 1);
+    uint64_t h = XXH3_64bits_withSeed(path, strlen(path),
+                                      kind == HAPI_NODE_REMOTE_FEAT ? key : 0) &
+                 ((1ull << 61) - 1);
     return HASHED_BASE | h << 1 | (uint64_t)(kind == HAPI_NODE_REMOTE_FEAT);
 }
 
@@ -1079,8 +1085,18 @@ static int remote_attr(hapi_fs *fs, const char *path, int *kind, struct stat *st
     if (rc < 0)
         return rc;
     *kind = remote_node_kind(rkind);
-    st->st_ino = remote_node_id(path, *kind);
+    st->st_ino = remote_node_id(path, *kind, (uint64_t)st->st_ino);
     return 0;
+}
+
+/* What a remote .feat node is, for open and getattr to compare with (see "Node ids"). */
+static void remote_feat_content(const struct stat *st, uint64_t parent, pid_t by,
+                                struct node_content *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->attr = *st;
+    c->parent = parent;
+    c->looked_up_by = by;
 }
 
 /*
@@ -1310,6 +1326,10 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
         }
         e->ino = e->attr.st_ino;
         *path = child;
+        if (*kind == HAPI_NODE_REMOTE_FEAT) {
+            remote_feat_content(&e->attr, parent, by, c);
+            *has_content = 1;
+        }
         return 0;
     }
     int pack = strcmp(name, HAPI_PACK_NAME) == 0 ? HAPI_NODE_PACK
@@ -1544,9 +1564,12 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         return;
     }
     if (fs->remote) {
-        if ((rc = node_get(fs, ino, &kind, &path, NULL)) == 0 &&
-            (rc = remote_attr(fs, path, &kind, &st)) == 0)
-            st.st_ino = ino;
+        struct node_content c;
+        if ((rc = node_get(fs, ino, &kind, &path, &c)) == 0 &&
+            (rc = remote_attr(fs, path, &kind, &st)) == 0 && st.st_ino != ino &&
+            kind == HAPI_NODE_REMOTE_FEAT)
+            st = c.attr; /* the node is of other bytes than the name's now: its own size */
+        st.st_ino = ino;
         if (rc < 0)
             fuse_reply_err(req, -rc);
         else
@@ -1722,8 +1745,12 @@ static int remote_list_one(void *arg, const char *name, int kind, const struct s
         return -ENOMEM;
     struct stat attr = *st;
     int node_kind = remote_node_kind(kind);
-    attr.st_ino = remote_node_id(path, node_kind);
-    int rc = dir_add(w->d, name, "", node_kind, path, &attr, NULL);
+    attr.st_ino = remote_node_id(path, node_kind, (uint64_t)st->st_ino);
+    struct node_content c;
+    if (node_kind == HAPI_NODE_REMOTE_FEAT)
+        remote_feat_content(&attr, w->d->self, 0, &c);
+    int rc = dir_add(w->d, name, "", node_kind, path, &attr,
+                     node_kind == HAPI_NODE_REMOTE_FEAT ? &c : NULL);
     free(path);
     return rc;
 }
@@ -2435,7 +2462,10 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         /* The index entry of now: the bytes of this open file never change. */
         if ((rc = hapi_remote_feat_open(fs->remote, path, &h->remote_feat)) < 0)
             goto fail;
-        fi->keep_cache = 1;
+        if (remote_node_id(path, kind, hapi_remote_feat_key(h->remote_feat)) == ino)
+            fi->keep_cache = 1; /* the node's pages are of these bytes */
+        else if ((rc = other_bytes(req, &c, fi)) < 0)
+            goto fail;
     } else if (fs->remote) {
         if ((rc = hapi_remote_open_file(fs->remote, path)) < 0)
             goto fail;

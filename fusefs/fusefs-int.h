@@ -627,7 +627,9 @@ enum hapi_remote_kind {
 /*
  * What path is (enum hapi_remote_kind) and its attributes: a .feat's from
  * its directory's index (exact size, the image's times; no request per
- * file), anything else the first source's that has it. Returns 0, -ENOENT,
+ * file; st_ino is a key of what its bytes are, its namespace and its
+ * image's identity, which the caller names its node by), anything else the
+ * first source's that has it (st_ino the source's). Returns 0, -ENOENT,
  * -EIO (a source that has it may be unreachable, or is not a storage mount
  * now: its daemon restarting) or -ENOMEM.
  */
@@ -662,6 +664,8 @@ typedef struct hapi_remote_feat hapi_remote_feat;
 /* Opens the .feat path. Returns 0, -ENOENT (no index lists it), -EIO or -ENOMEM. */
 int hapi_remote_feat_open(hapi_remote *r, const char *path, hapi_remote_feat **out);
 uint64_t hapi_remote_feat_size(const hapi_remote_feat *f);
+/* The key of what its bytes are, as hapi_remote_stat() gives it in st_ino at its open. */
+uint64_t hapi_remote_feat_key(const hapi_remote_feat *f);
 /*
  * Fills buf with bytes [off, off + size) of f: from the cache, or from its
  * directory's pack (joining a fetch in progress; waiting only for the chunk

@@ -826,9 +826,19 @@ static char *split_path(const char *path, const char **name)
     return slash ? strndup(path, (size_t)(slash - path)) : strdup("");
 }
 
+/* What the bytes of a .feat are: its namespace (model, split) and its image's identity. */
+static uint64_t feat_key(const hapi_cache_namespace *ns, const hapi_source_id *id)
+{
+    uint64_t key[(sizeof(*ns) + sizeof(*id) + 7) / 8] = { 0 };
+    memcpy(key, ns, sizeof(*ns));
+    memcpy((char *)key + sizeof(*ns), id, sizeof(*id));
+    return XXH3_64bits(key, sizeof(key));
+}
+
 static void feat_attr(const struct dir_index *x, const struct index_entry *e, struct stat *st)
 {
     memset(st, 0, sizeof(*st));
+    st->st_ino = (ino_t)feat_key(&x->ns, &e->id); /* see hapi_remote_stat() */
     st->st_mode = S_IFREG | x->mode;
     st->st_nlink = 1;
     st->st_uid = x->uid;
@@ -1509,6 +1519,11 @@ int hapi_remote_feat_open(hapi_remote *r, const char *path, hapi_remote_feat **o
 uint64_t hapi_remote_feat_size(const hapi_remote_feat *f)
 {
     return f->size;
+}
+
+uint64_t hapi_remote_feat_key(const hapi_remote_feat *f)
+{
+    return feat_key(&f->index->ns, &f->id);
 }
 
 void hapi_remote_feat_close(hapi_remote_feat *f)

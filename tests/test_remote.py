@@ -508,3 +508,34 @@ def test_a_read_that_sees_the_split_change_does_not_hang(tmp_path, storage, moun
     # under its header
     assert got["data"] == errno.EIO
     assert f.read_bytes() == (st.path / (paths[0] + ".feat")).read_bytes() != old
+
+
+def test_an_open_feat_keeps_its_size_after_a_split_change(tmp_path, storage, mounter):
+    """A .feat node is what its bytes are (split, image version): after the storage side's
+    split changes, a file open before keeps its size and bytes, and the name shows the new
+    split's file whole. One node by name alone gave the open file the new split's size over the
+    old split's bytes (a header of one split, the length of another)."""
+    src, st, paths = storage(classes=1, per_class=3)
+    ctl_write(st, "split 2")
+    wait_until(lambda: st.ctl("config")["split"]["index"] == 2)
+    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    f = r.path / (paths[0] + ".feat")
+    old = f.read_bytes()
+    assert old == (st.path / (paths[0] + ".feat")).read_bytes()
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        ctl_write(st, "split 3")
+        wait_until(lambda: st.ctl("config")["split"]["index"] == 3)
+        new = (st.path / (paths[1] + ".feat")).read_bytes()
+        assert len(new) != len(old)
+        # another file's read finds the directory's new index (and the split change)
+        ctl_write(r, f"evict {paths[1]}")
+        wait_until(lambda: (r.path / (paths[1] + ".feat")).read_bytes() == new)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the kernel asks the daemon again
+        assert os.fstat(fd).st_size == len(old)
+        assert os.pread(fd, 1 << 20, 0) == old  # from the compute cache: its namespace's row
+    finally:
+        os.close(fd)
+    got = f.read_bytes()
+    assert got == (st.path / (paths[0] + ".feat")).read_bytes() and len(got) == len(new)
+    assert os.stat(f).st_size == len(new)
