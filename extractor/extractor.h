@@ -562,6 +562,14 @@ void hapi_batcher_stats_get(hapi_batcher *b, hapi_batcher_stats *st);
  */
 int hapi_npy_header(char *buf, int dtype, const int64_t *shape, int ndim);
 
+/*
+ * Parses a header as hapi_npy_header() writes it (of a .feat or a pack), at
+ * the start of the len bytes of buf: its dtype, shape and ndim (shape holds
+ * HAPI_MAX_DIMS). Returns the header length, -EAGAIN when buf ends before
+ * it does, or HAPI_EINVAL (not such a header).
+ */
+int hapi_npy_parse(const char *buf, size_t len, int *dtype, int64_t *shape, int *ndim);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1953,7 +1953,7 @@ struct open_file {
     hapi_source_id id;     /* its identity when opened */
     hapi_view *view;       /* the split it was opened at (FEAT) */
     hapi_remote_feat *remote_feat; /* a remote mount's .feat, as its index was at open */
-    off_t remote_size;     /* a remote mount's other file: its size at open, -1 if unknown (see read_remote) */
+    off_t remote_size;     /* a remote mount's other file: its size at open (see read_remote) */
     /*
      * A control file's content, made at open; for ctl, replaced by the
      * outcome of each write ("ok" or "error: REASON"), so that the writer
@@ -2473,14 +2473,33 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         struct stat st;
         h->remote_size = fstat(h->fd, &st) == 0 ? st.st_size : 0;
         const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
-        if (strcmp(base, HAPI_PACK_NAME) == 0 || strcmp(base, HAPI_PACK_INDEX_NAME) == 0) {
+        if (strcmp(base, HAPI_PACK_NAME) == 0) {
             /*
              * A storage mount's pack is a snapshot taken at its open, whose
              * size the attributes do not tell (they show the directory's
-             * pack now; an index's, a bound): read to its end, whatever the
-             * kernel was told.
+             * pack now): read to the end its header says, whatever the
+             * kernel was told; a read that ends before it is EIO.
              */
-            h->remote_size = -1;
+            uint64_t size;
+            if ((rc = hapi_remote_pack_file_size(fs->remote, path, h->fd, &size)) < 0)
+                goto fail;
+            h->remote_size = (off_t)size;
+            fi->direct_io = 1;
+        } else if (strcmp(base, HAPI_PACK_INDEX_NAME) == 0) {
+            /* made at the storage side's open; read whole now, and refused if cut short */
+            char *text = NULL;
+            size_t len = 0;
+            rc = hapi_remote_read_pack_index(fs->remote, path, h->fd, &text, &len);
+            h->fd = -1;
+            if (rc < 0)
+                goto fail;
+            h->kind = HAPI_NODE_CTL_FILE; /* read like a control file */
+            h->text = hapi_ctl_text_new(text, len);
+            free(text);
+            if (!h->text) {
+                rc = -ENOMEM;
+                goto fail;
+            }
             fi->direct_io = 1;
         }
         h->path = path; /* for the error a short read records */

@@ -652,6 +652,21 @@ int hapi_remote_list(hapi_remote *r, const char *dir,
  * fd or -errno.
  */
 int hapi_remote_open_file(hapi_remote *r, const char *path);
+/*
+ * A directory's pack read through (its .hapifs-pack.npy, fd from
+ * hapi_remote_open_file()): the size its header says, into *size. Returns 0,
+ * or -EIO (with a line in the error ring) when fd has no whole pack header:
+ * the storage daemon died or restarted under the open, and its network
+ * filesystem shows an empty or cut file, which must not read as a pack.
+ */
+int hapi_remote_pack_file_size(hapi_remote *r, const char *path, int fd, uint64_t *size);
+/*
+ * A directory's index read through (its .hapifs-pack.json): reads fd (closed)
+ * whole into *text (malloc'd) and checks that it is a whole index. Returns 0,
+ * -ENOMEM, or -EIO (with a line in the error ring).
+ */
+int hapi_remote_read_pack_index(hapi_remote *r, const char *path, int fd, char **text,
+                                size_t *len);
 /* Opens the storage side's .hapifs/NAME (the model archive) for reading. Returns an fd or -errno. */
 int hapi_remote_open_storage_file(hapi_remote *r, const char *name);
 /* The storage side's .hapifs/NAME read now (malloc'd text, the caller frees). Returns 0 or -errno. */

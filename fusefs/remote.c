@@ -315,6 +315,16 @@ static int source_stat(hapi_remote *r, int src, const char *path, struct stat *s
     return rc;
 }
 
+/*
+ * After a direct read of fd failed with EINVAL (a local filesystem wants
+ * aligned buffers and lengths): whether fd now reads normally (retry).
+ */
+static int direct_off(int fd)
+{
+    int fl = fcntl(fd, F_GETFL);
+    return fl >= 0 && (fl & O_DIRECT) && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0;
+}
+
 /* Reads fd to its end (at most max bytes) into *text (malloc'd, NUL-terminated); closes fd. */
 static int read_text(int fd, size_t max, char **text, size_t *len)
 {
@@ -339,6 +349,8 @@ static int read_text(int fd, size_t max, char **text, size_t *len)
             cap *= 2;
         }
         ssize_t n = read(fd, buf + used, cap - used);
+        if (n < 0 && errno == EINVAL && direct_off(fd))
+            continue;
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0)
@@ -1103,6 +1115,77 @@ int hapi_remote_open_file(hapi_remote *r, const char *path)
         }
     }
     return why;
+}
+
+/* pread of len bytes at off, all of them unless the file ends; around page caches as fd is. */
+static ssize_t read_through(int fd, char *buf, size_t len, off_t off)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t n = pread(fd, buf + got, len - got, off + (off_t)got);
+        if (n < 0 && errno == EINVAL && direct_off(fd))
+            continue;
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return -errno;
+        if (n == 0)
+            break;
+        got += (size_t)n;
+    }
+    return (ssize_t)got;
+}
+
+int hapi_remote_pack_file_size(hapi_remote *r, const char *path, int fd, uint64_t *size)
+{
+    char buf[HAPI_NPY_HEADER_MAX] __attribute__((aligned(4096)));
+    int dtype, ndim, rc;
+    int64_t shape[HAPI_MAX_DIMS];
+    /* the fixed part, then the rest of the header: no byte of a row, which the storage side
+     * would compute for it */
+    ssize_t n = read_through(fd, buf, 10, 0);
+    if (n >= 10 && (rc = hapi_npy_parse(buf, (size_t)n, &dtype, shape, &ndim)) == -EAGAIN) {
+        size_t total = 10 + ((size_t)(unsigned char)buf[8] | (size_t)(unsigned char)buf[9] << 8);
+        ssize_t m = read_through(fd, buf + 10, total - 10, 10);
+        n = m < 0 ? m : 10 + m;
+    }
+    if (n >= 0 && (rc = hapi_npy_parse(buf, (size_t)n, &dtype, shape, &ndim)) > 0 && ndim >= 1) {
+        uint64_t bytes = dtype == HAPI_DTYPE_FP16 ? 2 : 4;
+        for (int i = 0; i < ndim && bytes; i++)
+            bytes = shape[i] && bytes > UINT64_MAX / (uint64_t)shape[i] ? 0 : bytes * (uint64_t)shape[i];
+        *size = (uint64_t)rc + bytes;
+        return 0;
+    }
+    char msg[200];
+    snprintf(msg, sizeof(msg), "the pack read through its source %s (the source is down or "
+             "restarting)", n < 0 ? hapi_strerror((int)n) : n < 10 ? "ends before its header"
+                                                                  : "has no pack header");
+    hapi_error_ring_add(r->cfg.errors, path, -EIO, msg);
+    return -EIO;
+}
+
+int hapi_remote_read_pack_index(hapi_remote *r, const char *path, int fd, char **text,
+                                size_t *len)
+{
+    int rc = read_text(fd, INDEX_MAX, text, len);
+    hapi_error err = { 0 };
+    const char *name;
+    char *dir = rc == 0 ? split_path(path, &name) : NULL;
+    if (rc == 0 && !dir)
+        rc = -ENOMEM;
+    if (rc == 0 && (rc = hapi_remote_index_check(*text, *len, dir, &err)) < 0) {
+        char msg[600];
+        snprintf(msg, sizeof(msg), "the index read through its source is not whole (the source "
+                 "is down or restarting): %s", err.message);
+        hapi_error_ring_add(r->cfg.errors, path, -EIO, msg);
+        rc = -EIO;
+    }
+    free(dir);
+    if (rc < 0) {
+        free(*text);
+        *text = NULL;
+    }
+    return rc == -ENOMEM ? rc : rc < 0 ? -EIO : 0;
 }
 
 int hapi_remote_read_storage_file(hapi_remote *r, const char *name, char **text, size_t *len)

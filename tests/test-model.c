@@ -736,6 +736,41 @@ START_TEST(test_npy_header)
 }
 END_TEST
 
+/* What hapi_npy_header() writes parses back; a part of it asks for more; anything else is refused. */
+START_TEST(test_npy_parse)
+{
+    char buf[HAPI_NPY_HEADER_MAX];
+    int64_t shapes[3][3] = { { 512 }, { 256, 4, 4 }, { 0 } }, shape[HAPI_MAX_DIMS];
+    int ndims[3] = { 1, 3, 0 }, dtype, ndim;
+    for (int i = 0; i < 3; i++) {
+        int t = i == 0 ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32;
+        int len = hapi_npy_header(buf, t, shapes[i], ndims[i]);
+        ck_assert_int_eq(hapi_npy_parse(buf, (size_t)len, &dtype, shape, &ndim), len);
+        ck_assert_int_eq(dtype, t);
+        ck_assert_int_eq(ndim, ndims[i]);
+        for (int d = 0; d < ndim; d++)
+            ck_assert_int_eq(shape[d], shapes[i][d]);
+        for (size_t part = 0; part < (size_t)len; part += 7)
+            ck_assert_int_eq(hapi_npy_parse(buf, part, &dtype, shape, &ndim), -EAGAIN);
+    }
+    int len = hapi_npy_header(buf, HAPI_DTYPE_FP32, shapes[1], 3);
+    char bad[HAPI_NPY_HEADER_MAX];
+    const char *edits[][2] = { { "<f4", "<i4" }, { "False", "True " }, { "4, 4", "4,x4" },
+                               { "NUMPY", "NUMPZ" }, { "), }", ")  }" } };
+    for (size_t i = 0; i < sizeof(edits) / sizeof(edits[0]); i++) {
+        memcpy(bad, buf, (size_t)len);
+        char *at = memmem(bad, (size_t)len, edits[i][0], strlen(edits[i][0]));
+        ck_assert_ptr_nonnull(at);
+        memcpy(at, edits[i][1], strlen(edits[i][1]));
+        ck_assert_int_eq(hapi_npy_parse(bad, (size_t)len, &dtype, shape, &ndim), HAPI_EINVAL);
+    }
+    memcpy(bad, buf, (size_t)len);
+    bad[len - 1] = ' ';
+    ck_assert_int_eq(hapi_npy_parse(bad, (size_t)len, &dtype, shape, &ndim), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_npy_parse("", 0, &dtype, shape, &ndim), -EAGAIN);
+}
+END_TEST
+
 static void remove_fixtures(void);
 
 static void make_fixtures(void)
@@ -804,6 +839,7 @@ static Suite *model_suite(void)
         {"extractor not staged", test_extractor_not_staged},
         {"extractor digest", test_extractor_digest},
         {"npy header", test_npy_header},
+        {"npy parse", test_npy_parse},
 #ifndef __SANITIZE_ADDRESS__ /* ASan has its own allocator: mallopt() does not reach it */
         {"keep heap reuses memory", test_keep_heap_reuses_memory},
 #endif

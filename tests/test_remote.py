@@ -242,6 +242,31 @@ def test_a_torn_pack_is_refused_and_never_cached(tmp_path, storage, mounter):
     assert "torn" in (r.path / ".hapifs" / "errors").read_text()
 
 
+def test_pack_files_read_through_and_cut_short_are_eio(tmp_path, storage, mounter):
+    """A storage daemon that dies under a reader of its pack files leaves them empty or cut
+    through its network filesystem: read through a remote mount they fail with EIO, never end
+    early as if whole."""
+    src, st, paths = storage(classes=1, per_class=4)
+    fake = fake_storage(tmp_path, st, "class0")
+    pack, index = fake / "class0" / PACK, fake / "class0" / INDEX
+    whole_pack, whole_index = pack.read_bytes(), index.read_bytes()
+    r = remote(mounter, tmp_path, [fake])
+    got = r.path / "class0"
+    assert (got / PACK).read_bytes() == whole_pack and (got / INDEX).read_bytes() == whole_index
+    for f, cut in ((pack, len(whole_pack) // 2), (pack, 100), (pack, 0),
+                   (index, len(whole_index) // 2), (index, 0)):
+        f.write_bytes((whole_pack if f == pack else whole_index)[:cut])
+        with pytest.raises(OSError) as e:
+            (got / f.name).read_bytes()
+        assert e.value.errno == errno.EIO, (f.name, cut)
+        f.write_bytes(whole_pack if f == pack else whole_index)
+    errors = (r.path / ".hapifs" / "errors").read_text()
+    assert f"ended at {len(whole_pack) // 2} bytes" in errors
+    assert "ends before its header" in errors and "has no pack header" in errors
+    assert "index read through its source is not whole" in errors
+    assert (got / PACK).read_bytes() == whole_pack and (got / INDEX).read_bytes() == whole_index
+
+
 def test_a_corrupt_or_hostile_index_is_refused(tmp_path, storage, mounter):
     src, st, paths = storage(classes=1, per_class=4)
     fake = fake_storage(tmp_path, st, "class0")
