@@ -1699,6 +1699,14 @@ ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, si
                     row = crow;
                     continue;
                 }
+                if (cur && memcmp(&cur->ns, &x->ns, sizeof(x->ns)) != 0) {
+                    char msg[300];
+                    snprintf(msg, sizeof(msg), "the storage side's features changed namespace "
+                             "(its split) since this file was opened (%.12s, now %.12s): the "
+                             "file's are no longer served; open it again", x->ns_hex,
+                             cur->ns_hex);
+                    hapi_error_ring_add(r->cfg.errors, f->path, -EIO, msg);
+                }
                 break;
             }
             if (rc < 0 && rc != -EAGAIN)

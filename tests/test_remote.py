@@ -532,6 +532,8 @@ def test_a_read_that_sees_the_split_change_does_not_hang(tmp_path, storage, moun
     # the open file's split is no longer served nor cached: EIO, never another split's bytes
     # under its header
     assert got["data"] == errno.EIO
+    assert "changed namespace (its split) since this file was opened" in \
+        (r.path / ".hapifs" / "errors").read_text()
     assert f.read_bytes() == (st.path / (paths[0] + ".feat")).read_bytes() != old
 
 
