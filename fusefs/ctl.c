@@ -422,7 +422,7 @@ static json_t *render_remote_cache(hapi_ctl *c)
     hapi_cache_stats_get(c->cfg.cache, &cs);
     for (size_t i = 0; i < hapi_remote_source_count(c->cfg.remote); i++) {
         hapi_remote_source_stats_get(c->cfg.remote, i, &ss);
-        if (ss.refused)
+        if (!ss.checked)
             continue;
         hapi_cache_namespace_stats_get(c->cfg.cache, &ss.ns, &ns);
         break;
@@ -451,7 +451,10 @@ static json_t *render_remote_sources(hapi_ctl *c)
         json_array_append_new(
             a, json_pack("{s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:s}",
                          "path", ss.path,
-                         "state", ss.refused ? "refused" : ss.reachable ? "ok" : "unreachable",
+                         "state", ss.refused    ? "refused"
+                                  : !ss.checked ? "down"
+                                  : ss.reachable ? "ok"
+                                                 : "unreachable",
                          "namespace", ss.namespace_hex,
                          "index_reads", (json_int_t)ss.index_reads,
                          "index_checks", (json_int_t)ss.index_checks,

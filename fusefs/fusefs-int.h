@@ -720,7 +720,8 @@ void hapi_remote_stats_get(hapi_remote *r, hapi_remote_stats *st);
 typedef struct hapi_remote_source_stats {
     const char *path;                /* owned by r */
     int refused, reachable;
-    hapi_cache_namespace ns;         /* its features' namespace (from its config at mount) */
+    int checked;                     /* its config was read (else down since the mount) */
+    hapi_cache_namespace ns;         /* its features' namespace (from its config when checked) */
     char namespace_hex[33];
     uint64_t index_reads, index_checks, index_bytes, packs, pack_bytes, rows, rows_failed,
         fetch_failures, file_reads;

@@ -56,10 +56,21 @@ struct remote_source {
     char *path;                   /* as given, absolute */
     pthread_mutex_t lock;
     struct root *root;            /* NULL while unreachable */
-    int refused;                  /* not a hapifs storage mount: never used */
-    hapi_cache_namespace ns;      /* the namespace its config named at mount */
+    /*
+     * A storage mount of another model or preprocessing than the first
+     * source's: never used. Set once, under check_lock.
+     */
+    atomic_int refused;
+    /*
+     * Its .hapifs/config was read (at mount, or since: see source_usable());
+     * ns, ns_hex and config are set before, immutable after.
+     */
+    atomic_int checked;
+    atomic_uint_fast64_t check_ns; /* when it was last tried while not checked */
+    pthread_mutex_t check_lock;   /* one check at a time */
+    hapi_cache_namespace ns;      /* the namespace its config named when checked */
     char ns_hex[33];              /* ... in hex */
-    char *config;                 /* its .hapifs/config at mount (JSON text) */
+    char *config;                 /* its .hapifs/config when checked (JSON text) */
     struct {
         atomic_uint_fast64_t index_reads, index_checks, index_bytes, packs, pack_bytes, rows,
             rows_failed, fetch_failures, file_reads;
@@ -428,11 +439,13 @@ static int serving(hapi_remote *r, int src)
     return 0;
 }
 
+static int source_usable(hapi_remote *r, int src);
+
 /* -ENOENT if every source that is not refused is serving, else -EIO: see serving(). */
 static int missing_or_down(hapi_remote *r)
 {
     for (size_t i = 0; i < r->nsources; i++)
-        if (!r->sources[i].refused && !serving(r, (int)i))
+        if (!atomic_load(&r->sources[i].refused) && !serving(r, (int)i))
             return -EIO;
     return -ENOENT;
 }
@@ -747,8 +760,8 @@ static int index_get(hapi_remote *r, int src, const char *dir, struct dir_index 
 {
     uint64_t h = slot_hash(src, dir);
     *out = NULL;
-    if (r->sources[src].refused)
-        return -ENOENT;
+    if (!source_usable(r, src))
+        return atomic_load(&r->sources[src].refused) ? -ENOENT : -EIO;
     pthread_mutex_lock(&r->index_lock);
     struct index_slot *sl = r->slots[h % INDEX_BUCKETS];
     while (sl && !(sl->hash == h && sl->src == src && strcmp(sl->dir, dir) == 0))
@@ -931,8 +944,8 @@ int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *s
     }
     /* Directories and other files: the first source that has it, as it shows it. */
     for (size_t i = 0; i < r->nsources; i++) {
-        if (r->sources[i].refused)
-            continue;
+        if (!source_usable(r, (int)i))
+            continue; /* one down: missing_or_down() below */
         struct stat s;
         rc = source_stat(r, (int)i, path, &s);
         if (rc == 0 && (S_ISDIR(s.st_mode) || S_ISREG(s.st_mode))) {
@@ -1076,8 +1089,11 @@ int hapi_remote_list(hapi_remote *r, const char *dir,
     struct seen seen = { 0 };
     int found = 0, rc = 0, failure = 0;
     for (size_t i = 0; i < r->nsources && rc >= 0; i++) {
-        if (r->sources[i].refused)
+        if (!source_usable(r, (int)i)) {
+            if (!atomic_load(&r->sources[i].refused))
+                failure = -EIO; /* down: it may have dir */
             continue;
+        }
         int src_rc = list_source(r, (int)i, dir, &seen, fn, arg);
         if (src_rc >= 0) {
             found = 1;
@@ -1098,8 +1114,11 @@ int hapi_remote_open_file(hapi_remote *r, const char *path)
 {
     int why = -ENOENT;
     for (size_t i = 0; i < r->nsources; i++) {
-        if (r->sources[i].refused)
+        if (!source_usable(r, (int)i)) {
+            if (!atomic_load(&r->sources[i].refused))
+                why = -EIO;
             continue;
+        }
         /* around page caches: a network filesystem's may hold what the file was */
         int fd = source_open(r, (int)i, path, O_RDONLY | O_DIRECT);
         if (fd == -EINVAL)
@@ -1199,7 +1218,7 @@ int hapi_remote_open_storage_file(hapi_remote *r, const char *name)
     snprintf(path, sizeof(path), ".hapifs/%s", name);
     int rc = -ENOENT;
     for (size_t i = 0; i < r->nsources; i++) {
-        if (r->sources[i].refused)
+        if (!source_usable(r, (int)i))
             continue;
         if ((rc = source_open(r, (int)i, path, O_RDONLY)) >= 0)
             return rc;
@@ -1959,25 +1978,52 @@ static int evict_dir(hapi_remote *r, const char *dir, int *count, hapi_error *er
     return rc == -ENOENT ? 0 : rc;
 }
 
+/* Adds ns to the n namespaces of set (room for one more) unless it is there; the new count. */
+static size_t ns_add(hapi_cache_namespace *set, size_t n, const hapi_cache_namespace *ns)
+{
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&set[i], ns, sizeof(*ns)) == 0)
+            return n;
+    set[n] = *ns;
+    return n + 1;
+}
+
 int hapi_remote_evict(hapi_remote *r, const char *path, hapi_error *err)
 {
-    int count = 0, rc;
+    int count = 0, rc = 0;
     if (!*path) {
-        /* every namespace the sources serve */
-        for (size_t i = 0; i < r->nsources; i++) {
-            if (r->sources[i].refused)
-                continue;
-            int dup = 0;
-            for (size_t k = 0; k < i; k++)
-                dup |= !r->sources[k].refused &&
-                       strcmp(r->sources[k].ns_hex, r->sources[i].ns_hex) == 0;
-            if (dup)
-                continue;
-            if ((rc = hapi_cache_evict_all(r->cfg.cache, &r->sources[i].ns, err)) < 0)
-                return rc;
+        /*
+         * Every namespace the sources serve: each one's at its check and
+         * those of the indexes kept (a split changed since has another).
+         */
+        size_t n = 0, cap = r->nsources + 16;
+        hapi_cache_namespace *ns = malloc(cap * sizeof(*ns));
+        if (!ns)
+            return hapi_error_set(err, -ENOMEM, "out of memory");
+        for (size_t i = 0; i < r->nsources; i++)
+            if (atomic_load(&r->sources[i].checked))
+                n = ns_add(ns, n, &r->sources[i].ns);
+        pthread_mutex_lock(&r->index_lock);
+        for (size_t b = 0; b < INDEX_BUCKETS; b++)
+            for (struct index_slot *sl = r->slots[b]; sl; sl = sl->next) {
+                if (sl->index && n == cap) {
+                    hapi_cache_namespace *more = realloc(ns, 2 * cap * sizeof(*ns));
+                    if (!more)
+                        break;
+                    ns = more;
+                    cap *= 2;
+                }
+                if (sl->index && n < cap)
+                    n = ns_add(ns, n, &sl->index->ns);
+            }
+        pthread_mutex_unlock(&r->index_lock);
+        for (size_t i = 0; i < n; i++) {
+            if ((rc = hapi_cache_evict_all(r->cfg.cache, &ns[i], err)) < 0)
+                break;
             count += rc;
         }
-        return count;
+        free(ns);
+        return rc < 0 ? rc : count;
     }
     int kind = HAPI_REMOTE_FILE;
     struct stat st;
@@ -2037,6 +2083,105 @@ static int check_source(hapi_remote *r, int src, hapi_error *err)
     return 0;
 }
 
+/* The first source checked other than src, or -1. */
+static int reference_source(hapi_remote *r, int src)
+{
+    for (size_t i = 0; i < r->nsources; i++)
+        if ((int)i != src && atomic_load(&r->sources[i].checked))
+            return (int)i;
+    return -1;
+}
+
+/*
+ * Whether src's features are of the model of the sources checked before it:
+ * the same model digest, precision and preprocessing (its split may differ,
+ * as it may after a split change on one node: each directory's index names
+ * its namespace). Returns 0, or HAPI_EINVAL with err.
+ */
+static int same_model(hapi_remote *r, int src, hapi_error *err)
+{
+    int ref = reference_source(r, src);
+    if (ref < 0)
+        return 0;
+    json_t *a = json_loads(r->sources[src].config, 0, NULL);
+    json_t *b = json_loads(r->sources[ref].config, 0, NULL);
+    static const char *keys[][2] = { { "model", "digest" }, { "model", "precision" },
+                                     { "preprocess", NULL } };
+    int rc = 0;
+    for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]) && rc == 0; i++) {
+        json_t *va = json_object_get(a, keys[i][0]), *vb = json_object_get(b, keys[i][0]);
+        if (keys[i][1]) {
+            va = json_object_get(va, keys[i][1]);
+            vb = json_object_get(vb, keys[i][1]);
+        }
+        if (!va || !vb || !json_equal(va, vb))
+            rc = hapi_error_set(err, HAPI_EINVAL, "source %s: features of another %s%s%s than "
+                                "%s's (namespace %.12s, not %.12s)", r->sources[src].path,
+                                keys[i][0], keys[i][1] ? " " : "", keys[i][1] ? keys[i][1] : "",
+                                r->sources[ref].path, r->sources[src].ns_hex,
+                                r->sources[ref].ns_hex);
+    }
+    json_decref(a);
+    json_decref(b);
+    return rc;
+}
+
+/*
+ * Reads src's .hapifs/config and checks its model against the others'. A
+ * source of another model is refused for good; one that cannot be read (its
+ * storage daemon restarting, its network filesystem not mounted yet) is
+ * down, tried again at its next use. Under check_lock. Returns 0 or < 0
+ * with err.
+ */
+static int source_check(hapi_remote *r, int src, hapi_error *err)
+{
+    struct remote_source *s = &r->sources[src];
+    int rc = check_source(r, src, err);
+    if (rc == 0 && (rc = same_model(r, src, err)) < 0) {
+        atomic_store(&s->refused, 1);
+        hapi_log(HAPI_LOG_ERROR, "%s; this source is refused", err->message);
+    } else if (rc == 0) {
+        atomic_store(&s->checked, 1);
+    }
+    if (rc < 0) {
+        pthread_mutex_lock(&s->lock);
+        snprintf(s->last_error, sizeof(s->last_error), "%s%.400s",
+                 atomic_load(&s->refused) ? "refused: " : "", err->message);
+        pthread_mutex_unlock(&s->lock);
+        hapi_error_ring_add(r->cfg.errors, s->path, rc, err->message);
+    }
+    return rc;
+}
+
+/*
+ * Whether src can be used: checked (at the mount, or since). One down at the
+ * mount is checked again at most once per SERVING_CHECK_NS, so that it
+ * serves once it is back (refused for good, its part of the tree was
+ * missing for the life of the mount, after a restart of the compute side
+ * while a storage node was down).
+ */
+static int source_usable(hapi_remote *r, int src)
+{
+    struct remote_source *s = &r->sources[src];
+    if (atomic_load(&s->checked))
+        return 1;
+    uint64_t now = hapi_now_ns(), last = atomic_load(&s->check_ns);
+    if (atomic_load(&s->refused) || (last && now - last < SERVING_CHECK_NS))
+        return 0;
+    pthread_mutex_lock(&s->check_lock);
+    last = atomic_load(&s->check_ns);
+    if (!atomic_load(&s->checked) && !atomic_load(&s->refused) &&
+        !(last && now - last < SERVING_CHECK_NS)) {
+        atomic_store(&s->check_ns, now);
+        hapi_error e = { 0 };
+        if (source_check(r, src, &e) == 0)
+            hapi_log(HAPI_LOG_INFO, "source %s: a storage mount now (namespace %.12s): served",
+                     s->path, s->ns_hex);
+    }
+    pthread_mutex_unlock(&s->check_lock);
+    return atomic_load(&s->checked);
+}
+
 int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_error *err)
 {
     *out = NULL;
@@ -2058,11 +2203,12 @@ int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_erro
     }
     r->nsources = cfg->nroots;
     size_t usable = 0;
-    int first = -1, rc = 0;
+    int rc = 0;
     hapi_error first_err = { 0 };
     for (size_t i = 0; i < r->nsources; i++) {
         struct remote_source *s = &r->sources[i];
         pthread_mutex_init(&s->lock, NULL);
+        pthread_mutex_init(&s->check_lock, NULL);
         if (!(s->path = strdup(cfg->roots[i]))) {
             rc = hapi_error_set(err, -ENOMEM, "out of memory");
             goto fail;
@@ -2071,25 +2217,16 @@ int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_erro
     for (size_t i = 0; i < r->nsources; i++) {
         struct remote_source *s = &r->sources[i];
         hapi_error e = { 0 };
-        int src_rc = check_source(r, (int)i, &e);
-        if (src_rc == 0 && first >= 0 && strcmp(s->ns_hex, r->sources[first].ns_hex) != 0) {
-            src_rc = hapi_error_set(&e, HAPI_EINVAL, "source %s: features of namespace %.12s, "
-                                    "not %.12s like %s (another model, split or dtype)",
-                                    s->path, s->ns_hex, r->sources[first].ns_hex,
-                                    r->sources[first].path);
-        }
-        if (src_rc < 0) {
+        atomic_store(&s->check_ns, hapi_now_ns());
+        if (source_check(r, (int)i, &e) < 0) {
             /* one clear line, and the other sources keep serving */
-            s->refused = 1;
-            snprintf(s->last_error, sizeof(s->last_error), "refused: %.400s", e.message);
-            hapi_log(HAPI_LOG_ERROR, "%s; this source is refused", e.message);
-            hapi_error_ring_add(cfg->errors, s->path, src_rc, e.message);
+            if (!atomic_load(&s->refused))
+                hapi_log(HAPI_LOG_ERROR, "%s; this source is down: tried again at its next use",
+                         e.message);
             if (!first_err.code)
                 first_err = e;
             continue;
         }
-        if (first < 0)
-            first = (int)i;
         usable++;
     }
     if (!usable) {
@@ -2151,6 +2288,7 @@ void hapi_remote_close(hapi_remote *r)
         free(r->sources[i].path);
         free(r->sources[i].config);
         pthread_mutex_destroy(&r->sources[i].lock);
+        pthread_mutex_destroy(&r->sources[i].check_lock);
     }
     free(r->sources);
     free(r->threads);
@@ -2169,7 +2307,7 @@ void hapi_remote_close(hapi_remote *r)
 const char *hapi_remote_storage_config(hapi_remote *r)
 {
     for (size_t i = 0; i < r->nsources; i++)
-        if (!r->sources[i].refused)
+        if (atomic_load(&r->sources[i].checked))
             return r->sources[i].config;
     return NULL;
 }
@@ -2215,7 +2353,8 @@ void hapi_remote_source_stats_get(hapi_remote *r, size_t i, hapi_remote_source_s
     struct remote_source *s = &r->sources[i];
     memset(st, 0, sizeof(*st));
     st->path = s->path;
-    st->refused = s->refused;
+    st->refused = atomic_load(&s->refused);
+    st->checked = atomic_load(&s->checked);
     st->ns = s->ns;
     memcpy(st->namespace_hex, s->ns_hex, sizeof(st->namespace_hex));
     st->index_reads = atomic_load(&s->stats.index_reads);

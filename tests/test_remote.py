@@ -208,12 +208,52 @@ def test_a_source_that_is_not_a_storage_mount_is_refused(tmp_path, storage, moun
     # alone: the mount fails with one clear line
     with pytest.raises(RuntimeError, match="not a hapifs storage mount"):
         remote(mounter, tmp_path, [plain])
-    # beside a good one: refused, the other serves
+    # beside a good one: down (a storage daemon restarting looks the same), the other serves
     r = remote(mounter, tmp_path, [plain, st.path])
     states = [s["state"] for s in r.ctl("stats")["remote"]["sources"]]
-    assert states == ["refused", "ok"]
+    assert states == ["down", "ok"]
     assert feats(r.path, paths) == feats(st.path, paths)
     assert "not a hapifs storage mount" in (r.path / ".hapifs" / "errors").read_text()
+    # while it is down, a name only it might have is EIO, not ENOENT
+    with pytest.raises(OSError) as e:
+        os.stat(r.path / "class0" / "nothing.jpg.feat")
+    assert e.value.errno == errno.EIO
+    # it becomes a storage mount (its daemon back): served from then on, not refused for good
+    shutil.rmtree(plain)
+    fake_storage(tmp_path, st, "class0", name="plain")
+    ctl_write(r, "evict all")
+    wait_until(lambda: os.listdir(r.path / "class0") and
+               r.ctl("stats")["remote"]["sources"][0]["state"] == "ok")  # at its next use
+    for p in paths:  # the kernel's pages of these files go: the daemon is asked
+        fd = os.open(r.path / (p + ".feat"), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    assert feats(r.path, paths) == feats(st.path, paths)
+    assert r.ctl("stats")["remote"]["sources"][0]["packs"] >= 1
+
+
+def test_a_source_of_another_model_is_refused_another_split_is_not(tmp_path, storage, mounter,
+                                                                   models):
+    """The nodes of one dataset serve one model, each at the split its policy chose: a node at
+    another split is a source like the others (its directories' indexes say their namespace),
+    one of another model is refused."""
+    src_a, a, paths_a = storage("a", classes=1, per_class=2)
+    src_b, b, paths_b = storage("b", classes=2, per_class=2, seed=2)
+    src_c, c, paths_c = storage("c", classes=2, per_class=2, seed=3, model=models(seed=7))
+    ctl_write(a, "split 2")
+    ctl_write(b, "split 3")
+    wait_until(lambda: a.ctl("config")["split"]["index"] == 2 and
+               b.ctl("config")["split"]["index"] == 3)
+    r = remote(mounter, tmp_path, [a.path, b.path])
+    assert [s["state"] for s in r.ctl("stats")["remote"]["sources"]] == ["ok", "ok"]
+    only_b = [p for p in paths_b if p.startswith("class1/")]
+    assert feats(r.path, paths_a) == feats(a.path, paths_a)  # class0: the first source's
+    assert feats(r.path, only_b) == feats(b.path, only_b)
+    r2 = remote(mounter, tmp_path, [a.path, c.path], cache="rcache2")
+    assert [s["state"] for s in r2.ctl("stats")["remote"]["sources"]] == ["ok", "refused"]
+    assert "another model digest" in (r2.path / ".hapifs" / "errors").read_text()
+    with pytest.raises(FileNotFoundError):
+        os.stat(r2.path / (paths_c[-1] + ".feat"))  # class1 is only c's
 
 
 def fake_storage(tmp_path, st, d, name="fake"):
