@@ -161,6 +161,14 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         report(status_fd, prog, -EINVAL, "cannot install signal handlers");
         goto out;
     }
+    if (opt.dead_mount && (rc = hapi_fs_detach_dead_mount(&opt)) < 0) {
+        char msg[PATH_MAX + 128];
+        snprintf(msg, sizeof(msg), "%s is a hapifs mount whose daemon died, and it cannot be "
+                 "detached: %s", opt.mountpoint, strerror(-rc));
+        report(status_fd, prog, rc, msg);
+        fuse_remove_signal_handlers(se);
+        goto out;
+    }
     if (fuse_session_mount(se, opt.mountpoint) < 0) {
         char msg[PATH_MAX + 64];
         snprintf(msg, sizeof(msg), "cannot mount on %s (is /dev/fuse usable?)", opt.mountpoint);

@@ -72,6 +72,7 @@ typedef struct hapi_fs_options {
     int fetch_threads;     /* remote: packs fetched at once */
     gid_t ctl_gid;         /* ctl_group=: its members may write .hapifs/ctl; -1: none */
     int serving_gate;      /* not an option: the daemon says when it serves (hapi_fs_serving) */
+    int dead_mount;        /* not an option: mountpoint is our mount whose daemon died */
     struct fuse_args fuse_args; /* what goes to fuse_session_new() */
 } hapi_fs_options;
 
@@ -88,6 +89,13 @@ int hapi_fs_options_parse(int argc, char **argv, int helper, hapi_fs_options *o,
 
 /* Frees what the options own. Accepts a zeroed struct. */
 void hapi_fs_options_free(hapi_fs_options *o);
+
+/*
+ * Detaches the dead mount of ours at o->mountpoint (o->dead_mount), right
+ * before the daemon mounts there: between the two, a reader sees the
+ * directory beneath, where every name is missing. Returns 0 or -errno.
+ */
+int hapi_fs_detach_dead_mount(const hapi_fs_options *o);
 
 /* Parses "123", "64K", "1.5G", "2GiB", "512MB" (powers of 1024) into bytes. Returns 0 or HAPI_EINVAL. */
 int hapi_fs_parse_size(const char *text, uint64_t *out);

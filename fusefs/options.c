@@ -393,31 +393,30 @@ static void unescape_mount_field(char *s)
 }
 
 /*
- * When path is a hapifs mount whose daemon died (the kernel answers
+ * Whether path is a hapifs mount whose daemon died (the kernel answers
  * ENOTCONN, "Transport endpoint is not connected", ECONNABORTED, or for a few
  * tens of milliseconds ECANCELED while io_uring tears down the dead daemon's
- * ring), detaches it, so that a
- * restarted daemon (systemd's Restart=, or an operator) mounts again without
- * anyone having to unmount first. Mounts of other filesystems are left alone.
- * Returns 1 if it detached one, else 0.
+ * ring): then the daemon detaches it right before it mounts there
+ * (hapi_fs_detach_dead_mount()), so that a restarted daemon (systemd's
+ * Restart=, or an operator) mounts again without anyone having to unmount
+ * first, and readers meanwhile hear that the daemon is gone, not that their
+ * files are (the directory beneath). Mounts of other filesystems are left
+ * alone. Returns 1 with its absolute path in abs (PATH_MAX), else 0.
  */
-static int detach_dead_mount(const char *path)
+static int is_dead_mount(const char *path, char *abs)
 {
     /*
      * statfs, not stat: the kernel may answer a stat from attributes it keeps
-     * for a second; a statfs always asks the daemon. ENOTCONN, ECONNABORTED
-     * once the kernel has aborted the connection, ECANCELED when the request
-     * went to a ring entry of the dead daemon's io_uring.
+     * for a second; a statfs always asks the daemon.
      */
     struct statvfs sv;
     if (statvfs(path, &sv) == 0 ||
         (errno != ENOTCONN && errno != ECONNABORTED && errno != ECANCELED))
         return 0;
-    char abs[PATH_MAX];
     if (path[0] == '/')
-        snprintf(abs, sizeof(abs), "%s", path);
-    else if (getcwd(abs, sizeof(abs)))
-        snprintf(abs + strlen(abs), sizeof(abs) - strlen(abs), "/%s", path);
+        snprintf(abs, PATH_MAX, "%s", path);
+    else if (getcwd(abs, PATH_MAX))
+        snprintf(abs + strlen(abs), PATH_MAX - strlen(abs), "/%s", path);
     else
         return 0;
     size_t n = strlen(abs);
@@ -440,8 +439,12 @@ static int detach_dead_mount(const char *path)
             ours = strcmp(type, "fuse.hapifs") == 0; /* the last mount there decides */
     }
     fclose(f);
-    if (!ours)
-        return 0;
+    return ours;
+}
+
+int hapi_fs_detach_dead_mount(const hapi_fs_options *o)
+{
+    const char *abs = o->mountpoint;
     int rc = umount2(abs, MNT_DETACH);
     if (rc < 0 && errno == EPERM) {
         /* not root: fusermount3 may undo a mount of ours */
@@ -455,11 +458,15 @@ static int detach_dead_mount(const char *path)
                      WEXITSTATUS(status) == 0
                  ? 0
                  : -1;
+        errno = EPERM;
     }
-    if (rc == 0)
+    if (rc < 0)
+        return -errno;
+    if (!o->foreground || o->log_path) /* else the log is stderr */
         fprintf(stderr, "hapifs: %s was a hapifs mount whose daemon had died; detached it\n",
                 abs);
-    return rc == 0;
+    hapi_log(HAPI_LOG_INFO, "%s was a hapifs mount whose daemon had died; detached it", abs);
+    return 0;
 }
 
 /*
@@ -605,10 +612,15 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
         return hapi_error_set(err, HAPI_EINVAL, "unknown option or argument '%s'", raw->bad_option);
     if (raw->nonopts < 2)
         return hapi_error_set(err, HAPI_EINVAL, "usage: hapifs SOURCE MOUNTPOINT -o model=PATH[,...]");
-    if (!raw->fake) /* mount -f: everything but mounting */
-        detach_dead_mount(raw->nonopt[1]);
-    if ((rc = resolve_dir("mount point", raw->nonopt[1], &o->mountpoint, err)) < 0)
+    char dead[PATH_MAX];
+    if (!raw->fake && is_dead_mount(raw->nonopt[1], dead)) { /* mount -f: nothing to mount */
+        /* detached right before the mount: its directory cannot be looked at until then */
+        if (!(o->mountpoint = strdup(dead)))
+            return hapi_error_set(err, -ENOMEM, "out of memory");
+        o->dead_mount = 1;
+    } else if ((rc = resolve_dir("mount point", raw->nonopt[1], &o->mountpoint, err)) < 0) {
         return rc;
+    }
     if (raw->remote)
         return validate_remote(raw, o, err);
     if (raw->refresh || raw->fetch_threads)
