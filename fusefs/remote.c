@@ -1133,7 +1133,8 @@ int hapi_remote_open_file(hapi_remote *r, const char *path)
             why = -EIO;
         }
     }
-    return why;
+    /* missing everywhere: so only if every source is a storage mount now (see serving()) */
+    return why == -ENOENT ? missing_or_down(r) : why;
 }
 
 /* pread of len bytes at off, all of them unless the file ends; around page caches as fd is. */

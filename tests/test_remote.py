@@ -353,6 +353,9 @@ def test_a_dead_source_gives_eio_and_recovers(tmp_path, storage, mounter, models
         with pytest.raises(OSError) as e:
             (r.path / (p + ".feat")).read_bytes()
         assert e.value.errno == errno.EIO, (p, e.value)
+    with pytest.raises(OSError) as e:  # its pack files too (ENOENT before)
+        (r.path / "class0" / PACK).read_bytes()
+    assert e.value.errno == errno.EIO, e.value
     back = Mount(src, st.path, dict(st.options))
     try:
         back.ctl("config")
