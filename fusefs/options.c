@@ -470,10 +470,10 @@ int hapi_fs_detach_dead_mount(const hapi_fs_options *o)
 }
 
 /*
- * Makes sure the cache directory exists and is writable; creates it (one
- * level, or the whole default path) if missing.
+ * Makes sure the cache directory exists and is writable; creates it with
+ * its parents if missing.
  */
-static int prepare_cache_dir(const char *path, int is_default, char **out, hapi_error *err)
+static int prepare_cache_dir(const char *path, char **out, hapi_error *err)
 {
     struct stat st;
     struct statvfs sv;
@@ -481,11 +481,20 @@ static int prepare_cache_dir(const char *path, int is_default, char **out, hapi_
     if (stat(path, &st) < 0) {
         if (errno != ENOENT)
             return hapi_error_set(err, -errno, "cache directory %s: %s", path, strerror(errno));
-        if (is_default && mkdir("/var/cache", 0755) < 0 && errno != EEXIST)
-            return hapi_error_set(err, -errno, "cache directory %s: %s", path, strerror(errno));
-        if (mkdir(path, 0755) < 0)
-            return hapi_error_set(err, -errno, "cache directory %s: cannot create: %s", path,
-                                  strerror(errno));
+        /* with its parents, as mkdir -p: cache=/var/cache/hapifs/imagenet on a fresh node */
+        char dir[PATH_MAX];
+        if (snprintf(dir, sizeof(dir), "%s", path) >= (int)sizeof(dir))
+            return hapi_error_set(err, -ENAMETOOLONG, "cache directory %s: too long", path);
+        for (char *slash = strchr(dir + 1, '/');; slash = strchr(slash + 1, '/')) {
+            if (slash)
+                *slash = '\0';
+            if (*dir && mkdir(dir, 0755) < 0 && errno != EEXIST)
+                return hapi_error_set(err, -errno, "cache directory %s: cannot create %s: %s",
+                                      path, dir, strerror(errno));
+            if (!slash)
+                break;
+            *slash = '/';
+        }
     } else if (!S_ISDIR(st.st_mode)) {
         return hapi_error_set(err, -ENOTDIR, "cache directory %s: not a directory", path);
     }
@@ -825,7 +834,7 @@ static int validate_common(struct raw_options *raw, hapi_fs_options *o, hapi_err
         o->cache_reset = (int)v;
     }
     const char *cache = raw->cache ? raw->cache : HAPI_DEFAULT_CACHE_DIR;
-    if ((rc = prepare_cache_dir(cache, !raw->cache, &o->cache_dir, err)) < 0)
+    if ((rc = prepare_cache_dir(cache, &o->cache_dir, err)) < 0)
         return rc;
     if (raw->cache_size) {
         if (hapi_fs_parse_size(raw->cache_size, &o->cache_size) < 0 ||

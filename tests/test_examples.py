@@ -1,0 +1,84 @@
+"""The operator's examples (examples/): the service unit runs a program that `meson install`
+installs, every option they give is one hapifs takes, and the cache directory they name is made
+on a fresh node."""
+import json
+import re
+import shlex
+import subprocess
+
+from conftest import BUILD_ROOT, HAPIFS, SOURCE_ROOT, Mount, is_mounted, need_hapifs, wait_gone
+
+EXAMPLES = SOURCE_ROOT / "examples"
+GENERIC = {"allow_other", "_netdev", "nofail", "ro", "rw", "defaults", "noauto", "auto", "user",
+           "users"}  # mount(8)'s and FUSE's, not hapifs's
+
+
+def installed_paths():
+    """Where `meson install` puts each built program (meson introspect --installed)."""
+    r = subprocess.run(["meson", "introspect", "--installed", str(BUILD_ROOT)],
+                       capture_output=True, text=True, check=True)
+    return set(json.loads(r.stdout).values())
+
+
+def hapifs_option_names():
+    help_text = subprocess.run([str(HAPIFS), "--help"], capture_output=True, text=True).stdout
+    return set(re.findall(r"^\s+([a-z_]+)(?:=|\s)", help_text, re.M))
+
+
+def example_options():
+    """{file: [option names]} of every -o list the examples give."""
+    out = {}
+    for f in EXAMPLES.iterdir():
+        text = f.read_text(errors="replace")
+        lists = []
+        if f.suffix == ".service":
+            for line in text.splitlines():
+                if line.startswith("ExecStart="):
+                    argv = shlex.split(line[len("ExecStart="):])
+                    lists += [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+        elif f.suffix == ".mount":
+            lists += [l[len("Options="):] for l in text.splitlines() if l.startswith("Options=")]
+        elif f.name == "fstab.example":
+            lists += [l.split()[3] for l in text.splitlines()
+                      if l.strip() and not l.startswith("#") and len(l.split()) >= 4]
+        if lists:
+            out[f.name] = [o.split("=", 1)[0] for opts in lists for o in opts.split(",")]
+    return out
+
+
+def test_the_service_runs_an_installed_program():
+    need_hapifs()
+    units = list(EXAMPLES.glob("*.service"))
+    assert units
+    installed = installed_paths()
+    for unit in units:
+        for line in unit.read_text().splitlines():
+            if line.startswith(("ExecStart=", "ExecStop=")):
+                prog = shlex.split(line.split("=", 1)[1])[0]
+                if "hapifs" in prog.rsplit("/", 1)[-1]:
+                    assert prog in installed, (unit.name, prog, sorted(installed))
+
+
+def test_every_option_of_the_examples_is_one_hapifs_takes():
+    need_hapifs()
+    known = hapifs_option_names()
+    assert {"model", "cache", "cache_size", "split"} <= known, known
+    opts = example_options()
+    assert set(opts) >= {"fstab.example", "hapifs-data.mount", "hapifs-feat.service"}, opts
+    for name, keys in opts.items():
+        unknown = [k for k in keys if k not in known and k not in GENERIC]
+        assert not unknown, (name, unknown)
+
+
+def test_the_cache_directory_is_made_with_its_parents(tmp_path, models):
+    need_hapifs()
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    cache = tmp_path / "var" / "cache" / "hapifs" / "imagenet"  # as the examples name it
+    m = Mount(src, mnt, {"model": str(models()), "cache": str(cache), "prefetch": "off"})
+    try:
+        assert (cache / "data.mdb").exists()
+        assert m.ctl("config")["cache"]["dir"] == str(cache)
+    finally:
+        m.unmount()
+    assert not is_mounted(mnt)
