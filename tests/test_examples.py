@@ -82,3 +82,34 @@ def test_the_cache_directory_is_made_with_its_parents(tmp_path, models):
     finally:
         m.unmount()
     assert not is_mounted(mnt)
+
+
+def help_options(text):
+    """The option names a --help text lists: its lines indented four spaces."""
+    names = set()
+    for line in text.splitlines():
+        m = re.match(r"^ {4}([a-z][a-z_]*)(?:=\S*)?(?: {2,}|$)", line)
+        if m:
+            names.add(m.group(1))
+        elif re.match(r"^ {4}[a-z_]+, ", line):  # "default_permissions, nosuid, ...: as ..."
+            names |= set(re.findall(r"([a-z_]+)(?:, |:)", line.split(":")[0] + ":"))
+    return names
+
+
+def test_the_readme_lists_every_option_and_command():
+    need_hapifs()
+    readme = (SOURCE_ROOT / "README.md").read_text()
+    # the first cell of each table row (a cell's own | is escaped: \\|)
+    rows = "\n".join(l[2:].split(" | ")[0] for l in readme.splitlines() if l.startswith("| `"))
+    in_readme = set(re.findall(r"`([a-z][a-z_]*)(?:=[^`]*)?`", rows))
+    options = help_options(subprocess.run([str(HAPIFS), "--help"], capture_output=True,
+                                          text=True).stdout)
+    assert {"model", "refresh", "fetch_threads", "uring", "nosuid"} <= options, options
+    assert not options - in_readme, sorted(options - in_readme)
+    ctl_help = subprocess.run([str(BUILD_ROOT / "tools" / "hapifs-ctl"), "--help"],
+                              capture_output=True, text=True).stdout
+    commands = set(re.findall(r"^ {4}([a-z][a-z-]*)", ctl_help, re.M)) - {"json", "help"}
+    assert {"status", "set-rtt", "set-compute-cache", "evict"} <= commands, commands
+    line = next(l for l in readme.splitlines() if l.startswith("`hapifs-ctl [--json]"))
+    listed = set(re.findall(r"([a-z][a-z-]*)", line))
+    assert not commands - listed, sorted(commands - listed)
