@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
@@ -54,6 +56,7 @@ struct partial_row {
 
 struct hapi_packs {
     hapi_source *source;
+    char *hold_index;              /* test hook HAPIFS_TEST_HOLD_INDEX, read once: see hapi_pack_index() */
     hapi_views *views;
     hapi_serve *serve;
     pthread_mutex_t failure_lock;
@@ -100,6 +103,11 @@ int hapi_packs_new(hapi_source *source, hapi_views *views, hapi_serve *serve, ha
     p->source = source;
     p->views = views;
     p->serve = serve;
+    const char *hold = getenv("HAPIFS_TEST_HOLD_INDEX");
+    if (hold && *hold && !(p->hold_index = strdup(hold))) {
+        free(p);
+        return -ENOMEM;
+    }
     pthread_mutex_init(&p->failure_lock, NULL);
     pthread_mutex_init(&p->partial_lock, NULL);
     *out = p;
@@ -114,6 +122,7 @@ void hapi_packs_free(hapi_packs *p)
         free(p->partial[i].data);
     pthread_mutex_destroy(&p->failure_lock);
     pthread_mutex_destroy(&p->partial_lock);
+    free(p->hold_index);
     free(p);
 }
 
@@ -656,6 +665,13 @@ int hapi_pack_index(hapi_packs *p, const char *dir, char **text, size_t *len)
     char header[HAPI_NPY_HEADER_MAX];
     hapi_view *v;
     *text = NULL;
+    /*
+     * Test hook: while the file HAPIFS_TEST_HOLD_INDEX names exists, no index
+     * is made, so that a compute side's read of one waits as through a dead
+     * link, while the rest of the mount answers.
+     */
+    while (p->hold_index && access(p->hold_index, F_OK) == 0)
+        nanosleep(&(struct timespec){ .tv_nsec = 10000000L }, NULL);
     int rc = take(p, dir, NULL, &v, &sn, header);
     if (rc < 0)
         return rc;

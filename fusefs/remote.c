@@ -38,6 +38,13 @@
 
 #define FETCH_CHUNK (1u << 20)   /* bytes per read of a pack: large sequential reads */
 #define FAILED_INDEX_RETRY_NS (1000ull * 1000 * 1000) /* an unreachable source is tried again after 1 s */
+/*
+ * While one reader reads an index again, the others use the one it replaces
+ * for at most this long past refresh=; then they wait for it. Unbounded, a
+ * read that hung on a dead link served features of an image replaced 5 s
+ * before (the two-tier soak, a link down 5 s, refresh=1).
+ */
+#define STALE_INDEX_GRACE_NS (2000ull * 1000 * 1000)
 #define SERVING_CHECK_NS (200ull * 1000 * 1000) /* a source seen serving is believed for 0.2 s */
 #define INDEX_MAX (256u << 20)   /* an index longer than this is refused */
 #define INDEX_HEAD 4096          /* bytes read to check a kept index's version */
@@ -787,7 +794,8 @@ static int index_get(hapi_remote *r, int src, const char *dir, struct dir_index 
                                                              : (uint64_t)r->cfg.refresh_ms * 1000000;
         int fresh = !sl->expired && (waited || now - sl->at_ns < life);
         /* While one reader reads it again, the others go on with the one it replaces. */
-        int stale_ok = sl->loading && sl->index && !sl->expired;
+        int stale_ok = sl->loading && sl->index && !sl->expired &&
+                       now - sl->at_ns < life + STALE_INDEX_GRACE_NS;
         if (fresh || sl->loading) {
             if (sl->loading && !stale_ok) {
                 pthread_cond_wait(&r->index_cond, &r->index_lock);

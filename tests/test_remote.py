@@ -609,3 +609,48 @@ def test_an_open_feat_keeps_its_size_after_a_split_change(tmp_path, storage, mou
     got = f.read_bytes()
     assert got == (st.path / (paths[0] + ".feat")).read_bytes() and len(got) == len(new)
     assert os.stat(f).st_size == len(new)
+
+
+def test_an_index_read_that_hangs_does_not_serve_old_features(tmp_path, storage, mounter,
+                                                             monkeypatch):
+    """While one reader reads a directory's index again, the others use the old one for at most
+    2 s past refresh=, then wait for it: an index read that hung on a dead link had the others
+    served the features of an image replaced meanwhile, for as long as it hung."""
+    from PIL import Image
+    hold = tmp_path / "hold"  # while it exists the storage side makes no index
+    monkeypatch.setenv("HAPIFS_TEST_HOLD_INDEX", str(hold))
+    src, st, paths = storage(classes=1, per_class=3)
+    r = remote(mounter, tmp_path, [st.path], refresh=1)
+    p = paths[0]
+    old = (r.path / (p + ".feat")).read_bytes()  # cached on the compute side
+    fd = os.open(r.path / (paths[1] + ".feat"), os.O_RDONLY)
+    ctl_write(r, f"evict {paths[1]}")  # its next read misses: it reads the index again
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    got = {}
+
+    def read(key):
+        try:
+            got[key] = os.pread(fd, 1 << 20, 0) if key == "miss" else \
+                (r.path / (p + ".feat")).read_bytes()
+        except OSError as e:
+            got[key] = e.errno
+    hold.touch()
+    try:
+        Image.fromarray(np.full((40, 56, 3), 90, np.uint8)).save(src / p, quality=90)
+        time.sleep(1.2)
+        miss = threading.Thread(target=read, args=("miss",), daemon=True)
+        miss.start()  # past refresh=: reads the index again, and waits on the hold
+        wait_until(lambda: r.ctl("stats")["feat"]["misses"] >= 1)
+        time.sleep(3)
+        later = threading.Thread(target=read, args=("later",), daemon=True)
+        later.start()  # past refresh= + 2 s: must not be served by the old index
+        later.join(1)
+    finally:
+        hold.unlink()
+    miss.join(60)
+    later.join(60)
+    os.close(fd)
+    new = (st.path / (p + ".feat")).read_bytes()
+    assert new != old
+    assert got.get("later") != old, "served the replaced image's features"
+    assert got.get("later") == new, got.get("later")
