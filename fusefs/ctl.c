@@ -703,18 +703,23 @@ hapi_ctl_text *hapi_ctl_render(hapi_ctl *c, const char *name, const hapi_cred *w
 /* -------------------------------------------------------------- commands */
 
 /* On a remote mount: path is a directory or file of the mount, or an image whose .feat is. */
-static int remote_path_exists(hapi_ctl *c, const char *path)
+/*
+ * Whether path (a directory, a .feat or its image's name) is on the remote
+ * mount: 0, -ENOENT, or -EIO when a source that may have it is down.
+ */
+static int remote_path_stat(hapi_ctl *c, const char *path)
 {
     struct stat st;
     int kind;
-    if (hapi_remote_stat(c->cfg.remote, path, &kind, &st) == 0)
-        return 1;
+    int rc = hapi_remote_stat(c->cfg.remote, path, &kind, &st);
+    if (rc == 0)
+        return 0;
     char *feat = NULL;
     if (asprintf(&feat, "%s.feat", path) < 0)
-        return 0;
-    int ok = hapi_remote_stat(c->cfg.remote, feat, &kind, &st) == 0;
+        return -ENOMEM;
+    int frc = hapi_remote_stat(c->cfg.remote, feat, &kind, &st);
     free(feat);
-    return ok;
+    return frc == 0 ? 0 : rc == -ENOENT ? frc : rc;
 }
 
 /* A path given to a command stays beneath the mount: no '..' component. */
@@ -743,8 +748,13 @@ static int command_path(hapi_ctl *c, const char *word, char **out, hapi_error *e
     while (len && path[len - 1] == '/')
         path[--len] = '\0';
     struct stat st;
-    if (c->cfg.remote ? !remote_path_exists(c, path)
-                      : hapi_source_stat(c->cfg.source, path, &st) < 0) {
+    rc = c->cfg.remote ? remote_path_stat(c, path) : hapi_source_stat(c->cfg.source, path, &st);
+    if (rc == -EIO) { /* a remote mount's source down: it may have it */
+        free(path);
+        return hapi_error_set(err, -EIO, "'%s': a source that may have it is down (see errors)",
+                              word);
+    }
+    if (rc < 0) {
         free(path);
         return hapi_error_set(err, -ENOENT, "'%s': no such file or directory", word);
     }

@@ -2048,6 +2048,8 @@ int hapi_remote_evict(hapi_remote *r, const char *path, hapi_error *err)
         struct dir_index *x = NULL;
         const struct index_entry *e = NULL;
         rc = dir ? find_image(r, dir, image, &x, &e, NULL) : -ENOMEM;
+        if (rc == -EIO)
+            hapi_error_set(err, rc, "'%s': a source that may have it is down (see errors)", path);
         char *key = rc == 0 ? hapi_path_join(dir, image) : NULL;
         if (rc == 0)
             rc = key ? hapi_cache_evict_path(r->cfg.cache, &x->ns, key, err) : -ENOMEM;

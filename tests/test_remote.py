@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import Mount, abort_connection, daemon_pid, is_mounted, need_hapifs, wait_gone
-from test_cache_life import ctl_write
+from test_cache_life import ctl_error, ctl_write
 from test_throughput import make_tree
 
 PACK = ".hapifs-pack.npy"
@@ -356,6 +356,10 @@ def test_a_dead_source_gives_eio_and_recovers(tmp_path, storage, mounter, models
     with pytest.raises(OSError) as e:  # its pack files too (ENOENT before)
         (r.path / "class0" / PACK).read_bytes()
     assert e.value.errno == errno.EIO, e.value
+    # and the commands on its paths: EIO, not "no such file or directory" (ENOENT before)
+    assert ctl_error(r, "warm class1") == errno.EIO
+    assert ctl_error(r, f"evict {paths[0]}") == errno.EIO
+    assert "a source that may have it is down" in (r.path / ".hapifs" / "errors").read_text()
     back = Mount(src, st.path, dict(st.options))
     try:
         back.ctl("config")
