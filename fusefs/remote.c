@@ -2124,6 +2124,10 @@ static int same_model(hapi_remote *r, int src, hapi_error *err)
         if (keys[i][1]) {
             va = json_object_get(va, keys[i][1]);
             vb = json_object_get(vb, keys[i][1]);
+        } else if (json_is_object(va) && json_is_object(vb)) {
+            /* what the features are computed with: a refusal bound is not */
+            json_object_del(va, "max_pixels");
+            json_object_del(vb, "max_pixels");
         }
         if (!va || !vb || !json_equal(va, vb))
             rc = hapi_error_set(err, HAPI_EINVAL, "source %s: features of another %s%s%s than "
