@@ -84,6 +84,8 @@ struct remote_source {
     } stats;
     char last_error[512];         /* under lock */
     atomic_uint_fast64_t serving_ns; /* when it last showed its .hapifs/config: see serving() */
+    int root_opened;              /* under lock: a root was opened once (the next is a reopen) */
+    atomic_uint_fast64_t root_since_ns; /* when its root was last reopened (0: never) */
 };
 
 /* ------------------------------------------------------------- indexes */
@@ -236,6 +238,11 @@ static struct root *root_get(hapi_remote *r, int src, int *rc)
     if (!rt) {
         hapi_error err = { 0 };
         hapi_source *so = NULL;
+        if (s->root_opened) { /* what was believed of the old root is not of this one */
+            atomic_store(&s->root_since_ns, hapi_now_ns());
+            atomic_store(&s->serving_ns, 0);
+        }
+        s->root_opened = 1;
         *rc = hapi_source_open(s->path, &so, &err);
         if (*rc == 0 && !(rt = calloc(1, sizeof(*rt)))) {
             hapi_source_close(so);
@@ -435,15 +442,24 @@ static int serving(hapi_remote *r, int src)
 {
     struct remote_source *s = &r->sources[src];
     uint64_t now = hapi_now_ns(), seen = atomic_load(&s->serving_ns);
+    /*
+     * A root reopened less than SERVING_CHECK_NS ago (a network filesystem
+     * mounted again over the empty directory): a name missing from what a
+     * reader found may have been missing from the directory beneath, and
+     * the check would speak for the new mount. Down, for so long.
+     */
+    uint64_t since = atomic_load(&s->root_since_ns);
+    if (since && now - since < SERVING_CHECK_NS)
+        return 0;
     if (seen && now - seen < SERVING_CHECK_NS)
         return 1;
     char buf[4096] __attribute__((aligned(4096)));
-    if (source_read_head(r, src, ".hapifs/config", buf, sizeof(buf)) > 0) {
-        atomic_store(&s->serving_ns, now);
-        return 1;
-    }
-    atomic_store(&s->serving_ns, 0);
-    return 0;
+    int up = source_read_head(r, src, ".hapifs/config", buf, sizeof(buf)) > 0;
+    since = atomic_load(&s->root_since_ns); /* the read may have reopened it */
+    if (up && since && hapi_now_ns() - since < SERVING_CHECK_NS)
+        return 0;
+    atomic_store(&s->serving_ns, up ? now : 0);
+    return up;
 }
 
 static int source_usable(hapi_remote *r, int src);
