@@ -2,6 +2,7 @@
 #include "fusefs-int.h"
 
 #include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -442,9 +443,71 @@ static int is_dead_mount(const char *path, char *abs)
     return ours;
 }
 
+#define FUSECTL "/sys/fs/fuse/connections"
+
+/*
+ * Aborts the FUSE connection of the last mount at abs (found by
+ * /proc/self/mountinfo, not by a stat, which would wait for its daemon):
+ * its requests still waiting end with ECONNABORTED. A daemon killed while
+ * its io_uring ring held requests left the connection alive with nobody to
+ * answer them (seen under the two-tier soak: 32 readers waiting for good
+ * after the compute daemon's restart). Needs root (fusectl, mounted here if
+ * it is not). Returns 0 or -errno.
+ */
+static int abort_connection(const char *abs)
+{
+    FILE *f = fopen("/proc/self/mountinfo", "re");
+    if (!f)
+        return -errno;
+    char line[2 * PATH_MAX + 512];
+    unsigned minor = 0;
+    int found = 0;
+    while (fgets(line, sizeof(line), f)) {
+        char *save = NULL, *field[5] = { 0 };
+        field[0] = strtok_r(line, " ", &save);
+        for (int i = 1; i < 5 && field[i - 1]; i++)
+            field[i] = strtok_r(NULL, " ", &save);
+        if (!field[4])
+            continue;
+        unescape_mount_field(field[4]);
+        unsigned maj, min;
+        if (strcmp(field[4], abs) == 0 && sscanf(field[2], "%u:%u", &maj, &min) == 2) {
+            minor = min;
+            found = 1; /* the last one there is the top mount */
+        }
+    }
+    fclose(f);
+    if (!found)
+        return -ENOENT;
+    char path[128];
+    snprintf(path, sizeof(path), FUSECTL "/%u/abort", minor);
+    if (access(path, F_OK) < 0) {
+        DIR *d = opendir(FUSECTL);
+        int mounted = 0;
+        for (struct dirent *e; d && (e = readdir(d));)
+            mounted |= e->d_name[0] != '.';
+        if (d)
+            closedir(d);
+        if (!mounted && mount("fusectl", FUSECTL, "fusectl", 0, NULL) < 0)
+            return -errno;
+        if (access(path, F_OK) < 0)
+            return 0; /* the connection is gone: nothing waits on it */
+    }
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    int rc = write(fd, "1", 1) == 1 ? 0 : -errno;
+    close(fd);
+    return rc;
+}
+
 int hapi_fs_detach_dead_mount(const hapi_fs_options *o)
 {
     const char *abs = o->mountpoint;
+    int arc = abort_connection(abs);
+    if (arc < 0 && arc != -EPERM && arc != -EACCES)
+        hapi_log(HAPI_LOG_WARNING, "%s: cannot abort the dead mount's FUSE connection: %s", abs,
+                 strerror(-arc));
     int rc = umount2(abs, MNT_DETACH);
     if (rc < 0 && errno == EPERM) {
         /* not root: fusermount3 may undo a mount of ours */
