@@ -121,7 +121,12 @@ struct node_content {
     uint64_t pack_key;         /* PACK: the snapshot's key (hapi_pack_info) */
     struct stat attr;          /* the attributes the kernel was given */
     uint64_t parent;           /* the directory's node id the kernel has it in */
-    pid_t looked_up_by;        /* the thread of the lookup (or listing) that returned it last */
+    /*
+     * The threads of the latest lookups that returned it, the last first (0:
+     * none, or a listing). Several: two readers that look it up at once must
+     * not take each other's place (the second's open then failed ESTALE).
+     */
+    pid_t looked_up_by[4];
     /*
      * FEAT with no_open: the view of its split. In a node, a reference of its
      * own (a file read after a split change keeps computing at its split); in
@@ -677,7 +682,14 @@ static int node_ref(struct node_table *t, uint64_t id, int kind, const char *pat
     hapi_view *old_view = NULL;
     if (content) {
         old_view = n->content.view;
+        pid_t seen[sizeof(n->content.looked_up_by) / sizeof(pid_t)];
+        memcpy(seen, n->content.looked_up_by, sizeof(seen));
         n->content = *content;
+        /* this lookup's thread first, then the others that looked it up lately */
+        size_t k = 1, nk = sizeof(seen) / sizeof(seen[0]);
+        for (size_t i = 0; i < nk && k < nk; i++)
+            if (seen[i] && seen[i] != n->content.looked_up_by[0])
+                n->content.looked_up_by[k++] = seen[i];
         n->content.snapshot = NULL;
         if (n->content.view)
             hapi_view_ref(n->content.view);
@@ -1096,7 +1108,7 @@ static void remote_feat_content(const struct stat *st, uint64_t parent, pid_t by
     memset(c, 0, sizeof(*c));
     c->attr = *st;
     c->parent = parent;
-    c->looked_up_by = by;
+    c->looked_up_by[0] = by;
 }
 
 /*
@@ -1117,7 +1129,7 @@ static void feat_node(const hapi_view *v, const struct stat *src, uint64_t paren
     hapi_source_identity_of(src, &c->id);
     c->attr = *st;
     c->parent = parent;
-    c->looked_up_by = by;
+    c->looked_up_by[0] = by;
 }
 
 /*
@@ -1151,7 +1163,7 @@ static int pack_attr(hapi_fs *fs, const char *dir, const struct stat *dir_st, in
     c->pack_key = info.key;
     c->attr = *st;
     c->parent = parent;
-    c->looked_up_by = by;
+    c->looked_up_by[0] = by;
     c->snapshot = snapshot;
     return 0;
 }
@@ -1893,7 +1905,7 @@ static void do_readdir(fuse_req_t req, size_t size, off_t off, struct fuse_file_
             if (de->path) {
                 struct node_content c = {
                     .split = de->split, .id = de->id, .attr = de->attr, .parent = d->self,
-                    .looked_up_by = fuse_req_ctx(req)->pid,
+                    .looked_up_by = { fuse_req_ctx(req)->pid },
                     .view = fs->no_open ? d->view : NULL, /* node_ref takes its own */
                 };
                 int rc = node_ref(fs->nodes, e.ino, de->kind, de->path,
@@ -2033,7 +2045,11 @@ static const hapi_cred *req_who(fuse_req_t req, hapi_cred *c)
  */
 static int other_bytes(fuse_req_t req, const struct node_content *c, struct fuse_file_info *fi)
 {
-    if (c->looked_up_by != fuse_req_ctx(req)->pid)
+    pid_t me = fuse_req_ctx(req)->pid;
+    size_t i = 0;
+    while (i < sizeof(c->looked_up_by) / sizeof(c->looked_up_by[0]) && c->looked_up_by[i] != me)
+        i++;
+    if (i == sizeof(c->looked_up_by) / sizeof(c->looked_up_by[0]))
         return -ESTALE;
     fi->direct_io = 1;
     fi->keep_cache = 0;

@@ -2,6 +2,7 @@
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -265,10 +266,23 @@ START_TEST(test_options_paths)
     ck_assert_ptr_nonnull(strstr(err.message, "not a directory"));
     hapi_fs_options_free(&o);
 
-    /* a cache directory whose parent does not exist */
+    /* a cache directory whose parent does not exist: made with its parents */
     snprintf(opts, sizeof(opts), "model=%s,cache=%s/no/such", model, tmp);
-    ck_assert_int_eq(parse(opts, &o, &err), -ENOENT);
-    ck_assert_ptr_nonnull(strstr(err.message, "cannot create"));
+    ck_assert_int_eq(parse(opts, &o, &err), 0);
+    hapi_fs_options_free(&o);
+    char made[PATH_MAX];
+    snprintf(made, sizeof(made), "%s/no/such", tmp);
+    struct stat mst;
+    ck_assert_int_eq(stat(made, &mst), 0);
+    ck_assert(S_ISDIR(mst.st_mode));
+    rmdir(made);
+    snprintf(made, sizeof(made), "%s/no", tmp);
+    rmdir(made);
+
+    /* ... unless a parent is a file */
+    snprintf(opts, sizeof(opts), "model=%s,cache=%s/sub", model, model);
+    ck_assert_int_eq(parse(opts, &o, &err), -ENOTDIR);
+    ck_assert_ptr_nonnull(strstr(err.message, "Not a directory"));
     hapi_fs_options_free(&o);
 
     /* a source that is not a directory */
