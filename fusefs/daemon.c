@@ -1,14 +1,21 @@
 /* daemon.c — the daemon's life: validate, fork, load, mount, report to the waiting parent, serve, unmount. */
 #include "fusefs-int.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#ifndef MOVE_MOUNT_BENEATH
+#define MOVE_MOUNT_BENEATH 0x00000200 /* Linux 6.5; glibc 2.36 does not name it */
+#endif
 
 /*
  * Start-up runs in two processes unless -f is given. The parent validates the
@@ -32,6 +39,91 @@ static void report(int fd, const char *prog, int code, const char *message)
         len = (int)sizeof(line) - 1;
     ssize_t w = write(fd, line, (size_t)len);
     (void)w;
+}
+
+/* Removes the staging links (mount_beneath()) that dead daemons of mountpoint left. */
+static void forget_staging_links(const char *mountpoint)
+{
+    DIR *d = opendir("/run/hapifs");
+    if (!d)
+        return;
+    for (struct dirent *e; (e = readdir(d));) {
+        char target[PATH_MAX];
+        if (strncmp(e->d_name, "mount-", 6) != 0)
+            continue;
+        ssize_t n = readlinkat(dirfd(d), e->d_name, target, sizeof(target) - 1);
+        if (n < 0)
+            continue;
+        target[n] = '\0';
+        if (strcmp(target, mountpoint) == 0)
+            unlinkat(dirfd(d), e->d_name, 0);
+    }
+    closedir(d);
+}
+
+/*
+ * Mounts se in place of the dead mount of ours at opt->mountpoint with no
+ * moment where the directory beneath shows (where every file is missing:
+ * ENOENT to a reader, who should hear that the daemon is gone): se is mounted
+ * at a staging directory, moved beneath the dead mount (MOVE_MOUNT_BENEATH),
+ * and only then is the dead one detached. Readers see the dead mount until
+ * that instant and this one from it. The staging directory is a private bind
+ * of itself, since a mount whose parent is shared cannot move. libfuse
+ * unmounts at exit by the path it mounted at: the staging path is left a
+ * symbolic link to the mount point, which umount2 follows; the caller removes
+ * it (staging, PATH_MAX) after fuse_session_unmount. Needs root and Linux
+ * 6.5. Returns 0; or -errno with se not mounted and staging "" (the caller
+ * detaches the dead mount, then mounts).
+ */
+static int mount_beneath(struct fuse_session *se, const hapi_fs_options *opt, char *staging)
+{
+    int rc = 0;
+    staging[0] = '\0';
+    if (geteuid() != 0)
+        return -EPERM;
+    if (mkdir("/run/hapifs", 0755) < 0 && errno != EEXIST)
+        return -errno;
+    forget_staging_links(opt->mountpoint);
+    snprintf(staging, PATH_MAX, "/run/hapifs/mount-XXXXXX");
+    if (!mkdtemp(staging)) {
+        rc = -errno;
+        goto out_name;
+    }
+    if (mount(staging, staging, NULL, MS_BIND, NULL) < 0) {
+        rc = -errno;
+        goto out_dir;
+    }
+    if (mount(NULL, staging, NULL, MS_PRIVATE, NULL) < 0) {
+        rc = -errno;
+        goto out_bind;
+    }
+    if (fuse_session_mount(se, staging) < 0) {
+        rc = -EIO;
+        goto out_bind;
+    }
+    if (move_mount(AT_FDCWD, staging, AT_FDCWD, opt->mountpoint, MOVE_MOUNT_BENEATH) < 0) {
+        rc = -errno;
+        fuse_session_unmount(se);
+        goto out_bind;
+    }
+    if ((rc = hapi_fs_detach_dead_mount(opt)) < 0) {
+        /* the dead mount stays on top of ours: nobody could reach this one */
+        hapi_log(HAPI_LOG_ERROR, "%s: cannot detach the dead mount above the new one: %s",
+                 opt->mountpoint, strerror(-rc));
+    }
+    umount2(staging, MNT_DETACH);
+    rmdir(staging);
+    if (symlink(opt->mountpoint, staging) < 0)
+        hapi_log(HAPI_LOG_WARNING, "%s: %s; unmount %s by hand at exit", staging, strerror(errno),
+                 opt->mountpoint);
+    return rc;
+out_bind:
+    umount2(staging, MNT_DETACH);
+out_dir:
+    rmdir(staging);
+out_name:
+    staging[0] = '\0';
+    return rc;
 }
 
 /* In the parent: waits for the child's word and turns it into an exit status. */
@@ -96,6 +188,7 @@ int hapi_fs_main(int argc, char *argv[], int helper)
     int status_fd = -1;
     int exit_code = 1;
     int rc;
+    char staging[PATH_MAX] = ""; /* mount_beneath()'s link to the mount point */
 
     rc = hapi_fs_options_parse(argc, argv, helper, &opt, &err);
     if (rc < 0) {
@@ -161,7 +254,23 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         report(status_fd, prog, -EINVAL, "cannot install signal handlers");
         goto out;
     }
-    if (opt.dead_mount && (rc = hapi_fs_detach_dead_mount(&opt)) < 0) {
+    int mounted = 0;
+    if (opt.dead_mount) {
+        hapi_fs_abort_dead_mount(&opt);
+        if ((rc = mount_beneath(se, &opt, staging)) == 0)
+            mounted = 1;
+        else if (staging[0]) { /* mounted beneath, but the dead mount stays above */
+            char msg[PATH_MAX + 128];
+            snprintf(msg, sizeof(msg), "%s is a hapifs mount whose daemon died, and it cannot "
+                     "be detached: %s", opt.mountpoint, strerror(-rc));
+            report(status_fd, prog, rc, msg);
+            fuse_remove_signal_handlers(se); /* ours ends with the process, beneath it */
+            goto out;
+        } else
+            hapi_log(HAPI_LOG_INFO, "%s: cannot mount beneath the dead mount (%s): detaching "
+                     "it first", opt.mountpoint, strerror(-rc));
+    }
+    if (!mounted && opt.dead_mount && (rc = hapi_fs_detach_dead_mount(&opt)) < 0) {
         char msg[PATH_MAX + 128];
         snprintf(msg, sizeof(msg), "%s is a hapifs mount whose daemon died, and it cannot be "
                  "detached: %s", opt.mountpoint, strerror(-rc));
@@ -169,7 +278,7 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         fuse_remove_signal_handlers(se);
         goto out;
     }
-    if (fuse_session_mount(se, opt.mountpoint) < 0) {
+    if (!mounted && fuse_session_mount(se, opt.mountpoint) < 0) {
         char msg[PATH_MAX + 64];
         snprintf(msg, sizeof(msg), "cannot mount on %s (is /dev/fuse usable?)", opt.mountpoint);
         report(status_fd, prog, -EIO, msg);
@@ -208,6 +317,8 @@ int hapi_fs_main(int argc, char *argv[], int helper)
     fs.uring = NULL;
     fuse_remove_signal_handlers(se);
 out:
+    if (staging[0])
+        unlink(staging);
     if (status_fd >= 0)
         close(status_fd);
     fuse_loop_cfg_destroy(loop);

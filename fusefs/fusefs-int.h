@@ -91,9 +91,15 @@ int hapi_fs_options_parse(int argc, char **argv, int helper, hapi_fs_options *o,
 void hapi_fs_options_free(hapi_fs_options *o);
 
 /*
- * Detaches the dead mount of ours at o->mountpoint (o->dead_mount), right
- * before the daemon mounts there: between the two, a reader sees the
- * directory beneath, where every name is missing. Returns 0 or -errno.
+ * Aborts the FUSE connection of the dead mount of ours at o->mountpoint
+ * (o->dead_mount): readers still waiting on it end with ECONNABORTED. Logs
+ * what it cannot do (it needs root).
+ */
+void hapi_fs_abort_dead_mount(const hapi_fs_options *o);
+
+/*
+ * Detaches the top mount at o->mountpoint, the dead mount of ours
+ * (o->dead_mount), and says so on stderr and in the log. Returns 0 or -errno.
  */
 int hapi_fs_detach_dead_mount(const hapi_fs_options *o);
 

@@ -501,13 +501,17 @@ static int abort_connection(const char *abs)
     return rc;
 }
 
+void hapi_fs_abort_dead_mount(const hapi_fs_options *o)
+{
+    int rc = abort_connection(o->mountpoint);
+    if (rc < 0 && rc != -EPERM && rc != -EACCES)
+        hapi_log(HAPI_LOG_WARNING, "%s: cannot abort the dead mount's FUSE connection: %s",
+                 o->mountpoint, strerror(-rc));
+}
+
 int hapi_fs_detach_dead_mount(const hapi_fs_options *o)
 {
     const char *abs = o->mountpoint;
-    int arc = abort_connection(abs);
-    if (arc < 0 && arc != -EPERM && arc != -EACCES)
-        hapi_log(HAPI_LOG_WARNING, "%s: cannot abort the dead mount's FUSE connection: %s", abs,
-                 strerror(-arc));
     int rc = umount2(abs, MNT_DETACH);
     if (rc < 0 && errno == EPERM) {
         /* not root: fusermount3 may undo a mount of ours */
