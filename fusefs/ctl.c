@@ -499,7 +499,7 @@ static json_t *render_remote_stats(hapi_ctl *c)
                                    "dirs", (json_int_t)rs.warm_dirs, "rate_per_s", rate,
                                    "elapsed_s", rs.warm_elapsed_s, "eta_s", eta);
     double uptime = (double)(hapi_now_ns() - c->cfg.started_ns) / 1e9;
-    return json_pack("{s:f, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, "
+    return json_pack("{s:f, s:{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}, "
                      "s:{s:I, s:I, s:I, s:I, s:I, s:I, s:o}, s:o, s:o, s:o, s:o}",
                      "uptime_s", uptime,
                      "feat",
@@ -511,6 +511,8 @@ static json_t *render_remote_stats(hapi_ctl *c)
                        "fetched", (json_int_t)rs.fetched_rows,
                        "failed", (json_int_t)rs.failed,
                        "stale", (json_int_t)rs.stale,
+                       "cache_put_failures", (json_int_t)rs.cache_put_failures,
+                       "uncached_hits", (json_int_t)rs.uncached_hits,
                      "remote",
                        "packs", (json_int_t)packs,
                        "pack_bytes", (json_int_t)pack_bytes,

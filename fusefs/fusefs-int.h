@@ -723,6 +723,8 @@ int hapi_remote_evict(hapi_remote *r, const char *path, hapi_error *err);
 
 typedef struct hapi_remote_stats {
     uint64_t reads, bytes, hits, misses, fetched_rows, waits, failed, stale;
+    uint64_t cache_put_failures;     /* fetched features served but not cached (disk or map full) */
+    uint64_t uncached_hits;          /* reads served from rows the cache refused, kept in memory */
     uint64_t fetches_running, fetches_queued;
     int warm_state;                  /* enum hapi_warm_state */
     char warm_path[1024];

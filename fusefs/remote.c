@@ -158,6 +158,23 @@ struct fetch {
     struct fetch *queue_next;     /* in the queue */
 };
 
+/*
+ * Rows the cache refused (its disk or its map full), kept in memory so that
+ * the other files of their directory are served without fetching its pack
+ * again: else each file of a directory of N images costs a pack, N packs for
+ * the directory. Bounded by SPILL_BYTES, the oldest directory's rows dropped
+ * first; all are dropped once the cache takes features again. Under
+ * spill_lock, a leaf.
+ */
+#define SPILL_BYTES ((size_t)64 << 20)
+
+struct spill {
+    struct dir_index *index;      /* a reference: the rows are those of its pack */
+    char *rows;                   /* index->count rows */
+    unsigned char *have;          /* which rows are here */
+    struct spill *next;           /* newer */
+};
+
 struct hapi_remote {
     hapi_remote_config cfg;
     size_t nsources;
@@ -191,8 +208,13 @@ struct hapi_remote {
 
     struct {
         atomic_uint_fast64_t reads, bytes, hits, misses, fetched_rows, waits, failed,
-            stale, passthrough;
+            stale, passthrough, cache_put_failures, spill_hits;
     } stats;
+    atomic_int put_failing; /* the last put failed: logged once until one succeeds */
+    pthread_mutex_t spill_lock;
+    struct spill *spills;         /* oldest first */
+    size_t spill_bytes;
+    atomic_uint_fast64_t spill_retry_ns; /* when a spilled row was last offered the cache */
 };
 
 static void index_put(struct dir_index *x)
@@ -1372,6 +1394,117 @@ static void deliver(hapi_remote *r, struct fetch *f, size_t a, size_t b, const c
  * it in chunks of about FETCH_CHUNK, handing each chunk's rows to the
  * waiting readers and storing them in the cache. Returns 0 or why not.
  */
+static void spill_free(struct spill *sp)
+{
+    index_put(sp->index);
+    free(sp->rows);
+    free(sp->have);
+    free(sp);
+}
+
+/* Drops every spilled row (the cache takes features again, or the mount ends). */
+static void spill_drop_all(hapi_remote *r)
+{
+    pthread_mutex_lock(&r->spill_lock);
+    struct spill *sp = r->spills;
+    r->spills = NULL;
+    r->spill_bytes = 0;
+    pthread_mutex_unlock(&r->spill_lock);
+    while (sp) {
+        struct spill *next = sp->next;
+        spill_free(sp);
+        sp = next;
+    }
+}
+
+/* Keeps rows [a, b) of x's pack (rows: their bytes; failed: rows not to keep) that the cache refused. */
+static void spill_keep(hapi_remote *r, struct dir_index *x, size_t a, size_t b, const char *rows,
+                       const unsigned char *failed)
+{
+    size_t need = x->count * x->row_bytes;
+    if (need == 0 || need > SPILL_BYTES)
+        return; /* a directory bigger than the bound is fetched again, as it would be */
+    pthread_mutex_lock(&r->spill_lock);
+    struct spill *sp = r->spills;
+    while (sp && sp->index != x)
+        sp = sp->next;
+    if (!sp) {
+        while (r->spills && r->spill_bytes + need > SPILL_BYTES) {
+            struct spill *old = r->spills;
+            r->spills = old->next;
+            r->spill_bytes -= old->index->count * old->index->row_bytes;
+            spill_free(old);
+        }
+        sp = calloc(1, sizeof(*sp));
+        if (sp && (!(sp->rows = malloc(need)) || !(sp->have = calloc(x->count, 1)))) {
+            free(sp->rows);
+            free(sp);
+            sp = NULL;
+        }
+        if (!sp)
+            goto out;
+        atomic_fetch_add(&x->refs, 1);
+        sp->index = x;
+        struct spill **tail = &r->spills;
+        while (*tail)
+            tail = &(*tail)->next;
+        *tail = sp;
+        r->spill_bytes += need;
+    }
+    for (size_t i = a; i < b; i++)
+        if (!failed[i - a]) {
+            memcpy(sp->rows + i * x->row_bytes, rows + (i - a) * x->row_bytes, x->row_bytes);
+            sp->have[i] = 1;
+        }
+out:
+    pthread_mutex_unlock(&r->spill_lock);
+}
+
+/* Copies bytes [from, to) of row `row` of x's pack if it is spilled: 1, else 0. */
+static int spill_copy(hapi_remote *r, const struct dir_index *x, size_t row, char *dst,
+                      size_t from, size_t to)
+{
+    int found = 0;
+    pthread_mutex_lock(&r->spill_lock);
+    for (struct spill *sp = r->spills; sp; sp = sp->next)
+        if (sp->index == x) {
+            if (row < x->count && sp->have[row]) {
+                memcpy(dst, sp->rows + row * x->row_bytes + from, to - from);
+                found = 1;
+            }
+            break;
+        }
+    pthread_mutex_unlock(&r->spill_lock);
+    return found;
+}
+
+/*
+ * At most once a second, offers the cache spilled row `row` of x's pack again
+ * (for path, id); once it takes it, the cache has room: every spilled row is
+ * dropped, and the rows are fetched and kept again at their next read.
+ */
+static void spill_retry(hapi_remote *r, struct dir_index *x, size_t row, const char *path,
+                        const hapi_source_id *id)
+{
+    uint64_t now = hapi_now_ns(), last = atomic_load(&r->spill_retry_ns);
+    if (now - last < 1000000000ull ||
+        !atomic_compare_exchange_strong(&r->spill_retry_ns, &last, now))
+        return;
+    char *copy = malloc(x->row_bytes);
+    if (!copy || !spill_copy(r, x, row, copy, 0, x->row_bytes)) {
+        free(copy);
+        return;
+    }
+    hapi_cache_item item = { path, *id, copy, x->row_bytes };
+    hapi_error err = { 0 };
+    if (hapi_cache_put(r->cfg.cache, &x->ns, &item, 1, &err) == 0 &&
+        atomic_exchange(&r->put_failing, 0)) {
+        hapi_log(HAPI_LOG_INFO, "the cache takes fetched features again");
+        spill_drop_all(r);
+    }
+    free(copy);
+}
+
 static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
 {
     const struct dir_index *x = f->index;
@@ -1470,9 +1603,18 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
         deliver(r, f, a, b, rows, failed, 0);
         if (n) {
             hapi_error perr = { 0 };
-            if (hapi_cache_put(r->cfg.cache, &x->ns, items, n, &perr) < 0)
-                hapi_log(HAPI_LOG_WARNING, "%zu fetched features not cached: %s", n,
-                         perr.message);
+            /* A full disk or map costs the cache, never the read: served all the same. */
+            if (hapi_cache_put(r->cfg.cache, &x->ns, items, n, &perr) < 0) {
+                atomic_fetch_add(&r->stats.cache_put_failures, n);
+                spill_keep(r, f->index, a, b, rows, failed);
+                if (!atomic_exchange(&r->put_failing, 1))
+                    hapi_log(HAPI_LOG_WARNING, "%zu fetched features not cached: %s (served "
+                             "uncached; stats: cache_put_failures counts them until the cache "
+                             "takes features again)", n, perr.message);
+            } else if (atomic_exchange(&r->put_failing, 0)) {
+                hapi_log(HAPI_LOG_INFO, "the cache takes fetched features again");
+                spill_drop_all(r);
+            }
         }
         deliver(r, f, a, b, rows, failed, 1);
         atomic_fetch_add(&s->stats.rows, b - a);
@@ -1718,6 +1860,12 @@ ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, si
             use = cur;
             row = crow;
         }
+        if (spill_copy(r, use, row, dst, dpos, dend)) {
+            atomic_fetch_add(&r->stats.spill_hits, 1);
+            spill_retry(r, use, row, f->path, &f->id);
+            index_put(cur);
+            goto served;
+        }
         /*
          * A row stored while we missed is looked up again (once; then a fetch
          * starts even if other directories' chunks keep passing); a fetch
@@ -1726,7 +1874,8 @@ ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, si
         for (int attempt = 0; attempt < 4; attempt++) {
             rc = fetch_wait(r, use, row, f->name, &f->id, dst, dpos, dend,
                             attempt == 0 ? &passes : NULL);
-            if (rc == 1 || (rc == 0 && cache_copy(r, x, f->path, &f->id, dst, dpos, dend))) {
+            if (rc == 1 || (rc == 0 && (cache_copy(r, x, f->path, &f->id, dst, dpos, dend) ||
+                                        spill_copy(r, use, row, dst, dpos, dend)))) {
                 rc = 1;
                 break;
             }
@@ -1767,6 +1916,7 @@ ssize_t hapi_remote_feat_read(hapi_remote *r, hapi_remote_feat *f, char *buf, si
             return rc == -ENOMEM ? rc : -EIO; /* the reason is in the error ring */
         }
     }
+served:
     n += dend - dpos;
     atomic_fetch_add(&r->stats.bytes, n);
     return (ssize_t)n;
@@ -2224,6 +2374,7 @@ int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_erro
     pthread_mutex_init(&r->index_lock, NULL);
     pthread_cond_init(&r->index_cond, NULL);
     pthread_mutex_init(&r->fetch_lock, NULL);
+    pthread_mutex_init(&r->spill_lock, NULL);
     pthread_cond_init(&r->queue_cond, NULL);
     pthread_mutex_init(&r->warm_control, NULL);
     pthread_mutex_init(&r->warm_lock, NULL);
@@ -2326,6 +2477,8 @@ void hapi_remote_close(hapi_remote *r)
     free(r->warm.path);
     pthread_mutex_destroy(&r->index_lock);
     pthread_cond_destroy(&r->index_cond);
+    spill_drop_all(r);
+    pthread_mutex_destroy(&r->spill_lock);
     pthread_mutex_destroy(&r->fetch_lock);
     pthread_cond_destroy(&r->queue_cond);
     pthread_mutex_destroy(&r->warm_control);
@@ -2354,6 +2507,8 @@ void hapi_remote_stats_get(hapi_remote *r, hapi_remote_stats *st)
     st->waits = atomic_load(&r->stats.waits);
     st->failed = atomic_load(&r->stats.failed);
     st->stale = atomic_load(&r->stats.stale);
+    st->cache_put_failures = atomic_load(&r->stats.cache_put_failures);
+    st->uncached_hits = atomic_load(&r->stats.spill_hits);
     pthread_mutex_lock(&r->fetch_lock);
     for (struct fetch *f = r->fetches; f; f = f->next) {
         st->fetches_running += f->started;

@@ -658,3 +658,60 @@ def test_an_index_read_that_hangs_does_not_serve_old_features(tmp_path, storage,
     assert new != old
     assert got.get("later") != old, "served the replaced image's features"
     assert got.get("later") == new, got.get("later")
+
+
+def drop_pages(root, paths):
+    """Drops the kernel's copies of the files, so that the next reads ask the daemon."""
+    for p in paths:
+        fd = os.open(Path(root) / (p + ".feat"), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def fill(disk):
+    """Writes a file on disk until it has no room left; returns its path."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    return filler
+
+
+def test_a_full_cache_disk_costs_the_cache_never_a_read(tmp_path, storage, mounter):
+    """The compute cache's filesystem full: every feature is served all the same, uncached and
+    counted (cache_put_failures); once there is room again, fetched features are kept."""
+    src, st, paths = storage(classes=3, per_class=8)
+    want = feats(st.path, paths)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "hapifs-test", str(disk)], check=True)
+    r = None
+    try:
+        r = remote(mounter, tmp_path, [st.path], cache=str(disk / "cache"), cache_size="2M")
+        filler = fill(disk)
+        assert feats(r.path, paths) == want  # no read failed for want of room
+        s1 = r.ctl("stats")["feat"]
+        assert s1["failed"] == 0 and s1["cache_put_failures"] > 0, s1
+        # a pack per directory, not per file: the rows the cache refused are kept in memory
+        assert s1["fetched"] == len(paths) and r.ctl("stats")["remote"]["packs"] == 3, s1
+        assert s1["uncached_hits"] == len(paths) - 3, s1
+        filler.unlink()  # room again: a row read from memory is offered the cache (once a
+        time.sleep(1.1)  # second), which takes it; then rows are fetched and kept again
+        drop_pages(r.path, paths)
+        assert feats(r.path, paths) == want
+        s2 = r.ctl("stats")["feat"]
+        assert s2["fetched"] == 2 * len(paths), s2
+        assert s2["cache_put_failures"] == s1["cache_put_failures"], (s1, s2)
+        drop_pages(r.path, paths)
+        assert feats(r.path, paths) == want
+        s3 = r.ctl("stats")["feat"]
+        assert s3["hits"] - s2["hits"] == len(paths), (s2, s3)  # served from the cache
+        assert s3["fetched"] == s2["fetched"], (s2, s3)
+    finally:
+        if r is not None:
+            r.unmount()
+        subprocess.run(["umount", str(disk)], check=False)
