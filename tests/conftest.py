@@ -23,11 +23,11 @@ SANITIZER_LOGS = os.environ.get("HAPI_SANITIZER_LOGS")
 
 
 def load_tool(name):
-    """tools/NAME as a module (the tools have no .py name), for a test of its functions."""
+    """bench/NAME as a module (the scripts have no .py name), for a test of its functions."""
     import importlib.machinery
     import importlib.util
     loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"),
-                                                  str(SOURCE_ROOT / "tools" / name))
+                                                  str(SOURCE_ROOT / "bench" / name))
     spec = importlib.util.spec_from_loader(loader.name, loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
