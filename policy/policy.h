@@ -145,12 +145,12 @@ double hapi_profile_memory(const hapi_profile *p, int split, int batch);
                                                 readers: 0.35 ms a file more at RTT 1 ms than at
                                                 0; 2 round trips charged 1.0 ms, 1 charges 0.5 */
 #define HAPI_POLICY_KEPT_OVERHEAD 700        /* ... and their bytes (measured: ~0.7 KB per open) */
-/* The transport's own costs through sshfs, measured with tools/hapifs-cluster's tiers on a core
+/* The transport's own costs through sshfs, measured with bench/hapifs-cluster's tiers on a core
    each (800 cached 1.1 KB .feat files, 2-32 readers, AMD EPYC, a busy machine): CPU per file on
    the storage tier (sftp server, sshd) 0.25-0.43 ms; the time a request takes beyond the RTT,
    0.64 ms (2 readers). The compute tier's per sample is what a training loop costs beside the
    trunk: sshfs and ssh, the DataLoader's workers (np.load, collation), the head's step. Fitted
-   from tools/bench-policy --grid's later epochs at the freeze split, where nothing else runs
+   from bench/bench-policy --grid's later epochs at the freeze split, where nothing else runs
    there (examples/train.py, 2 workers, batch 32, ResNet-18 at 64 px, 1,000 files): 1.3-1.8 ms
    per sample (a microbenchmark of the reads alone gave 0.30-0.48 ms). */
 #define HAPI_POLICY_STORAGE_FILE_MS 0.3
@@ -172,7 +172,7 @@ double hapi_profile_memory(const hapi_profile *p, int split, int batch);
    files in a shuffled order while the storage tier computes them a folder at a time, so the
    tiers wait on each other, and more so the closer their times are. The per-file times of its
    tiers are combined by this norm, (s^p + l^p + c^p)^(1/p), instead of their maximum. Fitted on
-   tools/bench-policy --grid's first epochs with train.py --trunk-first (ResNet-18 at 64 px,
+   bench/bench-policy --grid's first epochs with train.py --trunk-first (ResNet-18 at 64 px,
    1,000 files, 1x, 1 Gbit, 100 Mbit and unshaped, RTT 0 and 1 ms, 30 runs): measured/max 1.01-
    1.61, median 1.25; the 3-norm brings 25 of 30 within 15% (the maximum 9), 2 and 4 fewer.
    Later epochs stay at the maximum, which fitted them best (22 of 30; the 3-norm 15). Over the
@@ -309,7 +309,7 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
  * cached from "candidates". Inputs written before header_bytes, input_bytes, decode_threads and
  * cache_entry_bytes were get the daemon's header for the profile's output, 0, 1 and 0. With
  * the same code, hapi_policy_choose() then gives the same choice: a choice can be replayed
- * after the model changes (tools/policy-eval). Returns 0 or HAPI_EINVAL (says what).
+ * after the model changes (bench/policy-eval). Returns 0 or HAPI_EINVAL (says what).
  */
 int hapi_policy_input_from_json(const char *text, const hapi_profile *profile,
                                 hapi_policy_input *out, hapi_error *err);

@@ -279,7 +279,7 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
     /*
      * Sweeps over every batch until the figures settle. A mount's first second is busy
      * beside the profile (measured: the first sweep at batch 1 3-4x too slow after a
-     * daemonised start, the first two 2x in tools/hapifs-cluster while its ssh and sshfs
+     * daemonised start, the first two 2x in bench/hapifs-cluster while its ssh and sshfs
      * start), so each stage keeps the least of its sweeps' means, and sweeping ends once a
      * sweep lowers no batch's sum over the stages by more than SETTLED, after
      * HAPI_PROFILE_MAX_SWEEPS, or (from the second sweep on) when another would not fit

@@ -17,21 +17,12 @@ BUILD_ROOT = Path(os.environ.get("HAPI_BUILD_ROOT", SOURCE_ROOT / "build"))
 HAPIFS = BUILD_ROOT / "fusefs" / "hapifs"
 EXPORTER = SOURCE_ROOT / "tools" / "hapifs-export-model"
 PYTHON = "/usr/bin/python3"
+# What the tests share with the scripts of bench/ (load_tool loads one as a module).
+sys.path.insert(0, str(SOURCE_ROOT / "bench"))
+from hapitools import ctl_json, daemon_pid, is_mounted, load_tool  # noqa: E402,F401
 
 
 SANITIZER_LOGS = os.environ.get("HAPI_SANITIZER_LOGS")
-
-
-def load_tool(name):
-    """tools/NAME as a module (the tools have no .py name), for a test of its functions."""
-    import importlib.machinery
-    import importlib.util
-    loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"),
-                                                  str(SOURCE_ROOT / "tools" / name))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(autouse=True)
@@ -193,7 +184,7 @@ class Mount:
         return daemon_pid(self.path)
 
     def ctl(self, name):
-        return json.loads((self.path / ".hapifs" / name).read_text())
+        return ctl_json(self.path, name)
 
     def unmount(self):
         if is_mounted(self.path):
@@ -202,28 +193,6 @@ class Mount:
 
     def log_text(self):
         return self.log.read_text() if self.log.exists() else ""
-
-
-def daemon_pid(mountpoint):
-    """The pid of the hapifs process serving mountpoint, from /proc/*/cmdline."""
-    want = os.path.realpath(mountpoint)
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) > 2 and os.path.basename(argv[0]).decode() in ("hapifs", "mount.hapifs") \
-                and os.path.realpath(argv[2].decode()) == want:
-            return int(d.name)
-    return None
-
-
-def is_mounted(path):
-    path = os.path.realpath(path)
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == path for line in f)
 
 
 def abort_connection(mountpoint):

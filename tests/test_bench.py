@@ -1,4 +1,4 @@
-"""Smoke test of tools/bench: a tiny run (--quick) prints every row with positive numbers."""
+"""Smoke test of bench/bench: a tiny run (--quick) prints every row with positive numbers."""
 import json
 import os
 import re
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import BUILD_ROOT, HAPIFS, PYTHON, SOURCE_ROOT
 
-BENCH = SOURCE_ROOT / "tools" / "bench"
+BENCH = SOURCE_ROOT / "bench" / "bench"
 # Row names as regular expressions: the batched ceiling is at the daemon's batch size.
 ROWS = [r"ceiling b1 ", r"ceiling b(?!1 )\d+ ", "usual", "hapifs cold", "hapifs warm remount",
         "hapifs warm kernel cache", r"plain \.npy files", "bytes JPEG", r"bytes \.feat fp16",
@@ -21,7 +21,7 @@ RATIOS = [r"cold/ceiling_b1", r"cold/ceiling_b(?!1$)\d+", "cold/usual", "warm_re
 
 def test_bench_quick(tmp_path):
     if not HAPIFS.exists() or not (BUILD_ROOT / "tests" / "hapi-features").exists() \
-            or not (BUILD_ROOT / "tools" / "fuse-floor").exists():
+            or not (BUILD_ROOT / "bench" / "fuse-floor").exists():
         pytest.skip(f"hapifs or hapi-features is not built in {BUILD_ROOT} (set HAPI_BUILD_ROOT)")
     if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
         pytest.skip("the bench mounts: it needs /dev/fuse and root")

@@ -1,4 +1,4 @@
-"""tools/bench-blas --quick: the installed BLAS alternatives timed side by side (a smoke run)."""
+"""bench/bench-blas --quick: the installed BLAS alternatives timed side by side (a smoke run)."""
 import json
 import os
 import subprocess
@@ -12,14 +12,14 @@ LIB = Path("/usr/lib/x86_64-linux-gnu")
 
 
 def test_bench_blas_quick(tmp_path):
-    if not (BUILD_ROOT / "tools" / "model-time").exists():
-        pytest.skip("tools/model-time is not built")
+    if not (BUILD_ROOT / "bench" / "model-time").exists():
+        pytest.skip("bench/model-time is not built")
     # the two that tools/install-deps installs: no download
     names = [n for n, d in (("reference", "blas"), ("openblas-openmp", "openblas-openmp"))
              if (LIB / d / "libblas.so.3").exists()]
     assert names, "no BLAS installed?"
     env = dict(os.environ, HAPI_BUILD_ROOT=str(BUILD_ROOT))
-    r = subprocess.run([PYTHON, str(SOURCE_ROOT / "tools" / "bench-blas"), "--quick",
+    r = subprocess.run([PYTHON, str(SOURCE_ROOT / "bench" / "bench-blas"), "--quick",
                         "--blas", ",".join(names), "--work", str(tmp_path),
                         "--json", str(tmp_path / "out.json")],
                        capture_output=True, text=True, timeout=600, env=env)

@@ -1,4 +1,4 @@
-"""tools/bench-epochs --quick end to end: a cluster, the usual pipeline against hapifs.
+"""bench/bench-epochs --quick end to end: a cluster, the usual pipeline against hapifs.
 
 A smoke test of the benchmark, not of its figures' size: it checks that the table has the usual
 and hapifs rows with positive figures and that hapifs moved fewer bytes over the links; and, with
@@ -14,7 +14,7 @@ from pathlib import Path
 from test_cluster import dataset, need_cluster  # noqa: F401 (dataset: a fixture)
 from conftest import PYTHON, SOURCE_ROOT, load_tool
 
-BENCH = SOURCE_ROOT / "tools" / "bench-epochs"
+BENCH = SOURCE_ROOT / "bench" / "bench-epochs"
 
 
 def rows(out):

@@ -1,4 +1,4 @@
-"""tools/bench-policy --grid --quick end to end: tiers on their own CPUs, the measured client
+"""bench/bench-policy --grid --quick end to end: tiers on their own CPUs, the measured client
 speed, every run of the cell, and the grid's table.
 
 A smoke test of the benchmark, not of its figures' size: it checks that the cell was measured
@@ -15,7 +15,7 @@ import pytest
 from test_cluster import need_cluster
 from conftest import PYTHON, SOURCE_ROOT, load_tool
 
-BENCH = SOURCE_ROOT / "tools" / "bench-policy"
+BENCH = SOURCE_ROOT / "bench" / "bench-policy"
 
 
 def test_grid_quick(tmp_path):
@@ -108,7 +108,7 @@ def test_grid_quick(tmp_path):
     assert other.returncode != 0
     assert "was measured with --storage-cpus 0, --compute-cpus 1" in other.stderr, other.stderr
 
-    # --replay: the cell keeps its profile, and this build's policy (tools/policy-eval) on it
+    # --replay: the cell keeps its profile, and this build's policy (bench/policy-eval) on it
     # and the cell's inputs predicts every split as the daemon did when the cell was measured
     assert c["profile"]["stages"] and c["profile"]["model_digest"]
     replay = subprocess.run([PYTHON, str(BENCH), "--replay", "--json", str(out)],

@@ -1,4 +1,4 @@
-"""tools/bench-scale --quick end to end: per-file reads through sshfs against -o remote,
+"""bench/bench-scale --quick end to end: per-file reads through sshfs against -o remote,
 with one storage node and with two.
 
 A smoke test of the benchmark: the runs exist with positive figures, the remote mount fetched
@@ -10,7 +10,7 @@ import subprocess
 from test_cluster import need_cluster
 from conftest import PYTHON, SOURCE_ROOT
 
-BENCH = SOURCE_ROOT / "tools" / "bench-scale"
+BENCH = SOURCE_ROOT / "bench" / "bench-scale"
 
 
 def test_quick(tmp_path):

@@ -1,4 +1,4 @@
-"""tools/bench-tenants --quick: several mounts with different models computing at once, through
+"""bench/bench-tenants --quick: several mounts with different models computing at once, through
 one node file, against the same work one mount after another (a smoke run of the benchmark)."""
 import json
 import os
@@ -10,7 +10,7 @@ from conftest import BUILD_ROOT, PYTHON, SOURCE_ROOT, need_hapifs
 def test_bench_tenants_quick(tmp_path):
     need_hapifs()
     env = dict(os.environ, HAPI_BUILD_ROOT=str(BUILD_ROOT))
-    r = subprocess.run([PYTHON, str(SOURCE_ROOT / "tools" / "bench-tenants"), "--quick",
+    r = subprocess.run([PYTHON, str(SOURCE_ROOT / "bench" / "bench-tenants"), "--quick",
                         "--work", str(tmp_path), "--json", str(tmp_path / "out.json")],
                        capture_output=True, text=True, timeout=900, env=env)
     print(r.stdout[-3000:], r.stderr[-3000:])

@@ -1,4 +1,4 @@
-"""tools/bench-warm --quick: warm epochs through a mount per mode against plain files (a smoke run)."""
+"""bench/bench-warm --quick: warm epochs through a mount per mode against plain files (a smoke run)."""
 import json
 import os
 import subprocess
@@ -8,7 +8,7 @@ from conftest import BUILD_ROOT, PYTHON, SOURCE_ROOT
 
 def test_bench_warm_quick(tmp_path):
     env = dict(os.environ, HAPI_BUILD_ROOT=str(BUILD_ROOT))
-    r = subprocess.run([PYTHON, str(SOURCE_ROOT / "tools" / "bench-warm"), "--quick",
+    r = subprocess.run([PYTHON, str(SOURCE_ROOT / "bench" / "bench-warm"), "--quick",
                         "--work", str(tmp_path), "--json", str(tmp_path / "out.json")],
                        capture_output=True, text=True, timeout=900, env=env)
     print(r.stdout[-3000:], r.stderr[-3000:])

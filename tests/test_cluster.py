@@ -1,4 +1,4 @@
-"""tools/hapifs-cluster: storage nodes and a compute node in network namespaces, for real.
+"""bench/hapifs-cluster: storage nodes and a compute node in network namespaces, for real.
 
 Each test brings a cluster up with its own prefix and state dir over a few tens of tiny images,
 and the fixture always takes it down and checks that nothing is left: no namespace, no mount, no
@@ -19,7 +19,7 @@ import pytest
 
 from conftest import HAPIFS, PYTHON, SOURCE_ROOT, daemon_pid, npy_bytes, wait_gone
 
-CLUSTER = SOURCE_ROOT / "tools" / "hapifs-cluster"
+CLUSTER = SOURCE_ROOT / "bench" / "hapifs-cluster"
 _serial = itertools.count()
 
 

@@ -1,4 +1,4 @@
-"""tools/delay-relay: hapifs-cluster's delay line where the kernel has no netem.
+"""bench/delay-relay: hapifs-cluster's delay line where the kernel has no netem.
 
 It is ssh's ProxyCommand: stdin to a TCP connection and back to stdout, each way held DELAY
 seconds. Checked against a TCP server in this process: every byte arrives in order both ways,
@@ -15,7 +15,7 @@ import pytest
 
 from conftest import BUILD_ROOT
 
-RELAY = BUILD_ROOT / "tools" / "delay-relay"
+RELAY = BUILD_ROOT / "bench" / "delay-relay"
 
 
 @pytest.fixture

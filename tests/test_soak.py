@@ -1,4 +1,4 @@
-"""tools/soak for 60 s: 64 readers of .feat files and packs while the split, the cache, the
+"""bench/soak for 60 s: 64 readers of .feat files and packs while the split, the cache, the
 warm-up and the source change at random; every byte checked, none wrong, no error unexplained."""
 import json
 import os
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import BUILD_ROOT, PYTHON, SOURCE_ROOT, need_hapifs
 
-SOAK = SOURCE_ROOT / "tools" / "soak"
+SOAK = SOURCE_ROOT / "bench" / "soak"
 
 
 def test_soak_60s():

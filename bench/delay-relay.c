@@ -1,5 +1,5 @@
 /*
- * delay-relay.c — the delay line of tools/hapifs-cluster where the kernel has no netem.
+ * delay-relay.c — the delay line of bench/hapifs-cluster where the kernel has no netem.
  *
  *   delay-relay HOST PORT DELAY_SECONDS
  *

@@ -1,9 +1,9 @@
 /*
  * policy-eval — the policy's choice replayed off-line: a stored profile and the inputs a mount's
- * policy had (`hapifs-ctl --json policy`, or the "inputs" a tools/bench-policy --grid cell keeps)
+ * policy had (`hapifs-ctl --json policy`, or the "inputs" a bench/bench-policy --grid cell keeps)
  * through this build's hapi_policy_choose(), printed as `hapifs-ctl policy` prints it. With
  * NAME=VALUE an input changed first (rtt_ms=1, client_speed=4, storage_file_ms=0.25): what the
- * policy would pick then. tools/bench-policy --replay scores a grid's measured cells with it
+ * policy would pick then. bench/bench-policy --replay scores a grid's measured cells with it
  * after the model changes, without measuring them again. Not installed.
  *
  *   policy-eval PROFILE.json POLICY.json [NAME=VALUE ...]

@@ -1,5 +1,5 @@
 /*
- * fuse-floor.c — the floor under any FUSE filesystem on this machine, for tools/bench.
+ * fuse-floor.c — the floor under any FUSE filesystem on this machine, for bench/bench.
  *
  *   fuse-floor SOURCE MOUNTPOINT [-f] [--no-open] [--timeout S]
  *

@@ -2,7 +2,7 @@
  * model-time — times each stage of a staged model as a hapifs daemon runs it
  * (the extractor's load: frozen, optimize_for_inference, its thread count),
  * at the batch sizes given, and prints JSON: the BLAS in use, and per stage
- * the median milliseconds per image of each batch. tools/bench-blas runs it
+ * the median milliseconds per image of each batch. bench/bench-blas runs it
  * once per BLAS (LD_LIBRARY_PATH picks the libblas.so.3). Not installed.
  *
  *   model-time MODEL [--batches 1,8] [--reps 3] [--warmups 2] [--threads N] [--bf16]
