@@ -2131,8 +2131,11 @@ END_TEST
 
 static size_t crash_size(const char *path) { return strlen(path) % 2 ? 8192 : 4096; }
 
-/* A child that puts batches (and reads) until it is killed. */
-static void crash_child(const char *dir, int iteration)
+/*
+ * A child that puts batches (and reads) until it is killed; it writes a byte
+ * to ready once its first batch is committed.
+ */
+static void crash_child(const char *dir, int iteration, int ready)
 {
     hapi_cache_options opt = { .max_bytes = 2 << 20 };
     hapi_cache *c = NULL;
@@ -2151,6 +2154,8 @@ static void crash_child(const char *dir, int iteration)
         }
         if (hapi_cache_put(c, &ns, items, 8, NULL) != 0)
             _exit(2);
+        if (seq == 0 && (write(ready, "1", 1) != 1 || close(ready) != 0))
+            _exit(3);
         hapi_cache_value v;
         if (hapi_cache_get(c, &ns, paths[seq % 8], &ID, &v) == 1)
             hapi_cache_release(c, &v); /* lookups (and their access log) are killed too */
@@ -2211,10 +2216,20 @@ START_TEST(kill9_loop)
     int evicting = 0;
     fprintf(stderr, "kill9_loop: seed %u\n", seed);
     for (int it = 0; it < 20; it++) {
+        int ready[2];
+        char byte;
+        ck_assert_int_eq(pipe(ready), 0);
         pid_t child = fork();
         ck_assert_int_ge(child, 0);
-        if (child == 0)
-            crash_child(tmp, it);
+        if (child == 0) {
+            close(ready[0]);
+            crash_child(tmp, it, ready[1]);
+        }
+        close(ready[1]);
+        /* Killed after its first batch, however busy the machine: else a child not yet
+         * scheduled by the kill leaves nothing to verify. */
+        ck_assert_int_eq(read(ready[0], &byte, 1), 1);
+        close(ready[0]);
         struct timespec ts = { 0, (1 + rand_r(&seed) % 50) * 1000000L };
         nanosleep(&ts, NULL);
         kill(child, SIGKILL);
