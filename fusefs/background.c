@@ -1,7 +1,18 @@
 /* background.c — work below every read: the warm-up walker, directory prefetch, the cache keeper. */
-#include "fusefs-int.h"
+#include "background.h"
+#include "cache.h"
+#include "extractor.h"
+#include "hapi.h"
+#include "log.h"
+#include "serve.h"
+#include "shared.h"
+#include "source.h"
+#include "view.h"
 
 #include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -1,12 +1,32 @@
 /* ctl.c — the control files under .hapifs/: their content (JSON) and the table of commands ctl takes. */
-#include "fusefs-int.h"
+#include "ctl.h"
+#include "background.h"
+#include "cache.h"
+#include "extractor.h"
+#include "hapi.h"
+#include "log.h"
+#include "metrics.h"
+#include "options.h"
+#include "pack.h"
+#include "policy.h"
+#include "remote.h"
+#include "serve.h"
+#include "shared.h"
+#include "source.h"
+#include "tune.h"
+#include "uring.h"
+#include "view.h"
+#include "watch.h"
 
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 const char *const hapi_ctl_files[] = { "config", "stats", "metrics", "errors", "profile",
                                        "policy", HAPI_CTL_MODEL, HAPI_CTL_WRITABLE, NULL };

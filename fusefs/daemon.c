@@ -1,5 +1,12 @@
 /* daemon.c — the daemon's life: validate, fork, load, mount, report to the waiting parent, serve, unmount. */
-#include "fusefs-int.h"
+#include "fusefs.h"
+#include "fs.h"
+#include "hapi.h"
+#include "log.h"
+#include "options.h"
+#include "uring.h"
+
+#include <fuse_lowlevel.h>
 
 #include <dirent.h>
 #include <errno.h>

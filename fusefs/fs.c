@@ -1,16 +1,39 @@
 /* fs.c — the FUSE low-level operations: the mirrored source tree, .feat files, passthrough files, the control directory. */
-#include "fusefs-int.h"
+#include "fs.h"
+#include "background.h"
+#include "cache.h"
+#include "ctl.h"
+#include "extractor.h"
+#include "hapi.h"
+#include "log.h"
+#include "options.h"
+#include "pack.h"
+#include "remote.h"
+#include "serve.h"
+#include "shared.h"
+#include "source.h"
+#include "tune.h"
+#include "uring.h"
+#include "view.h"
+#include "watch.h"
+
+#include <fuse_lowlevel.h>
 
 #include <dirent.h>
-#include <linux/fuse.h> /* struct fuse_out_header: a notice libfuse 3.14 cannot send */
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/fuse.h> /* struct fuse_out_header: a notice libfuse 3.14 cannot send */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/inotify.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 

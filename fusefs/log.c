@@ -1,9 +1,12 @@
 /* log.c — the daemon's log (a file, stderr or syslog) and the ring of recent errors behind .hapifs/errors. */
-#include "fusefs-int.h"
+#include "log.h"
+#include "hapi.h"
 
 #include <errno.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -18,10 +18,11 @@
  *   - every sample is labelled with the mountpoint, so that the files of
  *     several mounts can be collected together.
  */
-#include "fusefs-int.h"
+#include "metrics.h"
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

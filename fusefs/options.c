@@ -1,5 +1,10 @@
 /* options.c — the command line and -o options of hapifs and mount.hapifs, parsed and validated before anything loads. */
-#include "fusefs-int.h"
+#include "options.h"
+#include "extractor.h"
+#include "hapi.h"
+#include "log.h"
+#include "policy.h"
+#include "shared.h"
 
 #include <ctype.h>
 #include <dirent.h>
@@ -8,10 +13,12 @@
 #include <grp.h>
 #include <limits.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>

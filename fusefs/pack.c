@@ -1,11 +1,22 @@
 /* pack.c — per-directory packs: the features of a directory's images as one .npy, and its index. */
-#include "fusefs-int.h"
+#include "pack.h"
+#include "cache.h"
+#include "extractor.h"
+#include "hapi.h"
+#include "serve.h"
+#include "shared.h"
+#include "source.h"
+#include "view.h"
 
 #include <errno.h>
 #include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */

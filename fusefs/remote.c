@@ -1,15 +1,26 @@
 /* remote.c — the compute-side feature source: the union of storage mounts seen through a network filesystem, features fetched in bulk as per-directory packs into the local cache. */
-#include "fusefs-int.h"
+#include "remote.h"
+#include "cache.h"
+#include "extractor.h"
+#include "hapi.h"
+#include "log.h"
+#include "shared.h"
+#include "source.h"
+#include "view.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 

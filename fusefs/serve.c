@@ -1,10 +1,19 @@
 /* serve.c — the bytes of a .feat read: a cache lookup or a computation through the view's batcher, into the caller's buffer. */
-#include "fusefs-int.h"
+#include "serve.h"
+#include "cache.h"
+#include "extractor.h"
+#include "hapi.h"
+#include "log.h"
+#include "source.h"
+#include "view.h"
 
 #include <errno.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 

@@ -1,13 +1,19 @@
 /* source.c — the source tree: opens and stats beneath its root, file identities, whole-file loads, the one tree walker. */
-#include "fusefs-int.h"
+#include "source.h"
+#include "cache.h"
+#include "extractor.h"
+#include "hapi.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/openat2.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 

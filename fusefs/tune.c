@@ -1,8 +1,21 @@
 /* tune.c — the mount's split and batch: the profile at mount, the policy's choice, live changes. */
-#include "fusefs-int.h"
+#include "tune.h"
+#include "background.h"
+#include "cache.h"
+#include "extractor.h"
+#include "hapi.h"
+#include "log.h"
+#include "options.h"
+#include "policy.h"
+#include "serve.h"
+#include "source.h"
+#include "view.h"
 
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

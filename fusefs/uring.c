@@ -37,7 +37,11 @@
  * The kernel's interface (include/uapi/linux/fuse.h, protocol 7.42) is not in
  * Debian 12's headers, so its few structures are declared here.
  */
-#include "fusefs-int.h"
+#include "uring.h"
+#include "hapi.h"
+#include "log.h"
+
+#include <fuse_lowlevel.h>
 
 #include <errno.h>
 #include <liburing.h>
@@ -48,6 +52,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

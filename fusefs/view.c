@@ -1,8 +1,14 @@
 /* view.c — what a .feat is at one split (namespace, .npy header, size) and the holder of the current view. */
-#include "fusefs-int.h"
+#include "view.h"
+#include "cache.h"
+#include "extractor.h"
+#include "hapi.h"
 
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -1,15 +1,21 @@
 /* watch.c — changes in the source's directories, from inotify, told to fs.c so that the kernel forgets what changed. */
-#include "fusefs-int.h"
+#include "watch.h"
+#include "hapi.h"
+#include "log.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/inotify.h>
+#include <sys/stat.h>
 #include <sys/statfs.h>
 #include <unistd.h>
 

@@ -3,13 +3,18 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "fusefs-int.h"
+#include "extractor.h"
+#include "hapi.h"
+#include "log.h"
+#include "options.h"
+#include "source.h"
 
 static char tmp[] = "/tmp/hapi-test-fusefs-XXXXXX";
 static char src[512], mnt[512], model[512], cache[512];

@@ -4,6 +4,8 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,7 +14,15 @@
 #include <turbojpeg.h>
 #include <unistd.h>
 
-#include "fusefs-int.h"
+#include "background.h"
+#include "cache.h"
+#include "extractor.h"
+#include "hapi.h"
+#include "log.h"
+#include "pack.h"
+#include "serve.h"
+#include "source.h"
+#include "view.h"
 
 #define PYTHON "/usr/bin/python3"
 #define IMAGES 6 /* a/x0.jpg .. a/x5.jpg */

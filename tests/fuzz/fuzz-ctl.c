@@ -12,7 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "fusefs-int.h"
+#include "ctl.h"
+#include "hapi.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

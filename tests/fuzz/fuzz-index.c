@@ -10,7 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "fusefs-int.h"
+#include "hapi.h"
+#include "remote.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

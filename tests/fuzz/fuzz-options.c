@@ -15,7 +15,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "fusefs-int.h"
+#include "hapi.h"
+#include "log.h"
+#include "options.h"
 #include "policy.h"
 
 static char src[256], mnt[256], model[256], cache[256];
