@@ -257,6 +257,9 @@ int hapi_cache__apply_accesses(hapi_cache *c, MDB_txn *txn, uint64_t *stamp, uin
                                size_t max);
 void hapi_cache__drain_done(hapi_cache *c);
 
+/* format.c: the store's format (see the comments there) */
+int hapi_cache__databases_init(hapi_cache *c, hapi_error *err);
+
 /* evict.c: eviction (see the comments there) */
 int hapi_cache__eviction_goal(hapi_cache *c, uint64_t need, uint64_t *goal);
 int hapi_cache__persist_evictions(hapi_cache *c, bool *full, hapi_error *err);

@@ -134,6 +134,99 @@ void hapi_cache__full_wait(int attempt)
     nanosleep(&ts, NULL);
 }
 
+/* What one eviction transaction did: LRU records deleted, entries gone, bytes freed, whether none is left. */
+struct evict_batch {
+    uint64_t records;
+    uint64_t gone;
+    uint64_t freed;
+    bool empty;
+};
+
+/*
+ * Deletes the least recently used entries in txn, through cur (on "lru"):
+ * up to batch records, or until their estimated footprint reaches room bytes.
+ * Accumulates into *b; returns 0 or an LMDB error.
+ */
+static int evict_oldest(hapi_cache *c, MDB_txn *txn, MDB_cursor *cur, unsigned batch,
+                        uint64_t room, struct evict_batch *b)
+{
+    int rc = 0;
+    while (b->records < batch && b->freed < room) {
+        MDB_val k, v;
+        uint8_t key[HAPI_CACHE__KEY_MAX];
+        rc = mdb_cursor_get(cur, &k, &v, MDB_FIRST);
+        if (rc == MDB_NOTFOUND) {
+            b->empty = true;
+            rc = 0;
+            break;
+        }
+        if (rc)
+            break;
+        /* Copy the key: v points into a page that the deletions below change. */
+        size_t len = v.mv_size <= sizeof(key) ? v.mv_size : 0;
+        memcpy(key, v.mv_data, len);
+        if ((rc = mdb_cursor_del(cur, 0)) != 0)
+            break;
+        if (len == 0)
+            continue; /* not a key of ours: the record alone goes */
+        MDB_val fk = { .mv_size = len, .mv_data = key }, fv;
+        size_t value_size = 0;
+        struct slab_ref ref;
+        bool slab = false;
+        rc = mdb_get(txn, c->features_dbi, &fk, &fv);
+        if (rc == 0) {
+            value_size = fv.mv_size;
+            slab = hapi_cache__slab_ref_of(&fv, &ref);
+            rc = mdb_del(txn, c->features_dbi, &fk, NULL);
+            b->gone += rc == 0;
+            if (rc == 0 && slab)
+                rc = hapi_cache__slot_free(c, txn, &ref);
+        }
+        if (rc == 0 || rc == MDB_NOTFOUND)
+            rc = mdb_del(txn, c->stamps_dbi, &fk, NULL);
+        if (rc == MDB_NOTFOUND)
+            rc = 0;
+        if (rc)
+            break;
+        b->freed += hapi_cache__entry_bytes(c, len, value_size, slab ? 1 : 2) +
+                    (slab ? ref.slot_size : 0);
+        b->records++;
+    }
+    return rc;
+}
+
+/*
+ * Counts the total entries that hapi_cache__evict(), begun at t0 (ns), removed, then
+ * persists the count unless the eviction failed (fail, a hapi code or 0).
+ * Returns fail, or 0 or the hapi code of the persisting write.
+ */
+static int evict_done(hapi_cache *c, uint64_t total, uint64_t t0, int fail, uint64_t *evicted,
+                      hapi_error *err)
+{
+    /*
+     * What the committed batches removed counts even when a later batch failed: the entries are
+     * gone (the counters must balance against the store's entries, as tests check).
+     */
+    if (total == 0)
+        return fail;
+    count(&c->evictions, total);
+    count(&c->evict_ns, hapi_now_ns() - t0);
+    *evicted = total;
+    c->evictions_unpersisted += total;
+    if (fail)
+        return fail; /* the count is persisted with the next eviction */
+
+    /*
+     * Persist the count in a transaction of its own. It also matters to the
+     * put that follows: LMDB reuses only pages freed at least two
+     * transactions before (the previous one may still be some reader's
+     * snapshot), so without it the last batch's pages would stay unusable
+     * for the very put that evicted them. A store full to the last page can
+     * refuse even this write: the count then waits for the next eviction.
+     */
+    return hapi_cache__persist_evictions(c, NULL, err);
+}
+
 /*
  * Evicts least recently used entries, of every namespace, until their
  * estimated footprint reaches goal bytes or none is left, in write
@@ -157,8 +250,7 @@ int hapi_cache__evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_erro
     while (freed < goal && !empty) {
         MDB_txn *txn;
         MDB_cursor *cur = NULL;
-        uint64_t n = 0, gone = 0, batch_freed = 0;
-        bool batch_empty = false;
+        struct evict_batch b = { 0 };
 
         if ((rc = hapi_cache__write_begin(c, &txn, err)) != 0) {
             fail = rc;
@@ -177,47 +269,9 @@ int hapi_cache__evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_erro
             rc = hapi_cache__apply_accesses(c, txn, &stamp, NULL, SIZE_MAX);
         if (rc == 0)
             rc = mdb_cursor_open(txn, c->lru_dbi, &cur);
-        while (rc == 0 && n < batch && freed + batch_freed < goal) {
-            MDB_val k, v;
-            uint8_t key[HAPI_CACHE__KEY_MAX];
-            rc = mdb_cursor_get(cur, &k, &v, MDB_FIRST);
-            if (rc == MDB_NOTFOUND) {
-                batch_empty = true;
-                rc = 0;
-                break;
-            }
-            if (rc)
-                break;
-            /* Copy the key: v points into a page that the deletions below change. */
-            size_t len = v.mv_size <= sizeof(key) ? v.mv_size : 0;
-            memcpy(key, v.mv_data, len);
-            if ((rc = mdb_cursor_del(cur, 0)) != 0)
-                break;
-            if (len == 0)
-                continue; /* not a key of ours: the record alone goes */
-            MDB_val fk = { .mv_size = len, .mv_data = key }, fv;
-            size_t value_size = 0;
-            struct slab_ref ref;
-            bool slab = false;
-            rc = mdb_get(txn, c->features_dbi, &fk, &fv);
-            if (rc == 0) {
-                value_size = fv.mv_size;
-                slab = hapi_cache__slab_ref_of(&fv, &ref);
-                rc = mdb_del(txn, c->features_dbi, &fk, NULL);
-                gone += rc == 0;
-                if (rc == 0 && slab)
-                    rc = hapi_cache__slot_free(c, txn, &ref);
-            }
-            if (rc == 0 || rc == MDB_NOTFOUND)
-                rc = mdb_del(txn, c->stamps_dbi, &fk, NULL);
-            if (rc == MDB_NOTFOUND)
-                rc = 0;
-            if (rc)
-                break;
-            batch_freed += hapi_cache__entry_bytes(c, len, value_size, slab ? 1 : 2) +
-                           (slab ? ref.slot_size : 0);
-            n++;
-        }
+        /* freed < goal here, so goal - freed is the room still to make. */
+        if (rc == 0)
+            rc = evict_oldest(c, txn, cur, batch, goal - freed, &b);
         if (cur)
             mdb_cursor_close(cur);
         if (rc == 0) {
@@ -268,30 +322,9 @@ int hapi_cache__evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_erro
             hapi_cache__drain_done(c);
         skip_apply = false;
         unlocked = false;
-        freed += batch_freed;
-        total += gone;
-        empty = batch_empty;
+        freed += b.freed;
+        total += b.gone;
+        empty = b.empty;
     }
-    /*
-     * What the committed batches removed counts even when a later batch failed: the entries are
-     * gone (the counters must balance against the store's entries, as tests check).
-     */
-    if (total == 0)
-        return fail;
-    count(&c->evictions, total);
-    count(&c->evict_ns, hapi_now_ns() - t0);
-    *evicted = total;
-    c->evictions_unpersisted += total;
-    if (fail)
-        return fail; /* the count is persisted with the next eviction */
-
-    /*
-     * Persist the count in a transaction of its own. It also matters to the
-     * put that follows: LMDB reuses only pages freed at least two
-     * transactions before (the previous one may still be some reader's
-     * snapshot), so without it the last batch's pages would stay unusable
-     * for the very put that evicted them. A store full to the last page can
-     * refuse even this write: the count then waits for the next eviction.
-     */
-    return hapi_cache__persist_evictions(c, NULL, err);
+    return evict_done(c, total, t0, fail, evicted, err);
 }

@@ -11,6 +11,30 @@
  */
 #define SLAB_READ_RETRIES 3
 
+/* Counts a hit on key, begun at t0 (ns), and notes it for the LRU order. */
+static void hit(hapi_cache *c, const uint8_t *key, size_t key_len, uint64_t t0)
+{
+    hapi_cache__note_access(c, key, key_len);
+    count(&c->hits, 1);
+    count(&c->hit_ns, hapi_now_ns() - t0);
+}
+
+/* Counts a miss whose stored value compared as check; returns its kind. */
+static int miss(hapi_cache *c, enum check check)
+{
+    switch (check) {
+    case CHECK_STALE:
+        count(&c->stale, 1);
+        return HAPI_CACHE_MISS_STALE;
+    case CHECK_BAD:
+        count(&c->bad, 1);
+        return HAPI_CACHE_MISS_BAD;
+    default:
+        count(&c->misses, 1);
+        return HAPI_CACHE_MISS_ABSENT;
+    }
+}
+
 int hapi_cache_get(hapi_cache *c, const hapi_cache_namespace *ns, const char *path,
                    const hapi_source_id *id, hapi_cache_value *val)
 {
@@ -50,9 +74,7 @@ int hapi_cache_get(hapi_cache *c, const hapi_cache_namespace *ns, const char *pa
         if (rc == 0 && check == CHECK_OK) {
             /* The transaction pins the pages val->data points into until hapi_cache_release(). */
             val->txn_ = txn;
-            hapi_cache__note_access(c, keybuf, k.mv_size);
-            count(&c->hits, 1);
-            count(&c->hit_ns, hapi_now_ns() - t0);
+            hit(c, keybuf, k.mv_size, t0);
             return 1;
         }
         if (rc != 0 || check != CHECK_SLAB)
@@ -63,9 +85,7 @@ int hapi_cache_get(hapi_cache *c, const hapi_cache_namespace *ns, const char *pa
             hapi_cache__read_end(c, txn);
             val->data = buf;
             val->buf_ = buf;
-            hapi_cache__note_access(c, keybuf, k.mv_size);
-            count(&c->hits, 1);
-            count(&c->hit_ns, hapi_now_ns() - t0);
+            hit(c, keybuf, k.mv_size, t0);
             return 1;
         }
         if (r < 0) {
@@ -103,20 +123,7 @@ int hapi_cache_get(hapi_cache *c, const hapi_cache_namespace *ns, const char *pa
         count(&c->errors, 1);
         return hapi_cache__lmdb_to_code(rc);
     }
-    switch (check) {
-    case CHECK_STALE:
-        val->miss = HAPI_CACHE_MISS_STALE;
-        count(&c->stale, 1);
-        break;
-    case CHECK_BAD:
-        val->miss = HAPI_CACHE_MISS_BAD;
-        count(&c->bad, 1);
-        break;
-    default:
-        val->miss = HAPI_CACHE_MISS_ABSENT;
-        count(&c->misses, 1);
-        break;
-    }
+    val->miss = miss(c, check);
     return 0;
 }
 

@@ -11,179 +11,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* The store's own marker, in the "meta" database under the key "format". */
-#define FORMAT_KEY "format"
-#define FORMAT_MAGIC "hapifs-cache" /* 12 bytes, then a u32 format version */
-#define FORMAT_MAGIC_SIZE 12
-#define FORMAT_RECORD_SIZE (FORMAT_MAGIC_SIZE + 4)
-/*
- * 2 added the "lru" and "stamps" databases; a version-1 store is indexed on
- * open. 3 added the slab files and the "slots" database; the inline values of
- * a version-2 store are still read as they are, and leave by eviction.
- */
-#define FORMAT_VERSION 3
-
 #define DEFAULT_MAX_BYTES (UINT64_C(1) << 30)
 #define DEFAULT_MAX_READERS 512
 
 /* Pooled read transactions keep their reader slot; leave most slots to bursts and other processes. */
 #define POOL_MAX 64
-
-/*
- * Indexes a version-1 store (entries without an LRU order) in txn: stamps in
- * key order, which keeps a directory's entries together.
- */
-static int upgrade_v1(hapi_cache *c, MDB_txn *txn)
-{
-    MDB_cursor *cur;
-    MDB_val k, v;
-    MDB_cursor_op op = MDB_FIRST;
-    uint64_t stamp = 1;
-    int rc = mdb_cursor_open(txn, c->features_dbi, &cur);
-    if (rc)
-        return rc;
-    while ((rc = mdb_cursor_get(cur, &k, &v, op)) == 0) {
-        op = MDB_NEXT;
-        if ((rc = hapi_cache__touch(c, txn, k.mv_data, k.mv_size, &stamp, false, 0)) != 0)
-            break;
-    }
-    mdb_cursor_close(cur);
-    return rc == MDB_NOTFOUND ? 0 : rc;
-}
-
-/*
- * Opens the named databases in one write transaction, creating them in a new
- * store, and checks that an existing store is ours. A new LMDB file has an
- * empty main database; a foreign one has keys but no "meta" database or a
- * format record that is not ours.
- */
-static int init_databases(hapi_cache *c, hapi_error *err)
-{
-    MDB_txn *txn = NULL;
-    MDB_dbi main_dbi;
-    MDB_stat st;
-    MDB_val k, v;
-    uint8_t record[FORMAT_RECORD_SIZE];
-    uint32_t version = FORMAT_VERSION;
-    int rc;
-
-    memcpy(record, FORMAT_MAGIC, FORMAT_MAGIC_SIZE);
-    put_le32(record + FORMAT_MAGIC_SIZE, FORMAT_VERSION);
-
-    rc = mdb_txn_begin(c->env, NULL, 0, &txn);
-    if (rc) {
-        rc = hapi_error_set(err, hapi_cache__lmdb_to_code(rc),
-                            "cache %s: cannot begin a transaction: %s",
-                            c->dir, mdb_strerror(rc));
-        goto fail_begin;
-    }
-    rc = mdb_dbi_open(txn, NULL, 0, &main_dbi);
-    if (rc == 0)
-        rc = mdb_stat(txn, main_dbi, &st);
-    if (rc) {
-        rc = hapi_error_set(err, hapi_cache__lmdb_to_code(rc), "cache %s/data.mdb: %s", c->dir,
-                            mdb_strerror(rc));
-        goto fail_txn;
-    }
-
-    if (st.ms_entries == 0) {
-        /* A new store: mark it as ours before anything else goes in. */
-        rc = mdb_dbi_open(txn, "meta", MDB_CREATE, &c->meta_dbi);
-        if (rc == 0) {
-            k = (MDB_val){ .mv_size = strlen(FORMAT_KEY), .mv_data = FORMAT_KEY };
-            v = (MDB_val){ .mv_size = sizeof(record), .mv_data = record };
-            rc = mdb_put(txn, c->meta_dbi, &k, &v, 0);
-        }
-        if (rc) {
-            rc = hapi_error_set(err, hapi_cache__lmdb_to_code(rc),
-                                "cache %s: cannot initialize the store: %s",
-                                c->dir, mdb_strerror(rc));
-            goto fail_txn;
-        }
-        /*
-         * Slab files left by a store that is gone (reset, or data.mdb deleted)
-         * hold nothing this one names: empty them, under the write lock this
-         * transaction holds, before any slot is handed out.
-         */
-        if ((rc = hapi_cache__slab_files_empty(c)) != 0) {
-            rc = hapi_error_set(err, rc, "cache %s/%s: cannot empty the slab files: %s", c->dir,
-                                HAPI_CACHE__SLAB_DIR, strerror(-rc));
-            goto fail_txn;
-        }
-    } else {
-        rc = mdb_dbi_open(txn, "meta", 0, &c->meta_dbi);
-        if (rc == MDB_NOTFOUND || rc == MDB_INCOMPATIBLE) {
-            rc = hapi_error_set(err, HAPI_ECORRUPT,
-                                "cache %s/data.mdb: an LMDB store that is not hapifs's", c->dir);
-            goto fail_txn;
-        }
-        if (rc) {
-            rc = hapi_error_set(err, hapi_cache__lmdb_to_code(rc), "cache %s/data.mdb: %s", c->dir,
-                                mdb_strerror(rc));
-            goto fail_txn;
-        }
-        k = (MDB_val){ .mv_size = strlen(FORMAT_KEY), .mv_data = FORMAT_KEY };
-        rc = mdb_get(txn, c->meta_dbi, &k, &v);
-        if (rc && rc != MDB_NOTFOUND) {
-            rc = hapi_error_set(err, hapi_cache__lmdb_to_code(rc), "cache %s/data.mdb: %s", c->dir,
-                                mdb_strerror(rc));
-            goto fail_txn;
-        }
-        if (rc == MDB_NOTFOUND || v.mv_size != sizeof(record) ||
-            memcmp(v.mv_data, FORMAT_MAGIC, FORMAT_MAGIC_SIZE) != 0) {
-            rc = hapi_error_set(err, HAPI_ECORRUPT,
-                                "cache %s/data.mdb: an LMDB store that is not hapifs's", c->dir);
-            goto fail_txn;
-        }
-        version = get_le32((const uint8_t *)v.mv_data + FORMAT_MAGIC_SIZE);
-        if (version != FORMAT_VERSION && version != 1 && version != 2) {
-            rc = hapi_error_set(err, HAPI_ECORRUPT,
-                                "cache %s/data.mdb: store format version %u, this hapifs reads %u",
-                                c->dir, version, FORMAT_VERSION);
-            goto fail_txn;
-        }
-    }
-
-    if ((rc = mdb_dbi_open(txn, "features", MDB_CREATE, &c->features_dbi)) != 0 ||
-        (rc = mdb_dbi_open(txn, "lru", MDB_CREATE, &c->lru_dbi)) != 0 ||
-        (rc = mdb_dbi_open(txn, "stamps", MDB_CREATE, &c->stamps_dbi)) != 0 ||
-        (rc = mdb_dbi_open(txn, "slots", MDB_CREATE, &c->slots_dbi)) != 0) {
-        rc = hapi_error_set(err, hapi_cache__lmdb_to_code(rc), "cache %s/data.mdb: databases: %s",
-                            c->dir, mdb_strerror(rc));
-        goto fail_txn;
-    }
-    /*
-     * A version-2 store needs only the "slots" database, made above: its
-     * inline values stay readable as they are.
-     */
-    if (version == 1)
-        rc = upgrade_v1(c, txn);
-    if (rc == 0 && version != FORMAT_VERSION) {
-        k = (MDB_val){ .mv_size = strlen(FORMAT_KEY), .mv_data = FORMAT_KEY };
-        v = (MDB_val){ .mv_size = sizeof(record), .mv_data = record };
-        rc = mdb_put(txn, c->meta_dbi, &k, &v, 0);
-    }
-    if (rc) {
-        rc = hapi_error_set(err, hapi_cache__lmdb_to_code(rc),
-                            "cache %s: cannot upgrade a version-%u store: %s",
-                            c->dir, version, mdb_strerror(rc));
-        goto fail_txn;
-    }
-    /* Handles opened in a committed transaction stay valid for the environment's life. */
-    rc = mdb_txn_commit(txn);
-    if (rc) {
-        rc = hapi_error_set(err, hapi_cache__lmdb_to_code(rc),
-                            "cache %s: cannot commit: %s", c->dir,
-                            mdb_strerror(rc));
-        goto fail_begin;
-    }
-    return 0;
-
-fail_txn:
-    mdb_txn_abort(txn);
-fail_begin:
-    return rc;
-}
 
 /* Creates and opens c->env on c->dir; on failure c->env is NULL and err says why. */
 static int env_open(hapi_cache *c, uint64_t max_bytes, int max_readers, hapi_error *err)
@@ -252,7 +84,7 @@ static int env_open(hapi_cache *c, uint64_t max_bytes, int max_readers, hapi_err
     c->psize = st.ms_psize;
     /* LMDB's me_nodemax: half a page's room, less an index slot, even. */
     c->node_max = (((c->psize - 16) / 2) & ~1u) - 2;
-    rc = init_databases(c, err);
+    rc = hapi_cache__databases_init(c, err);
     if (rc)
         goto fail;
     return 0;
@@ -300,25 +132,16 @@ static int reset_store(const char *dir, hapi_error *err)
     return rc;
 }
 
-int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
-                    hapi_cache **out, hapi_error *err)
+/*
+ * Checks the directory ourselves first: LMDB would report a bare errno on
+ * its lock file, and these are the mistakes an operator makes. Returns 0 or
+ * -errno (err says why).
+ */
+static int dir_check(const char *dir, hapi_error *err)
 {
-    hapi_cache *c = NULL;
-    hapi_error e = { 0 };
     struct stat st;
-    uint64_t max_bytes = opt && opt->max_bytes ? opt->max_bytes : DEFAULT_MAX_BYTES;
-    int max_readers = opt && opt->max_readers > 0 ? opt->max_readers : DEFAULT_MAX_READERS;
     int rc;
 
-    if (out)
-        *out = NULL;
-    if (!dir || !out)
-        return hapi_error_set(err, HAPI_EINVAL, "cache: no directory given");
-
-    /*
-     * Check the directory ourselves first: LMDB would report a bare errno on
-     * its lock file, and these are the mistakes an operator makes.
-     */
     if (stat(dir, &st) != 0) {
         rc = -errno;
         return hapi_error_set(err, rc, "cache directory %s: %s", dir, strerror(-rc));
@@ -329,6 +152,25 @@ int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
         rc = -errno;
         return hapi_error_set(err, rc, "cache directory %s: %s", dir, strerror(-rc));
     }
+    return 0;
+}
+
+int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
+                    hapi_cache **out, hapi_error *err)
+{
+    hapi_cache *c = NULL;
+    hapi_error e = { 0 };
+    uint64_t max_bytes = opt && opt->max_bytes ? opt->max_bytes : DEFAULT_MAX_BYTES;
+    int max_readers = opt && opt->max_readers > 0 ? opt->max_readers : DEFAULT_MAX_READERS;
+    int rc;
+
+    if (out)
+        *out = NULL;
+    if (!dir || !out)
+        return hapi_error_set(err, HAPI_EINVAL, "cache: no directory given");
+
+    if ((rc = dir_check(dir, err)) != 0)
+        return rc;
 
     c = calloc(1, sizeof(*c));
     if (!c) {

@@ -95,18 +95,52 @@ out:
     return rc;
 }
 
-int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
-                   const hapi_cache_item *items, size_t n, hapi_error *err)
+/*
+ * One attempt at writing the batch (write_lock held): a write transaction
+ * that applies the access log, then writes the items. Returns 0 with the
+ * transaction's result in *txn_rc (0 once committed, else an LMDB code or an
+ * errno, the failing item's index in *failed), or the hapi code of a write
+ * that could not begin (err says why).
+ */
+static int put_attempt(hapi_cache *c, const hapi_cache_namespace *ns,
+                       const hapi_cache_item *items, size_t n, size_t *failed, int *txn_rc,
+                       hapi_error *err)
 {
-    MDB_envinfo info;
-    uint64_t need = 0, evicted = 0;
-    size_t failed = 0;
-    bool readers_checked = false, nothing_left = false;
+    MDB_txn *txn;
+    uint64_t stamp = 0;
+    bool applied = c->drain_used > 0;
     int rc;
 
-    if (!c || !ns || (n && !items))
-        return hapi_error_set(err, HAPI_EINVAL, "cache put: missing argument");
-    /* Check every item before the transaction, so a bad one does not cost a half-written batch. */
+    hapi_cache__lmdb_free_pages_update(c);
+    if ((rc = hapi_cache__write_begin(c, &txn, err)) != 0)
+        return rc;
+    rc = hapi_cache__stamp_first(c, txn, &stamp);
+    if (rc == 0 && applied)
+        rc = hapi_cache__apply_accesses(c, txn, &stamp, NULL, SIZE_MAX);
+    if (rc == 0)
+        rc = put_items(c, txn, ns, items, n, &stamp, failed);
+    if (rc == 0 && atomic_load(&c->crash_before_commit))
+        _exit(86);
+    if (rc == 0) {
+        rc = mdb_txn_commit(txn); /* a commit frees the transaction even when it fails */
+    } else {
+        /* MDB_MAP_FULL and other put errors leave the transaction unusable: drop the whole batch. */
+        mdb_txn_abort(txn);
+    }
+    if (rc == 0 && applied)
+        hapi_cache__drain_done(c);
+    *txn_rc = rc;
+    return 0;
+}
+
+/*
+ * Checks every item before the transaction, so a bad one does not cost a
+ * half-written batch, and adds up in *need the bytes they will take. Returns
+ * 0 or HAPI_EINVAL (err says which item).
+ */
+static int items_check(const hapi_cache *c, const hapi_cache_item *items, size_t n,
+                       uint64_t *need, hapi_error *err)
+{
     for (size_t i = 0; i < n; i++) {
         if (!items[i].path)
             return hapi_error_set(err, HAPI_EINVAL, "cache put: item %zu has no path", i);
@@ -118,8 +152,25 @@ int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
         size_t path_len = strlen(items[i].path);
         if (path_len > UINT32_MAX / 2)
             return hapi_error_set(err, HAPI_EINVAL, "cache put: path too long");
-        need += hapi_cache_entry_bytes(c, path_len, items[i].size);
+        *need += hapi_cache_entry_bytes(c, path_len, items[i].size);
     }
+    return 0;
+}
+
+int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
+                   const hapi_cache_item *items, size_t n, hapi_error *err)
+{
+    MDB_envinfo info;
+    uint64_t need = 0, evicted = 0;
+    size_t failed = 0;
+    int txn_rc;
+    bool readers_checked = false, nothing_left = false;
+    int rc;
+
+    if (!c || !ns || (n && !items))
+        return hapi_error_set(err, HAPI_EINVAL, "cache put: missing argument");
+    if ((rc = items_check(c, items, n, &need, err)) != 0)
+        return rc;
     if (n == 0)
         return 0;
 
@@ -149,31 +200,10 @@ int hapi_cache_put(hapi_cache *c, const hapi_cache_namespace *ns,
     }
 
     for (int attempt = 0;; attempt++) {
-        MDB_txn *txn;
-        uint64_t stamp = 0;
-        bool applied = c->drain_used > 0;
-
-        hapi_cache__lmdb_free_pages_update(c);
-        if ((rc = hapi_cache__write_begin(c, &txn, err)) != 0)
+        if ((rc = put_attempt(c, ns, items, n, &failed, &txn_rc, err)) != 0)
             goto out;
-        rc = hapi_cache__stamp_first(c, txn, &stamp);
-        if (rc == 0 && applied)
-            rc = hapi_cache__apply_accesses(c, txn, &stamp, NULL, SIZE_MAX);
-        if (rc == 0)
-            rc = put_items(c, txn, ns, items, n, &stamp, &failed);
-        if (rc == 0 && atomic_load(&c->crash_before_commit))
-            _exit(86);
-        if (rc == 0) {
-            rc = mdb_txn_commit(txn); /* a commit frees the transaction even when it fails */
-        } else {
-            /* MDB_MAP_FULL and other put errors leave the transaction unusable: drop the whole batch. */
-            mdb_txn_abort(txn);
-        }
-        if (rc == 0) {
-            if (applied)
-                hapi_cache__drain_done(c);
+        if ((rc = txn_rc) == 0)
             break;
-        }
         if (rc != MDB_MAP_FULL) {
             /* Errno values here are the disk's (ENOSPC, EIO): the store failed, the caller goes on uncached. */
             rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : hapi_cache__lmdb_to_code(rc),
