@@ -132,6 +132,29 @@ static int reset_store(const char *dir, hapi_error *err)
     return rc;
 }
 
+/* Closes the slab files and destroys the locks of c; fields_free() then ends its teardown. */
+static void locks_destroy(hapi_cache *c)
+{
+    for (int i = 0; i < c->slab_count; i++)
+        close(c->slabs[i].fd);
+    pthread_mutex_destroy(&c->slab_lock);
+    pthread_mutex_destroy(&c->access_lock);
+    pthread_mutex_destroy(&c->write_lock);
+    pthread_mutex_destroy(&c->pool_lock);
+    pthread_cond_destroy(&c->idle);
+}
+
+/* Frees c and the buffers it owns: the last step of its teardown. */
+static void fields_free(hapi_cache *c)
+{
+    free(c->drain);
+    free(c->log);
+    free(c->pool);
+    free(c->slab_dir);
+    free(c->dir);
+    free(c);
+}
+
 /*
  * Checks the directory ourselves first: LMDB would report a bare errno on
  * its lock file, and these are the mistakes an operator makes. Returns 0 or
@@ -228,20 +251,9 @@ int hapi_cache_open(const char *dir, const hapi_cache_options *opt,
     return 0;
 
 fail_locks:
-    for (int i = 0; i < c->slab_count; i++)
-        close(c->slabs[i].fd);
-    pthread_mutex_destroy(&c->slab_lock);
-    pthread_mutex_destroy(&c->access_lock);
-    pthread_mutex_destroy(&c->write_lock);
-    pthread_mutex_destroy(&c->pool_lock);
-    pthread_cond_destroy(&c->idle);
+    locks_destroy(c);
 fail_fields:
-    free(c->drain);
-    free(c->log);
-    free(c->pool);
-    free(c->slab_dir);
-    free(c->dir);
-    free(c);
+    fields_free(c);
 fail_alloc:
     return rc;
 }
@@ -267,17 +279,6 @@ void hapi_cache_close(hapi_cache *c)
      * The slab files are not flushed: a slot that an OS crash loses fails its
      * checksum, a miss, as do LMDB's own lost commits.
      */
-    for (int i = 0; i < c->slab_count; i++)
-        close(c->slabs[i].fd);
-    pthread_mutex_destroy(&c->slab_lock);
-    pthread_mutex_destroy(&c->access_lock);
-    pthread_mutex_destroy(&c->write_lock);
-    pthread_mutex_destroy(&c->pool_lock);
-    pthread_cond_destroy(&c->idle);
-    free(c->drain);
-    free(c->log);
-    free(c->pool);
-    free(c->slab_dir);
-    free(c->dir);
-    free(c);
+    locks_destroy(c);
+    fields_free(c);
 }
