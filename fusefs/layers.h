@@ -71,7 +71,8 @@
  *   watched or goes)
  *   leaves, never held while taking another but the two last ones below:
  *   background prefetch.lock, keeper.lock and warm.status_lock;
- *   remote.c's index_lock, fetch_lock, warm_lock and a remote source's lock;
+ *   remote.c's index_lock, fetch_lock, warm_lock, spill_lock and a remote
+ *   source's lock;
  *   a pack's lock, the packs' failure and partial-row locks; watch.c's table
  *   lock; fs's handles_lock, its notice watchdog's lock and its split
  *   notifier's lock (each epoch notice goes out with neither held); a ctl
