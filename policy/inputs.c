@@ -291,9 +291,12 @@ static int refuse(const hapi_policy_input_spec *s, const char *text, const char 
                           s->words ? ", or " : "", s->words ? s->words : "");
 }
 
-/* The value of one number of the input (every kind but ENUM and MS_LIST's list). */
+/*
+ * The value of one number of the input (every kind but ENUM and MS_LIST's list). On failure
+ * *fault says what the text lacks, when more than the range is to say (in buf, size bytes).
+ */
 static int parse_number(const hapi_policy_input_spec *s, const char *text, double *out,
-                        const char **fault)
+                        const char **fault, char *buf, size_t size)
 {
     const char *unit;
     uint64_t bytes;
@@ -305,7 +308,10 @@ static int parse_number(const hapi_policy_input_spec *s, const char *text, doubl
         case RATE_NO_UNIT: *fault = "no unit, bits or bytes?"; break;
         case RATE_BPS: *fault = "'bps' is ambiguous (tc reads it as bytes), write Mbit or MB/s";
             break;
-        case RATE_UNKNOWN_UNIT: *fault = "unknown unit"; break;
+        case RATE_UNKNOWN_UNIT:
+            snprintf(buf, size, "unknown unit '%s'", unit);
+            *fault = buf;
+            break;
         default: break;
         }
         return HAPI_EINVAL;
@@ -328,6 +334,7 @@ int hapi_policy_input_parse(const char *name, const char *text, hapi_policy_inpu
 {
     const hapi_policy_input_spec *s = hapi_policy_input_find(name);
     const char *fault = NULL;
+    char fault_text[96];
     if (!s)
         return hapi_error_set(err, HAPI_EINVAL, "%s: not an input of the policy",
                               name ? name : "(null)");
@@ -355,7 +362,7 @@ int hapi_policy_input_parse(const char *name, const char *text, hapi_policy_inpu
         return 0;
     }
     if (s->kind != HAPI_INPUT_MS_LIST) {
-        if (parse_number(s, text, &out->number, &fault) < 0 || !(out->number >= s->min) ||
+        if (parse_number(s, text, &out->number, &fault, fault_text, sizeof(fault_text)) < 0 || !(out->number >= s->min) ||
             !(out->number <= s->max))
             return refuse(s, text, fault, err);
         return 0;
@@ -366,9 +373,9 @@ int hapi_policy_input_parse(const char *name, const char *text, hapi_policy_inpu
         char item[64];
         size_t n = strcspn(p, ",");
         if (out->count == HAPI_PROFILE_MAX_STAGES) {
-            char many[48];
-            snprintf(many, sizeof(many), "more than %d stages", HAPI_PROFILE_MAX_STAGES);
-            return refuse(s, text, many, err);
+            snprintf(fault_text, sizeof(fault_text), "more than %d stages",
+                     HAPI_PROFILE_MAX_STAGES);
+            return refuse(s, text, fault_text, err);
         }
         if (n == 0 || n >= sizeof(item))
             return refuse(s, text, NULL, err);

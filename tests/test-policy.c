@@ -782,6 +782,8 @@ START_TEST(inputs_messages)
                                   "1kbit/s..10Tbit/s, e.g. 1Gbit or 125MB/s");
     ck_assert_int_eq(hapi_policy_input_parse("link", "100mbps", &v, &err), HAPI_EINVAL);
     ck_assert_ptr_nonnull(strstr(err.message, "ambiguous"));
+    ck_assert_int_eq(hapi_policy_input_parse("link", "1Gfoo", &v, &err), HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "link 1Gfoo: unknown unit 'Gfoo'; expected"));
     ck_assert_int_eq(hapi_policy_input_parse("link", "125MB/s", &v, &err), 0);
     ck_assert_double_eq(v.number, 1e9);
     ck_assert_int_eq(hapi_policy_input_parse("rtt", "200us", &v, &err), 0);
