@@ -18,6 +18,8 @@
 #include "view.h"
 #include "watch.h"
 
+#include "policy.h"
+
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -873,12 +875,24 @@ static int cmd_batch(hapi_ctl *c, int n, char **words, hapi_error *err)
     return rc < 0 ? command_errno(rc, -EINVAL) : 0;
 }
 
-/* link RATE, client_speed X, epochs N, ..., compute_file_ms MS|default: the policy's inputs. */
+/*
+ * link RATE, client_speed X, epochs N, ..., compute_stages MS,...|none: the policy's inputs,
+ * parsed and checked by its table (policy/inputs.c), as the mount options are.
+ */
 static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
 {
     (void)n;
-    double value = 0;
-    char *end;
+    hapi_policy_input_value in;
+    if (hapi_policy_input_parse(words[0], words[1], &in, err) < 0)
+        return -EINVAL;
+    if (!c)
+        return 0;
+    if (strcmp(words[0], "compute_stages") == 0) {
+        hapi_tune_set_compute_stages(c->cfg.tune, in.count, in.list);
+        hapi_log(HAPI_LOG_INFO, "policy input compute_stages = %s (%d stages)", words[1],
+                 in.count);
+        return 0;
+    }
     int which = strcmp(words[0], "link") == 0           ? HAPI_TUNE_LINK
                 : strcmp(words[0], "client_speed") == 0 ? HAPI_TUNE_CLIENT_SPEED
                 : strcmp(words[0], "rtt") == 0          ? HAPI_TUNE_RTT
@@ -887,71 +901,9 @@ static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
                 : strcmp(words[0], "readers") == 0      ? HAPI_TUNE_READERS
                 : strcmp(words[0], "compute_file_ms") == 0 ? HAPI_TUNE_COMPUTE_FILE_MS
                                                         : HAPI_TUNE_EPOCHS;
-    if (which == HAPI_TUNE_LINK) {
-        if (hapi_policy_parse_rate(words[1], &value, err) < 0)
-            return -EINVAL;
-    } else if (which == HAPI_TUNE_RTT) {
-        if (hapi_fs_parse_time(words[1], &value) < 0)
-            return hapi_error_set(err, -EINVAL, "rtt %s: expected a time, e.g. 1ms, 500us, 0",
-                                  words[1]);
-    } else if (which == HAPI_TUNE_TRANSPORT) {
-        if (strcmp(words[1], "file") != 0 && strcmp(words[1], "pack") != 0)
-            return hapi_error_set(err, -EINVAL, "transport %s: expected file or pack", words[1]);
-        value = strcmp(words[1], "pack") == 0 ? HAPI_TRANSPORT_PACK : HAPI_TRANSPORT_FILE;
-    } else if (which == HAPI_TUNE_COMPUTE_CACHE) {
-        uint64_t bytes;
-        if (hapi_fs_parse_size(words[1], &bytes) < 0)
-            return hapi_error_set(err, -EINVAL, "compute_cache %s: expected a size, e.g. 8G, 0",
-                                  words[1]);
-        value = (double)bytes;
-    } else if (which == HAPI_TUNE_COMPUTE_FILE_MS) {
-        int is_default = strcmp(words[1], "default") == 0; /* < 0 tells tune so */
-        value = is_default ? -1 : strtod(words[1], &end);
-        if (!is_default && (end == words[1] || *end || !(value >= 0) || value > 1e6))
-            return hapi_error_set(err, -EINVAL, "compute_file_ms %s: expected ms, 0 or more "
-                                  "(e.g. 1.2), or default", words[1]);
-    } else {
-        value = strtod(words[1], &end);
-        int is_epochs = which == HAPI_TUNE_EPOCHS || which == HAPI_TUNE_READERS;
-        if (*end || !(value > 0) || value > 1e6 || (is_epochs && value != (int)value))
-            return hapi_error_set(err, -EINVAL, "%s %s: expected a positive %s", words[0],
-                                  words[1], is_epochs ? "whole number" : "number");
-    }
-    if (!c)
-        return 0;
-    hapi_tune_set_input(c->cfg.tune, which, value);
+    /* compute_file_ms default is -1: tune's "back to the policy's constant" */
+    hapi_tune_set_input(c->cfg.tune, which, in.number);
     hapi_log(HAPI_LOG_INFO, "policy input %s = %s", words[0], words[1]);
-    return 0;
-}
-
-/* compute_stages MS,MS,...|none: the compute tier's measured ms per sample of the frozen
-   stages from the first (examples/probe-speed.py prints the line). */
-static int cmd_compute_stages(hapi_ctl *c, int n, char **words, hapi_error *err)
-{
-    (void)n;
-    double ms[HAPI_PROFILE_MAX_STAGES];
-    int count = 0;
-    if (strcmp(words[1], "none") != 0) {
-        const char *p = words[1];
-        for (;;) {
-            char *end;
-            if (count == HAPI_PROFILE_MAX_STAGES)
-                return hapi_error_set(err, -EINVAL, "compute_stages: more than %d stages",
-                                      HAPI_PROFILE_MAX_STAGES);
-            double v = strtod(p, &end);
-            if (end == p || !isfinite(v) || v < 0 || v > 1e9 || (*end && *end != ','))
-                return hapi_error_set(err, -EINVAL, "compute_stages %s: expected ms per sample "
-                                      "of each stage, e.g. 0.8,2.1,3.4, or none", words[1]);
-            ms[count++] = v;
-            if (!*end)
-                break;
-            p = end + 1;
-        }
-    }
-    if (!c)
-        return 0;
-    hapi_tune_set_compute_stages(c->cfg.tune, count, ms);
-    hapi_log(HAPI_LOG_INFO, "policy input compute_stages = %s (%d stages)", words[1], count);
     return 0;
 }
 
@@ -974,7 +926,7 @@ static const struct command {
     { "compute_cache", 1, 1, "compute_cache SIZE", cmd_input },
     { "readers", 1, 1, "readers N", cmd_input },
     { "compute_file_ms", 1, 1, "compute_file_ms MS|default", cmd_input },
-    { "compute_stages", 1, 1, "compute_stages MS,MS,...|none", cmd_compute_stages },
+    { "compute_stages", 1, 1, "compute_stages MS,MS,...|none", cmd_input },
 };
 
 /* Checks one line fully, then carries it out (with c NULL: checks only, remote or not). */

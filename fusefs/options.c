@@ -6,6 +6,8 @@
 #include "policy.h"
 #include "shared.h"
 
+#include "policy.h"
+
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
@@ -263,54 +265,12 @@ void hapi_fs_usage(const char *prog)
 
 int hapi_fs_parse_size(const char *text, uint64_t *out)
 {
-    char *end;
-    errno = 0;
-    if (!text || !*text || !(isdigit((unsigned char)*text) || *text == '.'))
-        return HAPI_EINVAL;
-    double v = strtod(text, &end);
-    if (errno || end == text || v < 0)
-        return HAPI_EINVAL;
-    double mult = 1;
-    switch (toupper((unsigned char)*end)) {
-    case '\0': break;
-    case 'K': mult = 1024.0; end++; break;
-    case 'M': mult = 1024.0 * 1024; end++; break;
-    case 'G': mult = 1024.0 * 1024 * 1024; end++; break;
-    case 'T': mult = 1024.0 * 1024 * 1024 * 1024; end++; break;
-    case 'B': break;
-    default: return HAPI_EINVAL;
-    }
-    if (mult > 1 && (*end == 'i' || *end == 'I'))
-        end++;
-    if (*end == 'B' || *end == 'b')
-        end++;
-    if (*end)
-        return HAPI_EINVAL;
-    v *= mult;
-    if (v >= 18446744073709551615.0)
-        return HAPI_EINVAL;
-    *out = (uint64_t)v;
-    return 0;
+    return hapi_policy_parse_size(text, out, NULL);
 }
 
 int hapi_fs_parse_time(const char *text, double *seconds)
 {
-    char *end;
-    errno = 0;
-    if (!text || !*text || !(isdigit((unsigned char)*text) || *text == '.'))
-        return HAPI_EINVAL;
-    double v = strtod(text, &end);
-    if (errno || end == text || !(v >= 0) || v > 1e6)
-        return HAPI_EINVAL;
-    double unit = 1e-3; /* a bare number is milliseconds, as ping prints it */
-    if (strcmp(end, "s") == 0)
-        unit = 1;
-    else if (strcmp(end, "us") == 0)
-        unit = 1e-6;
-    else if (*end && strcmp(end, "ms") != 0)
-        return HAPI_EINVAL;
-    *seconds = v * unit;
-    return 0;
+    return hapi_policy_parse_time(text, seconds, NULL);
 }
 
 /* A word option: the choices (and their aliases) and the value each stands for. */
@@ -349,9 +309,6 @@ static const struct word_choice preprocess_words[] = {
 static const struct word_choice precision_words[] = {
     { "fp32", HAPI_PRECISION_FP32 }, { "float32", HAPI_PRECISION_FP32 },
     { "bf16", HAPI_PRECISION_BF16 }, { "bfloat16", HAPI_PRECISION_BF16 },
-};
-static const struct word_choice transport_words[] = {
-    { "file", HAPI_TRANSPORT_FILE }, { "pack", HAPI_TRANSPORT_PACK },
 };
 static const struct word_choice prefetch_words[] = {
     { "dir", HAPI_PREFETCH_DIR }, { "off", HAPI_PREFETCH_OFF },
@@ -810,43 +767,30 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
                                   raw->node_cores);
         o->node_cores = (int)v;
     }
+    /* The policy's inputs: parsed and checked by its table (policy/inputs.c), as ctl does. */
     o->link_bps = HAPI_POLICY_LINK_DEFAULT;
-    if (raw->link && (rc = hapi_policy_parse_rate(raw->link, &o->link_bps, err)) < 0)
-        return rc;
-    if (raw->rtt && (rc = hapi_fs_parse_time(raw->rtt, &o->rtt_s)) < 0)
-        return hapi_error_set(err, HAPI_EINVAL, "rtt=%s: expected a time, e.g. 1ms, 500us, 0",
-                              raw->rtt);
     o->transport = HAPI_TRANSPORT_FILE;
-    if ((rc = parse_word("transport", raw->transport, WORDS(transport_words), "file or pack",
-                         &o->transport, err)) < 0)
-        return rc;
     o->client_speed = 1.0;
-    if (raw->client_speed) {
-        char *end;
-        o->client_speed = strtod(raw->client_speed, &end);
-        if (end == raw->client_speed || *end || !(o->client_speed > 0) ||
-            o->client_speed > 1e6)
-            return hapi_error_set(err, HAPI_EINVAL,
-                                  "client_speed=%s: expected a positive number, the compute "
-                                  "tier's speed relative to this node (e.g. 4)",
-                                  raw->client_speed);
-    }
-    o->compute_file_ms = -1; /* the policy's default */
-    if (raw->compute_file_ms) {
-        char *end;
-        o->compute_file_ms = strtod(raw->compute_file_ms, &end);
-        if (end == raw->compute_file_ms || *end || !(o->compute_file_ms >= 0) ||
-            o->compute_file_ms > 1e6)
-            return hapi_error_set(err, HAPI_EINVAL,
-                                  "compute_file_ms=%s: expected ms, 0 or more: what the compute "
-                                  "tier's training loop costs a file beside the stages (e.g. 1.2)",
-                                  raw->compute_file_ms);
-    }
+    o->compute_file_ms = -1; /* the policy's default, as compute_file_ms=default */
     o->epochs = HAPI_POLICY_EPOCHS_DEFAULT;
-    if (raw->epochs) {
-        if (parse_int(raw->epochs, 1, 100000, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "epochs=%s: expected 1..100000", raw->epochs);
-        o->epochs = (int)v;
+    const struct { const char *name, *text; double *number; int *whole; } inputs[] = {
+        { "link", raw->link, &o->link_bps, NULL },
+        { "rtt", raw->rtt, &o->rtt_s, NULL },
+        { "transport", raw->transport, NULL, &o->transport },
+        { "client_speed", raw->client_speed, &o->client_speed, NULL },
+        { "compute_file_ms", raw->compute_file_ms, &o->compute_file_ms, NULL },
+        { "epochs", raw->epochs, NULL, &o->epochs },
+    };
+    for (size_t i = 0; i < sizeof(inputs) / sizeof(*inputs); i++) {
+        hapi_policy_input_value in;
+        if (!inputs[i].text)
+            continue;
+        if ((rc = hapi_policy_input_parse(inputs[i].name, inputs[i].text, &in, err)) < 0)
+            return rc;
+        if (inputs[i].number)
+            *inputs[i].number = in.number;
+        else
+            *inputs[i].whole = (int)in.number;
     }
     if (raw->profile) {
         if (strcmp(raw->profile, "redo") != 0)

@@ -1,75 +1,11 @@
 /* policy.c — the choice of split and batch from a profile, the link and the memory budget, and why. */
 #include "policy.h"
 
-#include <ctype.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
-
-/* -------------------------------------------------------------- rates */
-
-int hapi_policy_parse_rate(const char *text, double *bits_per_s, hapi_error *err)
-{
-    static const struct { const char *prefix; double factor; } prefixes[] = {
-        { "Ki", 1024.0 }, { "Mi", 1048576.0 }, { "Gi", 1073741824.0 },
-        { "Ti", 1099511627776.0 }, { "k", 1e3 }, { "K", 1e3 }, { "M", 1e6 }, { "m", 1e6 },
-        { "G", 1e9 }, { "g", 1e9 }, { "T", 1e12 }, { "t", 1e12 }, { "", 1.0 },
-    };
-    char *end;
-    if (!text || !*text)
-        return hapi_error_set(err, HAPI_EINVAL, "empty link rate");
-    double v = strtod(text, &end);
-    if (end == text || !isfinite(v) || v <= 0)
-        return hapi_error_set(err, HAPI_EINVAL,
-                              "link rate '%s': expected a positive number and a unit, "
-                              "e.g. 1Gbit or 125MB/s", text);
-    while (*end == ' ')
-        end++;
-    if (!*end)
-        return hapi_error_set(err, HAPI_EINVAL,
-                              "link rate '%s' has no unit: write e.g. %sGbit (bits/s) or "
-                              "%sMB/s (bytes/s)", text, text, text);
-    for (size_t i = 0; i < sizeof(prefixes) / sizeof(*prefixes); i++) {
-        size_t n = strlen(prefixes[i].prefix);
-        if (strncmp(end, prefixes[i].prefix, n) != 0)
-            continue;
-        const char *unit = end + n;
-        if (strcasecmp(unit, "bit") == 0 || strcasecmp(unit, "bit/s") == 0 ||
-            strcasecmp(unit, "bits") == 0 || strcasecmp(unit, "bits/s") == 0 ||
-            strcmp(unit, "b/s") == 0) {
-            *bits_per_s = v * prefixes[i].factor;
-            return 0;
-        }
-        if (strcmp(unit, "B/s") == 0 || strcmp(unit, "B") == 0) {
-            *bits_per_s = v * prefixes[i].factor * 8;
-            return 0;
-        }
-    }
-    if (strcasestr(end, "bps"))
-        return hapi_error_set(err, HAPI_EINVAL,
-                              "link rate '%s': 'bps' is ambiguous (tc reads it as bytes); "
-                              "write Mbit or MB/s", text);
-    return hapi_error_set(err, HAPI_EINVAL,
-                          "link rate '%s': unknown unit '%s' (use bit, kbit, Mbit, Gbit, "
-                          "or B/s, kB/s, MB/s, GB/s, MiB/s, ...)", text, end);
-}
-
-void hapi_policy_format_rate(double bps, char *buf, size_t size)
-{
-    if (bps >= 1e12)
-        snprintf(buf, size, "%.4g Tbit/s", bps / 1e12);
-    else if (bps >= 1e9)
-        snprintf(buf, size, "%.4g Gbit/s", bps / 1e9);
-    else if (bps >= 1e6)
-        snprintf(buf, size, "%.4g Mbit/s", bps / 1e6);
-    else if (bps >= 1e3)
-        snprintf(buf, size, "%.4g kbit/s", bps / 1e3);
-    else
-        snprintf(buf, size, "%.4g bit/s", bps);
-}
 
 /* ------------------------------------------------------------- choice */
 

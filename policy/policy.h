@@ -325,6 +325,80 @@ int hapi_policy_parse_rate(const char *text, double *bits_per_s, hapi_error *err
 /* Writes a rate readably ("1 Gbit/s", "100 Mbit/s") into buf. */
 void hapi_policy_format_rate(double bits_per_s, char *buf, size_t size);
 
+/* ------------------------------------------------------------------ inputs */
+
+/*
+ * The policy's inputs an operator gives (mount options, .hapifs/ctl commands,
+ * hapifs-ctl set-*): one table (policy/inputs.c) says for each its meaning,
+ * unit, range and parser, so that every place takes the same values and
+ * refuses the others with the same message.
+ */
+enum hapi_policy_input_kind {
+    HAPI_INPUT_RATE,    /* a link rate (hapi_policy_parse_rate), in bits/s */
+    HAPI_INPUT_TIME,    /* a time (hapi_policy_parse_time), in seconds */
+    HAPI_INPUT_SIZE,    /* a size (hapi_policy_parse_size), in bytes */
+    HAPI_INPUT_FLOAT,   /* a decimal number */
+    HAPI_INPUT_INT,     /* a whole number */
+    HAPI_INPUT_ENUM,    /* one of the words of hapi_policy_input_spec.words: its index */
+    HAPI_INPUT_MS_LIST  /* comma-separated numbers, 1..HAPI_PROFILE_MAX_STAGES of them, each
+                           in range */
+};
+
+/* One input of the table. Every string is static. */
+typedef struct hapi_policy_input_spec {
+    const char *name;    /* the mount option name= and the control command "name VALUE" */
+    const char *meaning; /* what it tells the policy */
+    const char *unit;    /* of the parsed value: "bit/s", "s", "bytes", "ms", "x", ... */
+    int kind;            /* enum hapi_policy_input_kind */
+    double min, max;     /* the range in unit, both included (ENUM: none) */
+    const char *range;   /* the same range as users write it ("1kbit/s..10Tbit/s"); its two
+                            ends parse to min and max */
+    const char *words;   /* ENUM: the choices ("file|pack"); otherwise a word taken instead
+                            of a value ("default", "none"), or NULL */
+    const char *why;     /* why these limits */
+    int mount_option;    /* 1: also a mount option (-o name=VALUE) */
+} hapi_policy_input_spec;
+
+/* A value parsed and checked against its spec. */
+typedef struct hapi_policy_input_value {
+    const hapi_policy_input_spec *spec; /* borrowed from the table: lives for the program */
+    int is_word;         /* spec->words given instead of a value (not for ENUM): number is -1,
+                            count 0 */
+    double number;       /* in spec->unit (INT: a whole number; ENUM: the word's index) */
+    int count;           /* MS_LIST: the numbers in list */
+    double list[HAPI_PROFILE_MAX_STAGES];
+} hapi_policy_input_value;
+
+/* The table: *count entries (count may be NULL). Static; safe from any thread. */
+const hapi_policy_input_spec *hapi_policy_input_specs(size_t *count);
+
+/* The spec of the input called name, or NULL: not an input of the table. */
+const hapi_policy_input_spec *hapi_policy_input_find(const char *name);
+
+/*
+ * Parses text as the input called name and checks it against the table's range. Fills *out
+ * on success. Fails with HAPI_EINVAL and a message that names the input, the value and the
+ * range, the same wherever it is given: "epochs 0: expected a whole number in 1..100000" (a
+ * rate whose unit is missing or ambiguous says so first). An unknown name is HAPI_EINVAL too.
+ * Thread-safe; reads nothing but its arguments and the table.
+ */
+int hapi_policy_input_parse(const char *name, const char *text, hapi_policy_input_value *out,
+                            hapi_error *err);
+
+/*
+ * Parses a time: a number and s, ms or us; a bare number is milliseconds, as
+ * ping prints it ("1ms", "200us", "0.25s", "2"). Not negative, finite.
+ * Returns 0 or HAPI_EINVAL (says why).
+ */
+int hapi_policy_parse_time(const char *text, double *seconds, hapi_error *err);
+
+/*
+ * Parses a size: a number, optionally K, M, G or T (powers of 1024, with or
+ * without i and B: "64K", "1.5G", "2GiB", "512MB"); a bare number is bytes.
+ * Not negative, below 2^64. Returns 0 or HAPI_EINVAL (says why).
+ */
+int hapi_policy_parse_size(const char *text, uint64_t *bytes, hapi_error *err);
+
 #ifdef __cplusplus
 }
 #endif

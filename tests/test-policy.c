@@ -1,4 +1,4 @@
-/* test-policy.c — the choice of split and batch on synthetic profiles; rates; profile JSON round trip. */
+/* test-policy.c — the choice of split and batch on synthetic profiles; rates; the inputs' table; profile JSON round trip. */
 #include <check.h>
 #include <errno.h>
 #include <math.h>
@@ -686,6 +686,140 @@ START_TEST(cpu_quota_from_cgroups)
 }
 END_TEST
 
+/* The text of x in the unit an input's parser reads bare or by its base unit. */
+static void base_text(const hapi_policy_input_spec *s, double x, char *buf, size_t size)
+{
+    if (s->kind == HAPI_INPUT_RATE)
+        snprintf(buf, size, "%.17gbit/s", x);
+    else if (s->kind == HAPI_INPUT_TIME)
+        snprintf(buf, size, "%.17gs", x);
+    else if (s->kind == HAPI_INPUT_SIZE || s->kind == HAPI_INPUT_INT)
+        snprintf(buf, size, "%.0f", x);
+    else
+        snprintf(buf, size, "%.17g", x);
+}
+
+/* Every input parses both ends of its range as written and refuses just past them, with a
+   message that names the input, the value and the range. */
+START_TEST(inputs_boundaries)
+{
+    size_t n;
+    const hapi_policy_input_spec *specs = hapi_policy_input_specs(&n);
+    ck_assert_uint_ge(n, 9);
+    hapi_policy_input_value v;
+    hapi_error err;
+    for (size_t i = 0; i < n; i++) {
+        const hapi_policy_input_spec *s = &specs[i];
+        ck_assert_ptr_eq(hapi_policy_input_find(s->name), s);
+        ck_assert(s->meaning && *s->meaning && s->why && *s->why && s->unit && s->range);
+        if (s->kind == HAPI_INPUT_ENUM) {
+            char word[64];
+            int index = 0;
+            for (const char *w = s->words; *w; index++) {
+                size_t len = strcspn(w, "|");
+                snprintf(word, sizeof(word), "%.*s", (int)len, w);
+                ck_assert_int_eq(hapi_policy_input_parse(s->name, word, &v, &err), 0);
+                ck_assert_double_eq(v.number, index);
+                w += len + (w[len] == '|');
+            }
+            ck_assert_int_eq(hapi_policy_input_parse(s->name, "", &v, &err), HAPI_EINVAL);
+            snprintf(word, sizeof(word), "%sx", s->range);
+            ck_assert_int_eq(hapi_policy_input_parse(s->name, word, &v, &err), HAPI_EINVAL);
+            ck_assert_ptr_nonnull(strstr(err.message, s->range));
+            continue;
+        }
+        /* the range's ends as README.md and the man pages write them */
+        const char *dots = strstr(s->range, "..");
+        ck_assert_ptr_nonnull(dots);
+        char lo[64], hi[64], text[80];
+        snprintf(lo, sizeof(lo), "%.*s", (int)(dots - s->range), s->range);
+        snprintf(hi, sizeof(hi), "%s", dots + 2);
+        ck_assert_msg(hapi_policy_input_parse(s->name, lo, &v, &err) == 0, "%s %s: %s", s->name,
+                      lo, err.message);
+        ck_assert_double_eq(s->kind == HAPI_INPUT_MS_LIST ? v.list[0] : v.number, s->min);
+        ck_assert_msg(hapi_policy_input_parse(s->name, hi, &v, &err) == 0, "%s %s: %s", s->name,
+                      hi, err.message);
+        ck_assert_double_eq(s->kind == HAPI_INPUT_MS_LIST ? v.list[0] : v.number, s->max);
+        /* ... and just outside them: a whole unit for counts and bytes, else a millionth */
+        int whole = s->kind == HAPI_INPUT_INT || s->kind == HAPI_INPUT_SIZE;
+        double below = whole ? s->min - 1 : s->min == 0 ? -1e-6 : s->min * (1 - 1e-6);
+        double above = whole ? s->max + 1 : s->max * (1 + 1e-6);
+        double outside[] = { below, above };
+        for (int k = 0; k < 2; k++) {
+            base_text(s, outside[k], text, sizeof(text));
+            ck_assert_msg(hapi_policy_input_parse(s->name, text, &v, &err) == HAPI_EINVAL,
+                          "%s %s taken", s->name, text);
+            char head[160];
+            snprintf(head, sizeof(head), "%s %s: ", s->name, text);
+            ck_assert_msg(strncmp(err.message, head, strlen(head)) == 0, "%s", err.message);
+            ck_assert_msg(strstr(err.message, s->range), "%s", err.message);
+        }
+        if (s->words) {
+            ck_assert_int_eq(hapi_policy_input_parse(s->name, s->words, &v, &err), 0);
+            ck_assert_int_eq(v.is_word, 1);
+            ck_assert_int_eq(v.count, 0);
+        }
+        ck_assert_int_eq(hapi_policy_input_parse(s->name, "", &v, &err), HAPI_EINVAL);
+        ck_assert_int_eq(hapi_policy_input_parse(s->name, "x", &v, &err), HAPI_EINVAL);
+    }
+    ck_assert_ptr_null(hapi_policy_input_find("frobnicate"));
+    ck_assert_int_eq(hapi_policy_input_parse("frobnicate", "1", &v, &err), HAPI_EINVAL);
+}
+END_TEST
+
+/* The messages users see, the same from a mount option, ctl and hapifs-ctl. */
+START_TEST(inputs_messages)
+{
+    hapi_policy_input_value v;
+    hapi_error err;
+    ck_assert_int_eq(hapi_policy_input_parse("epochs", "0", &v, &err), HAPI_EINVAL);
+    ck_assert_str_eq(err.message, "epochs 0: expected a whole number in 1..100000");
+    ck_assert_int_eq(hapi_policy_input_parse("epochs", "1.5", &v, &err), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_policy_input_parse("epochs", "7", &v, &err), 0);
+    ck_assert_double_eq(v.number, 7);
+    ck_assert_int_eq(hapi_policy_input_parse("link", "100", &v, &err), HAPI_EINVAL);
+    ck_assert_str_eq(err.message, "link 100: no unit, bits or bytes?; expected a link rate in "
+                                  "1kbit/s..10Tbit/s, e.g. 1Gbit or 125MB/s");
+    ck_assert_int_eq(hapi_policy_input_parse("link", "100mbps", &v, &err), HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "ambiguous"));
+    ck_assert_int_eq(hapi_policy_input_parse("link", "1Gfoo", &v, &err), HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "link 1Gfoo: unknown unit 'Gfoo'; expected"));
+    ck_assert_int_eq(hapi_policy_input_parse("link", "125MB/s", &v, &err), 0);
+    ck_assert_double_eq(v.number, 1e9);
+    ck_assert_int_eq(hapi_policy_input_parse("rtt", "200us", &v, &err), 0);
+    ck_assert_double_eq_tol(v.number, 200e-6, 1e-15);
+    ck_assert_int_eq(hapi_policy_input_parse("compute_file_ms", "nan", &v, &err), HAPI_EINVAL);
+    ck_assert_str_eq(err.message, "compute_file_ms nan: expected a number in 0..1000 (ms), or "
+                                  "default");
+    ck_assert_int_eq(hapi_policy_input_parse("compute_file_ms", "default", &v, &err), 0);
+    ck_assert_int_eq(v.is_word, 1);
+    ck_assert_double_eq(v.number, -1);
+    ck_assert_int_eq(hapi_policy_input_parse("transport", "pack", &v, &err), 0);
+    ck_assert_double_eq(v.number, HAPI_TRANSPORT_PACK);
+    ck_assert_int_eq(hapi_policy_input_parse("transport", "bulk", &v, &err), HAPI_EINVAL);
+    ck_assert_str_eq(err.message, "transport bulk: expected file|pack");
+    ck_assert_int_eq(hapi_policy_input_parse("compute_cache", "8G", &v, &err), 0);
+    ck_assert_double_eq(v.number, 8.0 * 1073741824);
+    /* compute_stages: a list, each in range, at most a profile's stages */
+    ck_assert_int_eq(hapi_policy_input_parse("compute_stages", "0.8,2.1,3.4", &v, &err), 0);
+    ck_assert_int_eq(v.count, 3);
+    ck_assert_double_eq(v.list[2], 3.4);
+    ck_assert_int_eq(hapi_policy_input_parse("compute_stages", "0.8,,3.4", &v, &err),
+                     HAPI_EINVAL);
+    ck_assert_int_eq(hapi_policy_input_parse("compute_stages", "0.8,", &v, &err), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_policy_input_parse("compute_stages", "1,60001", &v, &err),
+                     HAPI_EINVAL);
+    char many[4 * (HAPI_PROFILE_MAX_STAGES + 1)] = "1";
+    for (int i = 1; i < HAPI_PROFILE_MAX_STAGES; i++)
+        strcat(many, ",1");
+    ck_assert_int_eq(hapi_policy_input_parse("compute_stages", many, &v, &err), 0);
+    ck_assert_int_eq(v.count, HAPI_PROFILE_MAX_STAGES);
+    strcat(many, ",1");
+    ck_assert_int_eq(hapi_policy_input_parse("compute_stages", many, &v, &err), HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "more than 64 stages"));
+}
+END_TEST
+
 START_TEST(rates)
 {
     double bps;
@@ -817,6 +951,10 @@ int main(void)
     tcase_add_test(tp, interpolation);
     tcase_add_test(tp, sweeps_until_settled);
     suite_add_tcase(s, tp);
+    TCase *ti = tcase_create("inputs");
+    tcase_add_test(ti, inputs_boundaries);
+    tcase_add_test(ti, inputs_messages);
+    suite_add_tcase(s, ti);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BUILD_ROOT
+from conftest import BUILD_ROOT, HAPIFS
 from test_throughput import make_tree
 
 CTL = BUILD_ROOT / "tools" / "hapifs-ctl"
@@ -399,3 +399,42 @@ def test_metrics_are_the_stats_for_prometheus(tree, mounter, models):
     page = page.replace("\\_", "_")  # scdoc's escaped underscores
     missing = [n for n in fams if not re.search(rf"\b{n}\b", page)]
     assert not missing, f"not in hapifs(8): {missing}"
+
+
+def test_an_input_is_refused_alike_by_option_ctl_and_hapifs_ctl(tree, mounter, models, tmp_path):
+    """The policy's inputs have one table (policy/inputs.c): a mount option, a .hapifs/ctl
+    command and hapifs-ctl's set- command refuse the same out-of-range value with the same
+    message, naming the range."""
+    src, _ = tree
+    m = mounter(src, model=models())
+    m.ctl("config")  # waits for the first split
+    mp = tmp_path / "refused"
+    mp.mkdir()
+    cases = [  # name, a value just out of range, hapifs-ctl's command (None: it has none)
+        ("epochs", "100001", None),
+        ("epochs", "0", None),
+        ("link", "999bit", "set-link"),
+        ("rtt", "10.5s", "set-rtt"),
+        ("client_speed", "10001", "set-client-speed"),
+        ("compute_file_ms", "1001", "set-compute-file-ms"),
+    ]
+    for name, bad, command in cases:
+        r = subprocess.run([str(HAPIFS), str(src), str(mp), "-o",
+                            f"model={m.options['model']},cache={tmp_path / 'c'},{name}={bad}"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and r.stderr.startswith("hapifs: "), (name, r.stderr)
+        said = r.stderr.strip()[len("hapifs: "):]
+        assert said.startswith(f"{name} {bad}: expected ") and ".." in said, said
+        fd = os.open(m.path / ".hapifs" / "ctl", os.O_RDWR)
+        try:
+            with pytest.raises(OSError) as e:
+                os.write(fd, f"{name} {bad}\n".encode())
+            assert e.value.errno == errno.EINVAL
+            assert os.pread(fd, 4096, 0).decode() == f"error: {said}\n"
+        finally:
+            os.close(fd)
+        if command:
+            r = ctl(command, bad, m.path)
+            assert r.returncode == 3 and r.stderr == f"hapifs-ctl: {said}\n", (r.stderr, said)
+    assert not os.path.ismount(mp)
+    assert m.ctl("config")["policy"]["epochs"] == 5  # nothing was set

@@ -12,6 +12,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "policy.h"
+
 enum { EXIT_USAGE = 1, EXIT_NOT_MOUNT = 2, EXIT_REFUSED = 3 };
 
 static const char usage_text[] =
@@ -730,6 +732,12 @@ static int cmd_set(const char *mnt, const char *cmd, const char *value)
                           : strcmp(cmd, "set-compute-stages") == 0 ? "compute_stages"
                           : strcmp(cmd, "set-compute-file-ms") == 0 ? "compute_file_ms"
                                                                  : "link";
+    /* A policy input is checked here as the mount would: the same range, the same words. */
+    hapi_policy_input_value input;
+    hapi_error err;
+    if (hapi_policy_input_find(command) &&
+        hapi_policy_input_parse(command, value, &input, &err) < 0)
+        return say("%s", err.message), EXIT_REFUSED;
     int rc = send(mnt, command, value);
     if (rc)
         return rc;

@@ -70,6 +70,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     hapi_fs_parse_size(text, &bytes);
     hapi_fs_parse_time(text, &value);
     hapi_policy_parse_rate(text, &value, &err);
+    size_t ninputs;
+    const hapi_policy_input_spec *inputs = hapi_policy_input_specs(&ninputs);
+    for (size_t i = 0; i < ninputs; i++) {
+        const hapi_policy_input_spec *s = &inputs[i];
+        hapi_policy_input_value in;
+        err.message[0] = '\0';
+        if (hapi_policy_input_parse(s->name, text, &in, &err) < 0) {
+            if (!err.message[0])
+                abort(); /* a refusal says why */
+            continue;
+        }
+        int ranged = !in.is_word && s->kind != HAPI_INPUT_ENUM && s->kind != HAPI_INPUT_MS_LIST;
+        if (ranged && !(in.number >= s->min && in.number <= s->max))
+            abort(); /* a value taken is in range */
+    }
     free(opts);
     free(text);
     return 0;
