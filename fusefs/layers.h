@@ -11,8 +11,16 @@
  *   rank  header        file          job
  *   10    -             main.c        main(): hapifs and mount.hapifs
  *   9     fusefs.h      daemon.c      the daemon's life: validate, fork, mount, serve, unmount
- *   8     fs.h          fs.c          FUSE operations and the node table; the only file
- *                                     that replies to the kernel and maps codes to errno
+ *   8     fs.h          fs.c          the mounted filesystem built and torn down, layer by layer
+ *   8     fs-int.h      -             the insides the fs.c family below shares (the node, its
+ *                                     table, the handles, the functions that cross files)
+ *   8     -             ops.c         the FUSE operations; with noopen.c the only files that
+ *                                     reply to the kernel; maps codes to errno
+ *   8     -             noopen.c      the read path without opens (no_open)
+ *   8     -             attr.c        attribute synthesis: ids and attributes of every kind
+ *   8     -             notify.c      telling the kernel what changed: forgets, epoch notices,
+ *                                     the notice watchdog, split changes, watch batches
+ *   8     -             nodes.c       node ids and the node table, timeouts, watches
  *   7     ctl.h         ctl.c         the .hapifs/ control files and the table of commands
  *   6     tune.h        tune.c        profile, policy, live split and batch changes
  *   5     background.h  background.c  warm-up walker, directory prefetch, cache keeper
@@ -36,7 +44,7 @@
  *   0     layers.h      -             this map
  *
  * FUSE-speaking files (the only ones that may include <fuse_lowlevel.h>):
- *   fs.c daemon.c uring.c
+ *   fs-int.h fs.c ops.c noopen.c attr.c notify.c nodes.c daemon.c uring.c
  * options.c builds the mount's arguments with <fuse_opt.h> (options.h needs
  * its struct fuse_args) but never talks to the kernel; fs.h and uring.h
  * forward-declare libfuse's structs. FUSE_USE_VERSION is set once, in
@@ -66,7 +74,7 @@
  *   remote.c's warm_control  starting and stopping its warm-up (held through the join)
  *   remote.c's check_lock (one source's check at a time), then that source's lock
  *   the batcher's and the cache's own locks (extractor/, cache/)
- *   fs's node table lock, then watch.c's table lock (hapi_watch_add and
+ *   fs's node table lock (nodes.c), then watch.c's table lock (hapi_watch_add and
  *   hapi_watch_remove are called under it when a directory's node is
  *   watched or goes)
  *   leaves, never held while taking another but the two last ones below:
@@ -74,14 +82,14 @@
  *   remote.c's index_lock, fetch_lock, warm_lock, spill_lock and a remote
  *   source's lock;
  *   a pack's lock, the packs' failure and partial-row locks; watch.c's table
- *   lock; fs's handles_lock, its notice watchdog's lock and its split
- *   notifier's lock (each epoch notice goes out with neither held); a ctl
+ *   lock; fs's handles_lock (ops.c), its notice watchdog's lock and its split
+ *   notifier's lock (notify.c) (each epoch notice goes out with neither held); a ctl
  *   handle's lock; uring.c's lock;
  *   then the error ring's lock, then the log's lock (the ring logs with its
  *   own lock released; the log's lock is the last of all).
  * Joining the warm-up walker is allowed while holding warm.lock and, in a
  * split change, tune.switch_lock: the walker takes neither, nor any lock
- * above them. fs.c's on_split_change (invalidate_feats) takes only its node
+ * above them. notify.c's on_split_change (invalidate_feats) takes only its node
  * table lock (and, under it, watch.c's); its remote on_change
  * (invalidate_remote_feats) only its split notifier's lock.
  */
