@@ -133,6 +133,34 @@ out_name:
     return rc;
 }
 
+/*
+ * Mounts se at opt->mountpoint; over a dead mount of ours, beneath it where
+ * that can be done, else after detaching it. Returns 0, or < 0 with err.
+ */
+static int mount_session(struct fuse_session *se, const hapi_fs_options *opt, char *staging,
+                         hapi_error *err)
+{
+    int rc;
+    if (opt->dead_mount) {
+        hapi_fs_abort_dead_mount(opt);
+        if ((rc = mount_beneath(se, opt, staging)) == 0)
+            return 0;
+        if (!staging[0]) {
+            hapi_log(HAPI_LOG_INFO, "%s: cannot mount beneath the dead mount (%s): detaching "
+                     "it first", opt->mountpoint, strerror(-rc));
+            rc = hapi_fs_detach_dead_mount(opt);
+        }
+        /* else mounted beneath, but the dead mount stays above */
+        if (rc < 0)
+            return hapi_error_set(err, rc, "%s is a hapifs mount whose daemon died, and it "
+                                  "cannot be detached: %s", opt->mountpoint, strerror(-rc));
+    }
+    if (fuse_session_mount(se, opt->mountpoint) < 0)
+        return hapi_error_set(err, -EIO, "cannot mount on %s (is /dev/fuse usable?)",
+                              opt->mountpoint);
+    return 0;
+}
+
 /* In the parent: waits for the child's word and turns it into an exit status. */
 static int wait_for_child(int fd, pid_t child, const char *prog)
 {
@@ -261,35 +289,9 @@ int hapi_fs_main(int argc, char *argv[], int helper)
         report(status_fd, prog, -EINVAL, "cannot install signal handlers");
         goto out;
     }
-    int mounted = 0;
-    if (opt.dead_mount) {
-        hapi_fs_abort_dead_mount(&opt);
-        if ((rc = mount_beneath(se, &opt, staging)) == 0)
-            mounted = 1;
-        else if (staging[0]) { /* mounted beneath, but the dead mount stays above */
-            char msg[PATH_MAX + 128];
-            snprintf(msg, sizeof(msg), "%s is a hapifs mount whose daemon died, and it cannot "
-                     "be detached: %s", opt.mountpoint, strerror(-rc));
-            report(status_fd, prog, rc, msg);
-            fuse_remove_signal_handlers(se); /* ours ends with the process, beneath it */
-            goto out;
-        } else
-            hapi_log(HAPI_LOG_INFO, "%s: cannot mount beneath the dead mount (%s): detaching "
-                     "it first", opt.mountpoint, strerror(-rc));
-    }
-    if (!mounted && opt.dead_mount && (rc = hapi_fs_detach_dead_mount(&opt)) < 0) {
-        char msg[PATH_MAX + 128];
-        snprintf(msg, sizeof(msg), "%s is a hapifs mount whose daemon died, and it cannot be "
-                 "detached: %s", opt.mountpoint, strerror(-rc));
-        report(status_fd, prog, rc, msg);
-        fuse_remove_signal_handlers(se);
-        goto out;
-    }
-    if (!mounted && fuse_session_mount(se, opt.mountpoint) < 0) {
-        char msg[PATH_MAX + 64];
-        snprintf(msg, sizeof(msg), "cannot mount on %s (is /dev/fuse usable?)", opt.mountpoint);
-        report(status_fd, prog, -EIO, msg);
-        fuse_remove_signal_handlers(se);
+    if ((rc = mount_session(se, &opt, staging, &err)) < 0) {
+        report(status_fd, prog, rc, err.message);
+        fuse_remove_signal_handlers(se); /* a session mounted beneath ends with the process */
         goto out;
     }
     hapi_fs_probe_epochs(&fs);
