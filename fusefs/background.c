@@ -495,8 +495,7 @@ static void *keeper_main(void *arg)
     pthread_mutex_lock(&bg->keeper.lock);
     while (!bg->keeper.stop) {
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += 1;
+        hapi_deadline_after_ns(&ts, 1000000000u);
         pthread_cond_timedwait(&bg->keeper.cond, &bg->keeper.lock, &ts);
         if (bg->keeper.stop)
             break;
@@ -526,7 +525,7 @@ int hapi_background_start(const hapi_background_config *cfg, hapi_background **o
     pthread_mutex_init(&bg->prefetch.lock, NULL);
     pthread_cond_init(&bg->prefetch.cond, NULL);
     pthread_mutex_init(&bg->keeper.lock, NULL);
-    pthread_cond_init(&bg->keeper.cond, NULL);
+    hapi_cond_init_monotonic(&bg->keeper.cond);
     bg->prefetch.off_split = -1;
 
     if ((rc = pthread_create(&bg->keeper.thread, NULL, keeper_main, bg)) != 0)

@@ -1965,12 +1965,7 @@ static int warm_entry(void *arg, const char *name, int kind, const struct stat *
 static void wait_tick(hapi_remote *r)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_nsec += 50 * 1000000;
-    if (ts.tv_nsec >= 1000000000) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000;
-    }
+    hapi_deadline_after_ns(&ts, 50 * 1000000u);
     pthread_cond_timedwait(&r->queue_cond, &r->fetch_lock, &ts);
 }
 
@@ -2386,7 +2381,7 @@ int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_erro
     pthread_cond_init(&r->index_cond, NULL);
     pthread_mutex_init(&r->fetch_lock, NULL);
     pthread_mutex_init(&r->spill_lock, NULL);
-    pthread_cond_init(&r->queue_cond, NULL);
+    hapi_cond_init_monotonic(&r->queue_cond);
     pthread_mutex_init(&r->warm_control, NULL);
     pthread_mutex_init(&r->warm_lock, NULL);
     r->sources = calloc(cfg->nroots, sizeof(*r->sources));

@@ -408,6 +408,32 @@ START_TEST(test_error_ring_filter)
 }
 END_TEST
 
+/* A timed wait on a monotonic condition with hapi_deadline_after_ns() times out after the wait asked. */
+START_TEST(test_deadline_monotonic)
+{
+    pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cond;
+    ck_assert_int_eq(hapi_cond_init_monotonic(&cond), 0);
+    struct timespec ts;
+    uint64_t t0 = hapi_now_ns();
+    hapi_deadline_after_ns(&ts, 50 * 1000000u);
+    uint64_t at = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    ck_assert_uint_ge(at, t0 + 50 * 1000000u);
+    ck_assert_int_lt(ts.tv_nsec, 1000000000);
+    pthread_mutex_lock(&lock);
+    int rc;
+    do
+        rc = pthread_cond_timedwait(&cond, &lock, &ts);
+    while (rc == 0);
+    pthread_mutex_unlock(&lock);
+    ck_assert_int_eq(rc, ETIMEDOUT);
+    uint64_t waited = hapi_now_ns() - t0;
+    ck_assert_uint_ge(waited, 50 * 1000000u);
+    ck_assert_uint_lt(waited, 5000 * 1000000u);
+    pthread_cond_destroy(&cond);
+}
+END_TEST
+
 int main(void)
 {
     hapi_log_open("/dev/null", 0, 0);
@@ -431,6 +457,7 @@ int main(void)
         { "source_may_see", test_source_may_see },
         { "error_ring", test_error_ring },
         { "error_ring_filter", test_error_ring_filter },
+        { "deadline_monotonic", test_deadline_monotonic },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
         TCase *tc = tcase_create(cases[i].name);
