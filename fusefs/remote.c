@@ -7,6 +7,7 @@
 #include "shared.h"
 #include "source.h"
 #include "view.h"
+#include "warmup.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -42,9 +43,10 @@
  *
  * Locks (leaves in the daemon's order, never held together): index_lock
  * (the index slots), fetch_lock (fetches, their waiters, the queue), a
- * source's lock (its root handle), warm_lock. Above them warm_control, held
- * by a warm-up's start and stop through the join of its walker (which never
- * takes it), so that one walker is started or joined at a time.
+ * source's lock (its root handle), the warm-up's status lock. Above them the
+ * warm-up's control lock (warmup.h), held by its start and stop through the
+ * join of its walker (which never takes it), so that one walker is started or
+ * joined at a time.
  */
 
 #define FETCH_CHUNK (1u << 20)   /* bytes per read of a pack: large sequential reads */
@@ -205,17 +207,7 @@ struct hapi_remote {
     size_t nthreads;
     pthread_t *threads;
 
-    pthread_mutex_t warm_control; /* starting, stopping and joining the walker */
-    pthread_mutex_t warm_lock;
-    pthread_t warm_thread;
-    int warm_running;             /* a thread to join */
-    atomic_int warm_stop;
-    struct {
-        int state;                /* enum hapi_warm_state */
-        char *path;
-        uint64_t total, cached, fetched, failed, dirs;
-        uint64_t t0_ns, t1_ns;
-    } warm;
+    hapi_warmup *warm;            /* the warm-up's walker, root, counters and times */
 
     struct {
         atomic_uint_fast64_t reads, bytes, hits, misses, fetched_rows, waits, failed,
@@ -1631,10 +1623,8 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
         atomic_fetch_add(&s->stats.rows, b - a);
         atomic_fetch_add(&r->stats.fetched_rows, n);
         if (f->warm) {
-            pthread_mutex_lock(&r->warm_lock);
-            r->warm.fetched += n;
-            r->warm.failed += (b - a) - n;
-            pthread_mutex_unlock(&r->warm_lock);
+            hapi_warmup_add(r->warm, HAPI_WARMUP_FETCHED, n);
+            hapi_warmup_add(r->warm, HAPI_WARMUP_FAILED, (b - a) - n);
         }
         a = b;
         if (x->count == 0)
@@ -1950,7 +1940,7 @@ static int warm_entry(void *arg, const char *name, int kind, const struct stat *
 {
     struct warm_walk *w = arg;
     (void)st;
-    if (kind != HAPI_REMOTE_DIR || atomic_load(&w->r->warm_stop))
+    if (kind != HAPI_REMOTE_DIR || hapi_warmup_stopping(w->r->warm))
         return 0;
     char *child = hapi_path_join(w->dir, name);
     if (!child)
@@ -1981,11 +1971,9 @@ static void warm_pack(hapi_remote *r, struct dir_index *x)
         missing += !hit;
         free(path);
     }
-    pthread_mutex_lock(&r->warm_lock);
-    r->warm.total += x->count;
-    r->warm.cached += x->count - missing;
-    r->warm.dirs++;
-    pthread_mutex_unlock(&r->warm_lock);
+    hapi_warmup_add(r->warm, HAPI_WARMUP_TOTAL, x->count);
+    hapi_warmup_add(r->warm, HAPI_WARMUP_CACHED, x->count - missing);
+    hapi_warmup_add(r->warm, HAPI_WARMUP_DIRS, 1);
     if (!missing)
         return;
     pthread_mutex_lock(&r->fetch_lock);
@@ -1994,18 +1982,18 @@ static void warm_pack(hapi_remote *r, struct dir_index *x)
         size_t queued = 0;
         for (struct fetch *f = r->fetches; f; f = f->next)
             queued += f->warm;
-        if (queued < r->nthreads || r->stopping || atomic_load(&r->warm_stop))
+        if (queued < r->nthreads || r->stopping || hapi_warmup_stopping(r->warm))
             break;
         wait_tick(r);
     }
-    if (!r->stopping && !atomic_load(&r->warm_stop))
+    if (!r->stopping && !hapi_warmup_stopping(r->warm))
         fetch_new_locked(r, x, 1);
     pthread_mutex_unlock(&r->fetch_lock);
 }
 
 static int warm_dir(hapi_remote *r, const char *dir)
 {
-    for (size_t i = 0; i < r->nsources && !atomic_load(&r->warm_stop); i++) {
+    for (size_t i = 0; i < r->nsources && !hapi_warmup_stopping(r->warm); i++) {
         struct dir_index *x = NULL;
         if (index_get(r, (int)i, dir, &x) == 0)
             warm_pack(r, x);
@@ -2016,56 +2004,35 @@ static int warm_dir(hapi_remote *r, const char *dir)
     return rc == -ENOENT ? 0 : rc;
 }
 
-static void *warm_thread(void *arg)
+/* The walk, on the warm-up's thread: queue the packs, then wait for their fetches. */
+static void warm_run(void *arg, const char *root, atomic_int *stop)
 {
     hapi_remote *r = arg;
-    pthread_setname_np(pthread_self(), "hapifs-rwarm");
-    pthread_mutex_lock(&r->warm_lock);
-    char *path = strdup(r->warm.path ? r->warm.path : "");
-    pthread_mutex_unlock(&r->warm_lock);
-    if (path)
-        warm_dir(r, path);
-    free(path);
-    /* then wait for the warm-up's fetches */
+    warm_dir(r, root);
     pthread_mutex_lock(&r->fetch_lock);
     for (;;) {
         int pending = 0;
         for (struct fetch *f = r->fetches; f; f = f->next)
             pending |= f->warm;
-        if (!pending || r->stopping || atomic_load(&r->warm_stop))
+        if (!pending || r->stopping || atomic_load(stop))
             break;
         wait_tick(r);
     }
     pthread_mutex_unlock(&r->fetch_lock);
-    pthread_mutex_lock(&r->warm_lock);
-    if (r->warm.state != HAPI_WARM_STOPPED) {
-        r->warm.state = HAPI_WARM_DONE;
-        r->warm.t1_ns = hapi_now_ns();
-    }
-    pthread_mutex_unlock(&r->warm_lock);
-    return NULL;
+}
+
+/* It may wait for queue room or for its fetches, 50 ms at a time. */
+static void warm_wake(void *arg)
+{
+    hapi_remote *r = arg;
+    pthread_mutex_lock(&r->fetch_lock);
+    pthread_cond_broadcast(&r->queue_cond);
+    pthread_mutex_unlock(&r->fetch_lock);
 }
 
 int hapi_remote_warm_stop(hapi_remote *r)
 {
-    pthread_mutex_lock(&r->warm_control);
-    pthread_mutex_lock(&r->warm_lock);
-    int stopped = r->warm.state == HAPI_WARM_RUNNING;
-    if (stopped) {
-        r->warm.state = HAPI_WARM_STOPPED; /* before the walker can say done */
-        r->warm.t1_ns = hapi_now_ns();
-        atomic_store(&r->warm_stop, 1);
-    }
-    pthread_mutex_unlock(&r->warm_lock);
-    if (r->warm_running) {
-        /* It may wait for queue room or for its fetches, 50 ms at a time. */
-        pthread_mutex_lock(&r->fetch_lock);
-        pthread_cond_broadcast(&r->queue_cond);
-        pthread_mutex_unlock(&r->fetch_lock);
-        pthread_join(r->warm_thread, NULL);
-        r->warm_running = 0;
-    }
-    pthread_mutex_unlock(&r->warm_control);
+    int stopped = hapi_warmup_stop(r->warm, 1, NULL);
     if (stopped)
         hapi_log(HAPI_LOG_INFO, "remote warm-up stopped");
     return stopped;
@@ -2073,41 +2040,7 @@ int hapi_remote_warm_stop(hapi_remote *r)
 
 int hapi_remote_warm_start(hapi_remote *r, const char *path)
 {
-    int rc = 0;
-    pthread_mutex_lock(&r->warm_control);
-    pthread_mutex_lock(&r->warm_lock);
-    int busy = r->warm.state == HAPI_WARM_RUNNING;
-    pthread_mutex_unlock(&r->warm_lock);
-    if (busy) {
-        rc = -EBUSY;
-        goto out;
-    }
-    if (r->warm_running) {
-        pthread_join(r->warm_thread, NULL); /* a finished one: it takes warm_lock */
-        r->warm_running = 0;
-    }
-    char *copy = strdup(path);
-    if (!copy) {
-        rc = -ENOMEM;
-        goto out;
-    }
-    pthread_mutex_lock(&r->warm_lock);
-    free(r->warm.path);
-    r->warm.path = copy;
-    r->warm.total = r->warm.cached = r->warm.fetched = r->warm.failed = r->warm.dirs = 0;
-    r->warm.t0_ns = hapi_now_ns();
-    r->warm.t1_ns = 0;
-    r->warm.state = HAPI_WARM_RUNNING;
-    atomic_store(&r->warm_stop, 0);
-    rc = -pthread_create(&r->warm_thread, NULL, warm_thread, r);
-    if (rc == 0)
-        r->warm_running = 1;
-    else
-        r->warm.state = HAPI_WARM_IDLE;
-    pthread_mutex_unlock(&r->warm_lock);
-out:
-    pthread_mutex_unlock(&r->warm_control);
-    return rc;
+    return hapi_warmup_start(r->warm, path);
 }
 
 /* ---------------------------------------------------------------- evict */
@@ -2382,10 +2315,16 @@ int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_erro
     pthread_mutex_init(&r->fetch_lock, NULL);
     pthread_mutex_init(&r->spill_lock, NULL);
     hapi_cond_init_monotonic(&r->queue_cond);
-    pthread_mutex_init(&r->warm_control, NULL);
-    pthread_mutex_init(&r->warm_lock, NULL);
+    static const hapi_warmup_ops warm_ops = {
+        .thread_name = "hapifs-rwarm",
+        .run = warm_run,
+        .wake = warm_wake,
+    };
+    r->warm = hapi_warmup_new(&warm_ops, r);
     r->sources = calloc(cfg->nroots, sizeof(*r->sources));
-    if (!r->sources) {
+    if (!r->sources || !r->warm) {
+        hapi_warmup_free(r->warm);
+        free(r->sources);
         free(r);
         return hapi_error_set(err, -ENOMEM, "out of memory");
     }
@@ -2446,17 +2385,18 @@ void hapi_remote_close(hapi_remote *r)
 {
     if (!r)
         return;
-    atomic_store(&r->warm_stop, 1);
+    if (r->warm)
+        hapi_warmup_cancel(r->warm);
     pthread_mutex_lock(&r->fetch_lock);
     r->stopping = 1;
     pthread_cond_broadcast(&r->queue_cond);
     for (struct fetch *f = r->fetches; f; f = f->next)
         pthread_cond_broadcast(&f->cond);
     pthread_mutex_unlock(&r->fetch_lock);
-    if (r->warm_running)
-        pthread_join(r->warm_thread, NULL);
     for (size_t i = 0; i < r->nthreads; i++)
         pthread_join(r->threads[i], NULL);
+    /* after the fetch threads: a warm-up's fetch counts into it until it ends */
+    hapi_warmup_free(r->warm);
     /* fetches never started: nobody waits on them any more */
     while (r->fetches) {
         struct fetch *f = r->fetches;
@@ -2480,15 +2420,12 @@ void hapi_remote_close(hapi_remote *r)
     }
     free(r->sources);
     free(r->threads);
-    free(r->warm.path);
     pthread_mutex_destroy(&r->index_lock);
     pthread_cond_destroy(&r->index_cond);
     spill_drop_all(r);
     pthread_mutex_destroy(&r->spill_lock);
     pthread_mutex_destroy(&r->fetch_lock);
     pthread_cond_destroy(&r->queue_cond);
-    pthread_mutex_destroy(&r->warm_control);
-    pthread_mutex_destroy(&r->warm_lock);
     free(r);
 }
 
@@ -2521,18 +2458,18 @@ void hapi_remote_stats_get(hapi_remote *r, hapi_remote_stats *st)
         st->fetches_queued += !f->started;
     }
     pthread_mutex_unlock(&r->fetch_lock);
-    pthread_mutex_lock(&r->warm_lock);
-    st->warm_state = r->warm.state;
-    snprintf(st->warm_path, sizeof(st->warm_path), "%s", r->warm.path ? r->warm.path : "");
-    st->warm_total = r->warm.total;
-    st->warm_cached = r->warm.cached;
-    st->warm_fetched = r->warm.fetched;
-    st->warm_failed = r->warm.failed;
-    st->warm_dirs = r->warm.dirs;
-    st->warm_elapsed_s = r->warm.t0_ns ? (double)((r->warm.t1_ns ? r->warm.t1_ns : hapi_now_ns())
-                                                  - r->warm.t0_ns) / 1e9
-                                       : 0;
-    pthread_mutex_unlock(&r->warm_lock);
+    hapi_warmup_status ws;
+    hapi_warmup_status_get(r->warm, &ws);
+    st->warm_state = ws.state;
+    snprintf(st->warm_path, sizeof(st->warm_path), "%s", ws.root ? ws.root : "");
+    st->warm_total = ws.count[HAPI_WARMUP_TOTAL];
+    st->warm_cached = ws.count[HAPI_WARMUP_CACHED];
+    st->warm_fetched = ws.count[HAPI_WARMUP_FETCHED];
+    st->warm_failed = ws.count[HAPI_WARMUP_FAILED];
+    st->warm_dirs = ws.count[HAPI_WARMUP_DIRS];
+    uint64_t t1 = ws.stopped_ns ? ws.stopped_ns : ws.walked_ns ? ws.walked_ns : hapi_now_ns();
+    st->warm_elapsed_s = ws.started_ns ? (double)(t1 - ws.started_ns) / 1e9 : 0;
+    free(ws.root);
 }
 
 size_t hapi_remote_source_count(const hapi_remote *r)
