@@ -34,6 +34,8 @@
  *   2     view.h        view.c        what a .feat is at one split; the current view
  *   2     warmup.h      warmup.c      one warm-up walker at a time (start, stop, pause, status)
  *                                     for background.c and remote.c, which give it their walk
+ *   2     evict.h       evict.c       an evict walk's step: remove one path's cached features,
+ *                                     counted (serve.c's and remote.c's evict walks); the cache only
  *   1     source.h      source.c      the source tree: beneath-the-root opens, identities,
  *                                     whole-file loads, the one tree walker; who asks (creds)
  *   1     watch.h       watch.c       inotify on the source's directories the kernel holds,

@@ -1,6 +1,7 @@
 /* remote.c — the compute-side feature source: the union of storage mounts seen through a network filesystem, features fetched in bulk as per-directory packs into the local cache. */
 #include "remote.h"
 #include "cache.h"
+#include "evict.h"
 #include "extractor.h"
 #include "hapi.h"
 #include "log.h"
@@ -1925,30 +1926,47 @@ served:
 
 /* ----------------------------------------------------------------- warm */
 
-struct warm_walk {
+/* The directory walk of a warm-up or an evict: one directory, then its subdirectories. */
+struct dir_walk {
     hapi_remote *r;
-    char *dir;
+    const char *dir;
+    atomic_int *stop;
+    int (*fn)(hapi_remote *r, const char *dir, void *arg);
+    void *arg;
 };
 
 /*
- * Queues the fetch of every pack of dir that has a row not cached, recursing
- * into subdirectories; keeps at most fetch_threads fetches queued.
+ * Calls fn for dir, then depth first for every directory under it (the union
+ * of the sources' listings): a directory's own files first, then its
+ * children. Stops at fn's failure, or once *stop (if stop is not NULL) is
+ * set. A directory gone meanwhile is not a failure. Returns 0 or < 0.
  */
-static int warm_dir(hapi_remote *r, const char *dir);
+static int walk_dirs(hapi_remote *r, const char *dir, atomic_int *stop,
+                     int (*fn)(hapi_remote *r, const char *dir, void *arg), void *arg);
 
-static int warm_entry(void *arg, const char *name, int kind, const struct stat *st)
+static int walk_entry(void *arg, const char *name, int kind, const struct stat *st)
 {
-    struct warm_walk *w = arg;
+    struct dir_walk *w = arg;
     (void)st;
-    if (kind != HAPI_REMOTE_DIR || hapi_warmup_stopping(w->r->warm))
+    if (kind != HAPI_REMOTE_DIR || (w->stop && atomic_load(w->stop)))
         return 0;
     char *child = hapi_path_join(w->dir, name);
     if (!child)
         return -ENOMEM;
-    /* the directory's own files first, then its children: collect, then recurse */
-    int rc = warm_dir(w->r, child);
+    int rc = walk_dirs(w->r, child, w->stop, w->fn, w->arg);
     free(child);
     return rc;
+}
+
+static int walk_dirs(hapi_remote *r, const char *dir, atomic_int *stop,
+                     int (*fn)(hapi_remote *r, const char *dir, void *arg), void *arg)
+{
+    int rc = fn(r, dir, arg);
+    if (rc < 0)
+        return rc;
+    struct dir_walk w = { r, dir, stop, fn, arg };
+    rc = hapi_remote_list(r, dir, walk_entry, &w);
+    return rc == -ENOENT ? 0 : rc;
 }
 
 /* Waits 50 ms on queue_cond (fetches finishing do not signal it). Under fetch_lock. */
@@ -1991,24 +2009,27 @@ static void warm_pack(hapi_remote *r, struct dir_index *x)
     pthread_mutex_unlock(&r->fetch_lock);
 }
 
-static int warm_dir(hapi_remote *r, const char *dir)
+/*
+ * walk_dirs()'s function for a warm-up: queues the fetch of every pack of dir
+ * that has a row not cached, keeping at most fetch_threads fetches queued.
+ */
+static int warm_dir(hapi_remote *r, const char *dir, void *arg)
 {
+    (void)arg;
     for (size_t i = 0; i < r->nsources && !hapi_warmup_stopping(r->warm); i++) {
         struct dir_index *x = NULL;
         if (index_get(r, (int)i, dir, &x) == 0)
             warm_pack(r, x);
         index_put(x);
     }
-    struct warm_walk w = { r, (char *)dir };
-    int rc = hapi_remote_list(r, dir, warm_entry, &w);
-    return rc == -ENOENT ? 0 : rc;
+    return 0;
 }
 
 /* The walk, on the warm-up's thread: queue the packs, then wait for their fetches. */
 static void warm_run(void *arg, const char *root, atomic_int *stop)
 {
     hapi_remote *r = arg;
-    warm_dir(r, root);
+    walk_dirs(r, root, stop, warm_dir, NULL);
     pthread_mutex_lock(&r->fetch_lock);
     for (;;) {
         int pending = 0;
@@ -2045,51 +2066,27 @@ int hapi_remote_warm_start(hapi_remote *r, const char *path)
 
 /* ---------------------------------------------------------------- evict */
 
-struct evict_walk {
-    hapi_remote *r;
-    char *dir;
-    int count;
-    hapi_error *err;
-};
-
-static int evict_dir(hapi_remote *r, const char *dir, int *count, hapi_error *err);
-
-static int evict_entry(void *arg, const char *name, int kind, const struct stat *st)
+/* walk_dirs()'s function for an evict: removes the features of every row of dir's packs. */
+static int evict_dir(hapi_remote *r, const char *dir, void *arg)
 {
-    struct evict_walk *w = arg;
-    (void)st;
-    if (kind != HAPI_REMOTE_DIR)
-        return 0;
-    char *child = hapi_path_join(w->dir, name);
-    if (!child)
-        return -ENOMEM;
-    int rc = evict_dir(w->r, child, &w->count, w->err);
-    free(child);
-    return rc;
-}
-
-static int evict_dir(hapi_remote *r, const char *dir, int *count, hapi_error *err)
-{
+    hapi_evict_walk *w = arg;
     for (size_t i = 0; i < r->nsources; i++) {
         struct dir_index *x = NULL;
         if (index_get(r, (int)i, dir, &x) < 0)
             continue;
+        w->ns = &x->ns;
         for (size_t k = 0; k < x->count; k++) {
             char *path = hapi_path_join(dir, x->entries[k].name);
-            int rc = path ? hapi_cache_evict_path(r->cfg.cache, &x->ns, path, err) : -ENOMEM;
+            int rc = path ? hapi_evict_walk_path(w, path) : -ENOMEM;
             free(path);
             if (rc < 0) {
                 index_put(x);
                 return rc;
             }
-            *count += rc;
         }
         index_put(x);
     }
-    struct evict_walk w = { r, (char *)dir, 0, err };
-    int rc = hapi_remote_list(r, dir, evict_entry, &w);
-    *count += w.count;
-    return rc == -ENOENT ? 0 : rc;
+    return 0;
 }
 
 /* Adds ns to the n namespaces of set (room for one more) unless it is there; the new count. */
@@ -2165,8 +2162,9 @@ int hapi_remote_evict(hapi_remote *r, const char *path, hapi_error *err)
             return hapi_error_set(err, rc, "'%s': no such file or directory", path);
         return rc;
     }
-    rc = evict_dir(r, path, &count, err);
-    return rc < 0 ? rc : count;
+    hapi_evict_walk w = { r->cfg.cache, NULL, 0, err };
+    rc = walk_dirs(r, path, NULL, evict_dir, &w);
+    return rc < 0 ? rc : w.count;
 }
 
 /* ----------------------------------------------------------- open/close */
