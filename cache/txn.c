@@ -90,8 +90,7 @@ static int remap(hapi_cache *c)
     struct timespec deadline;
     int rc = 0;
 
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    deadline.tv_sec += (time_t)(REMAP_WAIT_NS / 1000000000u);
+    hapi_deadline_after_ns(&deadline, REMAP_WAIT_NS);
 
     pthread_mutex_lock(&c->pool_lock);
     c->remapping = true;

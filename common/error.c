@@ -77,3 +77,10 @@ int hapi_cond_init_monotonic(pthread_cond_t *cond)
     pthread_condattr_destroy(&attr);
     return rc;
 }
+
+void hapi_deadline_after_ns(struct timespec *ts, uint64_t ns)
+{
+    uint64_t at = hapi_now_ns() + ns;
+    ts->tv_sec = (time_t)(at / 1000000000u);
+    ts->tv_nsec = (long)(at % 1000000000u);
+}

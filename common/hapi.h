@@ -6,6 +6,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -69,6 +70,12 @@ uint64_t hapi_cpu_ns(int process);
    CLOCK_MONOTONIC (they then do not move with the wall clock). Returns 0 or a
    positive errno, as pthread_cond_init. */
 int hapi_cond_init_monotonic(pthread_cond_t *cond);
+
+/* Fills ts with the CLOCK_MONOTONIC time ns nanoseconds from now: the deadline
+   for pthread_cond_timedwait on a condition made by hapi_cond_init_monotonic().
+   Every timed wait in hapifs goes through the two, so none moves with the
+   wall clock. */
+void hapi_deadline_after_ns(struct timespec *ts, uint64_t ns);
 
 #ifdef __cplusplus
 }

@@ -445,11 +445,7 @@ static void *inference_main(void *arg)
             uint64_t now = hapi_now_ns();
             if (now < deadline) {
                 struct timespec ts;
-                clock_gettime(CLOCK_MONOTONIC, &ts);
-                uint64_t wake = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec +
-                                (deadline - now);
-                ts.tv_sec = (time_t)(wake / 1000000000u);
-                ts.tv_nsec = (long)(wake % 1000000000u);
+                hapi_deadline_after_ns(&ts, deadline - now);
                 pthread_cond_timedwait(&b->ready_cond, &b->lock, &ts);
                 continue;
             }

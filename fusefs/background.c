@@ -8,6 +8,7 @@
 #include "shared.h"
 #include "source.h"
 #include "view.h"
+#include "warmup.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -46,21 +47,11 @@ struct hapi_background {
     hapi_background_config cfg;
 
     struct {
-        pthread_mutex_t lock;      /* starting, pausing and joining the walker */
-        pthread_mutex_t status_lock; /* leaf: root and started_ns, for readers of the status */
-        pthread_t thread;
-        int running;
-        char *root;                /* what is being warmed, relative to the source */
-        uint64_t started_ns;
-        uint64_t completed_base;   /* the serve layer's warm completions at the start */
-        atomic_int stop, counted, walked;
-        atomic_int stopped;        /* by hapi_warm_stop(): the status says so until a start */
-        uint64_t stopped_ns;       /* when (under status_lock) */
-        atomic_uint_fast64_t total;     /* images found (final once counted) */
-        atomic_uint_fast64_t cached;    /* already in the cache */
-        atomic_uint_fast64_t skipped;   /* vanished or unreadable during the walk */
-        atomic_uint_fast64_t submitted; /* handed to the batcher */
-        hapi_view *view;           /* the walker's, while it walks (under status_lock) */
+        hapi_warmup *run;          /* the walker, its root, counters and times */
+        pthread_mutex_t view_lock; /* leaf: view, for a stop that wakes the walker */
+        hapi_view *view;           /* the walker's, while it walks */
+        atomic_int counted;        /* the walk has counted the tree */
+        atomic_uint_fast64_t completed_base; /* the serve layer's warm completions at the start */
     } warm;
 
     struct {
@@ -96,206 +87,141 @@ static uint64_t warm_completed(hapi_background *bg)
 {
     hapi_serve_stats st;
     hapi_serve_stats_get(bg->cfg.serve, &st);
-    return st.completed[HAPI_PRIORITY_WARM] - bg->warm.completed_base;
+    return st.completed[HAPI_PRIORITY_WARM] - atomic_load(&bg->warm.completed_base);
 }
 
-/* True once the walk is over and everything it submitted has finished. */
-static int warm_finished(hapi_background *bg)
+/* Once the walk is over: whether everything it submitted has finished. */
+static int warm_finished(void *arg)
 {
-    return atomic_load(&bg->warm.walked) &&
-           warm_completed(bg) >= atomic_load(&bg->warm.submitted);
+    hapi_background *bg = arg;
+    return warm_completed(bg) >= hapi_warmup_count(bg->warm.run, HAPI_WARMUP_SUBMITTED);
 }
 
 static int count_one(const hapi_source_entry *e, void *arg)
 {
     hapi_background *bg = arg;
     (void)e;
-    atomic_fetch_add(&bg->warm.total, 1);
+    hapi_warmup_add(bg->warm.run, HAPI_WARMUP_TOTAL, 1);
     return 0;
 }
 
 struct warm_walk {
     hapi_background *bg;
     hapi_view *view;
+    atomic_int *stop;
 };
 
 static int warm_one(const hapi_source_entry *e, void *arg)
 {
     struct warm_walk *w = arg;
-    hapi_background *bg = w->bg;
-    int rc = hapi_serve_queue(bg->cfg.serve, w->view, e->path, HAPI_PRIORITY_WARM,
-                              &bg->warm.stop);
+    hapi_warmup *run = w->bg->warm.run;
+    int rc = hapi_serve_queue(w->bg->cfg.serve, w->view, e->path, HAPI_PRIORITY_WARM, w->stop);
     if (rc == HAPI_QUEUE_SKIPPED)
-        atomic_fetch_add(&bg->warm.skipped, 1);
+        hapi_warmup_add(run, HAPI_WARMUP_SKIPPED, 1);
     else if (rc == HAPI_QUEUE_CACHED)
-        atomic_fetch_add(&bg->warm.cached, 1);
+        hapi_warmup_add(run, HAPI_WARMUP_CACHED, 1);
     else if (rc == 0)
-        atomic_fetch_add(&bg->warm.submitted, 1);
+        hapi_warmup_add(run, HAPI_WARMUP_SUBMITTED, 1);
     return rc < 0 ? rc : 0;
 }
 
-/* The walker. Its root does not change while it runs: hapi_warm_start() joins it first. */
-static void *warm_main(void *arg)
+/* The walk, on the warm-up's thread: count the tree, then queue what is not cached. */
+static void warm_run(void *arg, const char *root, atomic_int *stop)
 {
     hapi_background *bg = arg;
-    pthread_setname_np(pthread_self(), "hapifs-warm");
-    const char *root = bg->warm.root;
-    int rc = hapi_source_walk(bg->cfg.source, root, HAPI_WALK_RECURSE, &bg->warm.stop, count_one,
-                              bg);
+    int rc = hapi_source_walk(bg->cfg.source, root, HAPI_WALK_RECURSE, stop, count_one, bg);
     atomic_store(&bg->warm.counted, 1);
     /* The walker works for the view current once counted (it waits for the first). */
-    struct warm_walk w = { bg, hapi_views_get(bg->cfg.views) };
-    if (!w.view) {
-        atomic_store(&bg->warm.walked, 1);
-        return NULL;
-    }
-    pthread_mutex_lock(&bg->warm.status_lock);
-    bg->warm.view = w.view; /* for halt(), which wakes it where it waits for queue room */
-    pthread_mutex_unlock(&bg->warm.status_lock);
+    struct warm_walk w = { bg, hapi_views_get(bg->cfg.views), stop };
+    if (!w.view)
+        return;
+    pthread_mutex_lock(&bg->warm.view_lock);
+    bg->warm.view = w.view; /* for warm_wake(), which wakes it where it waits for queue room */
+    pthread_mutex_unlock(&bg->warm.view_lock);
     hapi_log(HAPI_LOG_INFO, "warm-up of '%s' started at split %d", root, w.view->split);
     if (rc >= 0)
-        rc = hapi_source_walk(bg->cfg.source, root, HAPI_WALK_RECURSE, &bg->warm.stop, warm_one,
-                              &w);
-    atomic_store(&bg->warm.walked, 1);
+        rc = hapi_source_walk(bg->cfg.source, root, HAPI_WALK_RECURSE, stop, warm_one, &w);
     if (rc < 0 && rc != -ECANCELED)
         hapi_log(HAPI_LOG_WARNING, "warm-up of '%s' stopped: %s", root, hapi_strerror(rc));
     else
         hapi_log(HAPI_LOG_INFO, "warm-up of '%s' queued %llu images (%llu were cached)", root,
-                 (unsigned long long)atomic_load(&bg->warm.submitted),
-                 (unsigned long long)atomic_load(&bg->warm.cached));
-    pthread_mutex_lock(&bg->warm.status_lock);
+                 (unsigned long long)hapi_warmup_count(bg->warm.run, HAPI_WARMUP_SUBMITTED),
+                 (unsigned long long)hapi_warmup_count(bg->warm.run, HAPI_WARMUP_CACHED));
+    pthread_mutex_lock(&bg->warm.view_lock);
     bg->warm.view = NULL;
-    pthread_mutex_unlock(&bg->warm.status_lock);
+    pthread_mutex_unlock(&bg->warm.view_lock);
     hapi_view_put(w.view);
-    return NULL;
+}
+
+/*
+ * A walker waiting for queue room sees the stop flag now, not once a batch
+ * is taken (seconds on a slow model). view_lock is a leaf: wake outside it,
+ * through a reference.
+ */
+static void warm_wake(void *arg)
+{
+    hapi_background *bg = arg;
+    pthread_mutex_lock(&bg->warm.view_lock);
+    hapi_view *v = bg->warm.view;
+    if (v)
+        hapi_view_ref(v);
+    pthread_mutex_unlock(&bg->warm.view_lock);
+    if (v)
+        hapi_batcher_wake(v->batcher);
+    hapi_view_put(v);
+}
+
+static void warm_prepare(void *arg)
+{
+    hapi_background *bg = arg;
+    hapi_serve_stats st;
+    hapi_serve_stats_get(bg->cfg.serve, &st);
+    atomic_store(&bg->warm.completed_base, st.completed[HAPI_PRIORITY_WARM]);
+    atomic_store(&bg->warm.counted, 0);
 }
 
 int hapi_warm_start(hapi_background *bg, const char *path)
 {
-    pthread_mutex_lock(&bg->warm.lock);
-    int rc = 0;
-    if (bg->warm.running && !warm_finished(bg)) {
-        rc = -EBUSY;
-        goto out;
-    }
-    if (bg->warm.running) {
-        pthread_join(bg->warm.thread, NULL);
-        bg->warm.running = 0;
-    }
-    char *root = strdup(path);
-    if (!root) {
-        rc = -ENOMEM;
-        goto out;
-    }
-    /* Readers of the status see the old run or the new one, never a freed path. */
-    pthread_mutex_lock(&bg->warm.status_lock);
-    free(bg->warm.root);
-    bg->warm.root = root;
-    atomic_store(&bg->warm.total, 0);
-    atomic_store(&bg->warm.cached, 0);
-    atomic_store(&bg->warm.skipped, 0);
-    atomic_store(&bg->warm.submitted, 0);
-    atomic_store(&bg->warm.counted, 0);
-    atomic_store(&bg->warm.walked, 0);
-    atomic_store(&bg->warm.stop, 0);
-    atomic_store(&bg->warm.stopped, 0);
-    hapi_serve_stats st;
-    hapi_serve_stats_get(bg->cfg.serve, &st);
-    bg->warm.completed_base = st.completed[HAPI_PRIORITY_WARM];
-    bg->warm.started_ns = hapi_now_ns();
-    pthread_mutex_unlock(&bg->warm.status_lock);
-    if ((rc = pthread_create(&bg->warm.thread, NULL, warm_main, bg)) != 0) {
-        atomic_store(&bg->warm.walked, 1); /* nothing runs: the status says done */
-        rc = -rc;
-        goto out;
-    }
-    bg->warm.running = 1;
-out:
-    pthread_mutex_unlock(&bg->warm.lock);
-    return rc;
-}
-
-/*
- * Stops the walker and joins it (warm.lock held). Returns 1 if it had not
- * finished, with *root (if root is not NULL) a copy of what it was warming.
- */
-static int halt(hapi_background *bg, char **root)
-{
-    int unfinished = bg->warm.running && !warm_finished(bg);
-    if (unfinished) {
-        if (root)
-            *root = strdup(bg->warm.root ? bg->warm.root : "");
-        atomic_store(&bg->warm.stop, 1);
-        /*
-         * A walker waiting for queue room sees the flag now, not once a batch
-         * is taken (seconds on a slow model). status_lock is a leaf: wake
-         * outside it, through a reference.
-         */
-        pthread_mutex_lock(&bg->warm.status_lock);
-        hapi_view *v = bg->warm.view;
-        if (v)
-            hapi_view_ref(v);
-        pthread_mutex_unlock(&bg->warm.status_lock);
-        if (v)
-            hapi_batcher_wake(v->batcher);
-        hapi_view_put(v);
-    }
-    if (bg->warm.running) {
-        pthread_join(bg->warm.thread, NULL);
-        bg->warm.running = 0;
-    }
-    return unfinished;
+    return hapi_warmup_start(bg->warm.run, path);
 }
 
 char *hapi_warm_pause(hapi_background *bg)
 {
     char *root = NULL;
-    pthread_mutex_lock(&bg->warm.lock);
-    halt(bg, &root);
-    pthread_mutex_unlock(&bg->warm.lock);
+    hapi_warmup_stop(bg->warm.run, 0, &root);
     return root;
 }
 
 int hapi_warm_stop(hapi_background *bg)
 {
-    pthread_mutex_lock(&bg->warm.lock);
-    int stopped = halt(bg, NULL);
-    if (stopped) {
-        pthread_mutex_lock(&bg->warm.status_lock);
-        bg->warm.stopped_ns = hapi_now_ns();
-        atomic_store(&bg->warm.stopped, 1);
-        pthread_mutex_unlock(&bg->warm.status_lock);
+    char *root = NULL;
+    int stopped = hapi_warmup_stop(bg->warm.run, 1, &root);
+    if (stopped)
         hapi_log(HAPI_LOG_INFO, "warm-up of '%s' stopped after %llu images queued",
-                 bg->warm.root ? bg->warm.root : "",
-                 (unsigned long long)atomic_load(&bg->warm.submitted));
-    }
-    pthread_mutex_unlock(&bg->warm.lock);
+                 root ? root : "",
+                 (unsigned long long)hapi_warmup_count(bg->warm.run, HAPI_WARMUP_SUBMITTED));
+    free(root);
     return stopped;
 }
 
 int hapi_warm_status_get(hapi_background *bg, hapi_warm_status *ws)
 {
+    hapi_warmup_status st;
+    int rc = hapi_warmup_status_get(bg->warm.run, &st);
     memset(ws, 0, sizeof(*ws));
-    pthread_mutex_lock(&bg->warm.status_lock);
-    int rc = 0;
-    if (bg->warm.root) {
-        ws->path = strdup(bg->warm.root);
-        if (!ws->path)
-            rc = -ENOMEM;
-        ws->total = atomic_load(&bg->warm.total);
-        ws->cached = atomic_load(&bg->warm.cached);
-        ws->skipped = atomic_load(&bg->warm.skipped);
-        ws->submitted = atomic_load(&bg->warm.submitted);
-        ws->completed = warm_completed(bg);
-        int stopped = atomic_load(&bg->warm.stopped);
-        ws->elapsed_s = (double)((stopped ? bg->warm.stopped_ns : hapi_now_ns()) -
-                                 bg->warm.started_ns) / 1e9;
-        ws->state = stopped                         ? HAPI_WARM_STOPPED
-                    : !atomic_load(&bg->warm.counted) ? HAPI_WARM_COUNTING
-                    : warm_finished(bg)             ? HAPI_WARM_DONE
-                                                    : HAPI_WARM_RUNNING;
-    }
-    pthread_mutex_unlock(&bg->warm.status_lock);
+    ws->path = st.root;
+    if (!st.root)
+        return rc;
+    ws->total = st.count[HAPI_WARMUP_TOTAL];
+    ws->cached = st.count[HAPI_WARMUP_CACHED];
+    ws->skipped = st.count[HAPI_WARMUP_SKIPPED];
+    ws->submitted = st.count[HAPI_WARMUP_SUBMITTED];
+    ws->completed = warm_completed(bg);
+    ws->elapsed_s = (double)((st.stopped_ns ? st.stopped_ns : hapi_now_ns()) - st.started_ns) /
+                    1e9;
+    ws->state = st.state == HAPI_WARM_RUNNING && !atomic_load(&bg->warm.counted)
+                    ? HAPI_WARM_COUNTING
+                    : st.state;
     return rc;
 }
 
@@ -495,8 +421,7 @@ static void *keeper_main(void *arg)
     pthread_mutex_lock(&bg->keeper.lock);
     while (!bg->keeper.stop) {
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += 1;
+        hapi_deadline_after_ns(&ts, 1000000000u);
         pthread_cond_timedwait(&bg->keeper.cond, &bg->keeper.lock, &ts);
         if (bg->keeper.stop)
             break;
@@ -521,12 +446,23 @@ int hapi_background_start(const hapi_background_config *cfg, hapi_background **o
     if (!bg)
         return hapi_error_set(err, -ENOMEM, "out of memory");
     bg->cfg = *cfg;
-    pthread_mutex_init(&bg->warm.lock, NULL);
-    pthread_mutex_init(&bg->warm.status_lock, NULL);
+    static const hapi_warmup_ops warm_ops = {
+        .thread_name = "hapifs-warm",
+        .run = warm_run,
+        .finished = warm_finished,
+        .wake = warm_wake,
+        .prepare = warm_prepare,
+    };
+    bg->warm.run = hapi_warmup_new(&warm_ops, bg);
+    if (!bg->warm.run) {
+        free(bg);
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    }
+    pthread_mutex_init(&bg->warm.view_lock, NULL);
     pthread_mutex_init(&bg->prefetch.lock, NULL);
     pthread_cond_init(&bg->prefetch.cond, NULL);
     pthread_mutex_init(&bg->keeper.lock, NULL);
-    pthread_cond_init(&bg->keeper.cond, NULL);
+    hapi_cond_init_monotonic(&bg->keeper.cond);
     bg->prefetch.off_split = -1;
 
     if ((rc = pthread_create(&bg->keeper.thread, NULL, keeper_main, bg)) != 0)
@@ -560,7 +496,7 @@ void hapi_background_stop(hapi_background *bg)
         pthread_mutex_unlock(&bg->keeper.lock);
         pthread_join(bg->keeper.thread, NULL);
     }
-    atomic_store(&bg->warm.stop, 1);
+    hapi_warmup_cancel(bg->warm.run);
     pthread_mutex_lock(&bg->prefetch.lock);
     atomic_store(&bg->prefetch.stop, 1); /* under the lock: the walker cannot miss it */
     pthread_cond_broadcast(&bg->prefetch.cond);
@@ -570,8 +506,7 @@ void hapi_background_stop(hapi_background *bg)
     if (v)
         hapi_batcher_stop(v->batcher);
     hapi_view_put(v);
-    if (bg->warm.running)
-        pthread_join(bg->warm.thread, NULL);
+    hapi_warmup_free(bg->warm.run);
     if (bg->prefetch.running)
         pthread_join(bg->prefetch.thread, NULL);
     while (bg->prefetch.head) {
@@ -581,9 +516,7 @@ void hapi_background_stop(hapi_background *bg)
         free(d);
     }
     free(bg->prefetch.seen);
-    free(bg->warm.root);
-    pthread_mutex_destroy(&bg->warm.lock);
-    pthread_mutex_destroy(&bg->warm.status_lock);
+    pthread_mutex_destroy(&bg->warm.view_lock);
     pthread_mutex_destroy(&bg->prefetch.lock);
     pthread_cond_destroy(&bg->prefetch.cond);
     pthread_mutex_destroy(&bg->keeper.lock);

@@ -32,6 +32,10 @@
  *                                     union of storage mounts, packs fetched into the cache;
  *                                     it uses only source.c and view.c
  *   2     view.h        view.c        what a .feat is at one split; the current view
+ *   2     warmup.h      warmup.c      one warm-up walker at a time (start, stop, pause, status)
+ *                                     for background.c and remote.c, which give it their walk
+ *   2     evict.h       evict.c       an evict walk's step: remove one path's cached features,
+ *                                     counted (serve.c's and remote.c's evict walks); the cache only
  *   1     source.h      source.c      the source tree: beneath-the-root opens, identities,
  *                                     whole-file loads, the one tree walker; who asks (creds)
  *   1     watch.h       watch.c       inotify on the source's directories the kernel holds,
@@ -68,26 +72,26 @@
  * Lock order (a thread holding one may take only those after it):
  *   tune.switch_lock      one split change at a time, held through it (and
  *                         through the on_split_change callback)
- *   background warm.lock  starting, pausing and joining the warm-up walker
+ *   background's warm-up control lock (warmup.h): starting, pausing, joining its walker
  *   tune.lock             the profile and the policy's inputs
  *   views.lock            the current view (leaf but for view refcounts)
- *   remote.c's warm_control  starting and stopping its warm-up (held through the join)
+ *   remote.c's warm-up control lock (warmup.h), held through the join
  *   remote.c's check_lock (one source's check at a time), then that source's lock
  *   the batcher's and the cache's own locks (extractor/, cache/)
  *   fs's node table lock (nodes.c), then watch.c's table lock (hapi_watch_add and
  *   hapi_watch_remove are called under it when a directory's node is
  *   watched or goes)
  *   leaves, never held while taking another but the two last ones below:
- *   background prefetch.lock, keeper.lock and warm.status_lock;
- *   remote.c's index_lock, fetch_lock, warm_lock, spill_lock and a remote
- *   source's lock;
+ *   background prefetch.lock, keeper.lock, warm.view_lock and each warm-up's
+ *   status lock (warmup.h);
+ *   remote.c's index_lock, fetch_lock, spill_lock and a remote source's lock;
  *   a pack's lock, the packs' failure and partial-row locks; watch.c's table
  *   lock; fs's handles_lock (ops.c), its notice watchdog's lock and its split
  *   notifier's lock (notify.c) (each epoch notice goes out with neither held); a ctl
  *   handle's lock; uring.c's lock;
  *   then the error ring's lock, then the log's lock (the ring logs with its
  *   own lock released; the log's lock is the last of all).
- * Joining the warm-up walker is allowed while holding warm.lock and, in a
+ * Joining the warm-up walker is allowed while holding its control lock and, in a
  * split change, tune.switch_lock: the walker takes neither, nor any lock
  * above them. notify.c's on_split_change (invalidate_feats) takes only its node
  * table lock (and, under it, watch.c's); its remote on_change

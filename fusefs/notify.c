@@ -157,7 +157,8 @@ static void *watchdog_main(void *arg)
         }
         uint64_t due = w->since_ns + NOTICE_DEADLINE_NS, now = hapi_now_ns();
         if (now < due) {
-            struct timespec ts = { (time_t)(due / 1000000000u), (long)(due % 1000000000u) };
+            struct timespec ts;
+            hapi_deadline_after_ns(&ts, due - now);
             pthread_cond_timedwait(&w->cond, &w->lock, &ts);
             continue;
         }

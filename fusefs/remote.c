@@ -1,12 +1,14 @@
 /* remote.c — the compute-side feature source: the union of storage mounts seen through a network filesystem, features fetched in bulk as per-directory packs into the local cache. */
 #include "remote.h"
 #include "cache.h"
+#include "evict.h"
 #include "extractor.h"
 #include "hapi.h"
 #include "log.h"
 #include "shared.h"
 #include "source.h"
 #include "view.h"
+#include "warmup.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -42,9 +44,10 @@
  *
  * Locks (leaves in the daemon's order, never held together): index_lock
  * (the index slots), fetch_lock (fetches, their waiters, the queue), a
- * source's lock (its root handle), warm_lock. Above them warm_control, held
- * by a warm-up's start and stop through the join of its walker (which never
- * takes it), so that one walker is started or joined at a time.
+ * source's lock (its root handle), the warm-up's status lock. Above them the
+ * warm-up's control lock (warmup.h), held by its start and stop through the
+ * join of its walker (which never takes it), so that one walker is started or
+ * joined at a time.
  */
 
 #define FETCH_CHUNK (1u << 20)   /* bytes per read of a pack: large sequential reads */
@@ -205,17 +208,7 @@ struct hapi_remote {
     size_t nthreads;
     pthread_t *threads;
 
-    pthread_mutex_t warm_control; /* starting, stopping and joining the walker */
-    pthread_mutex_t warm_lock;
-    pthread_t warm_thread;
-    int warm_running;             /* a thread to join */
-    atomic_int warm_stop;
-    struct {
-        int state;                /* enum hapi_warm_state */
-        char *path;
-        uint64_t total, cached, fetched, failed, dirs;
-        uint64_t t0_ns, t1_ns;
-    } warm;
+    hapi_warmup *warm;            /* the warm-up's walker, root, counters and times */
 
     struct {
         atomic_uint_fast64_t reads, bytes, hits, misses, fetched_rows, waits, failed,
@@ -1631,10 +1624,8 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
         atomic_fetch_add(&s->stats.rows, b - a);
         atomic_fetch_add(&r->stats.fetched_rows, n);
         if (f->warm) {
-            pthread_mutex_lock(&r->warm_lock);
-            r->warm.fetched += n;
-            r->warm.failed += (b - a) - n;
-            pthread_mutex_unlock(&r->warm_lock);
+            hapi_warmup_add(r->warm, HAPI_WARMUP_FETCHED, n);
+            hapi_warmup_add(r->warm, HAPI_WARMUP_FAILED, (b - a) - n);
         }
         a = b;
         if (x->count == 0)
@@ -1935,42 +1926,54 @@ served:
 
 /* ----------------------------------------------------------------- warm */
 
-struct warm_walk {
+/* The directory walk of a warm-up or an evict: one directory, then its subdirectories. */
+struct dir_walk {
     hapi_remote *r;
-    char *dir;
+    const char *dir;
+    atomic_int *stop;
+    int (*fn)(hapi_remote *r, const char *dir, void *arg);
+    void *arg;
 };
 
 /*
- * Queues the fetch of every pack of dir that has a row not cached, recursing
- * into subdirectories; keeps at most fetch_threads fetches queued.
+ * Calls fn for dir, then depth first for every directory under it (the union
+ * of the sources' listings): a directory's own files first, then its
+ * children. Stops at fn's failure, or once *stop (if stop is not NULL) is
+ * set. A directory gone meanwhile is not a failure. Returns 0 or < 0.
  */
-static int warm_dir(hapi_remote *r, const char *dir);
+static int walk_dirs(hapi_remote *r, const char *dir, atomic_int *stop,
+                     int (*fn)(hapi_remote *r, const char *dir, void *arg), void *arg);
 
-static int warm_entry(void *arg, const char *name, int kind, const struct stat *st)
+static int walk_entry(void *arg, const char *name, int kind, const struct stat *st)
 {
-    struct warm_walk *w = arg;
+    struct dir_walk *w = arg;
     (void)st;
-    if (kind != HAPI_REMOTE_DIR || atomic_load(&w->r->warm_stop))
+    if (kind != HAPI_REMOTE_DIR || (w->stop && atomic_load(w->stop)))
         return 0;
     char *child = hapi_path_join(w->dir, name);
     if (!child)
         return -ENOMEM;
-    /* the directory's own files first, then its children: collect, then recurse */
-    int rc = warm_dir(w->r, child);
+    int rc = walk_dirs(w->r, child, w->stop, w->fn, w->arg);
     free(child);
     return rc;
+}
+
+static int walk_dirs(hapi_remote *r, const char *dir, atomic_int *stop,
+                     int (*fn)(hapi_remote *r, const char *dir, void *arg), void *arg)
+{
+    int rc = fn(r, dir, arg);
+    if (rc < 0)
+        return rc;
+    struct dir_walk w = { r, dir, stop, fn, arg };
+    rc = hapi_remote_list(r, dir, walk_entry, &w);
+    return rc == -ENOENT ? 0 : rc;
 }
 
 /* Waits 50 ms on queue_cond (fetches finishing do not signal it). Under fetch_lock. */
 static void wait_tick(hapi_remote *r)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_nsec += 50 * 1000000;
-    if (ts.tv_nsec >= 1000000000) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000;
-    }
+    hapi_deadline_after_ns(&ts, 50 * 1000000u);
     pthread_cond_timedwait(&r->queue_cond, &r->fetch_lock, &ts);
 }
 
@@ -1986,11 +1989,9 @@ static void warm_pack(hapi_remote *r, struct dir_index *x)
         missing += !hit;
         free(path);
     }
-    pthread_mutex_lock(&r->warm_lock);
-    r->warm.total += x->count;
-    r->warm.cached += x->count - missing;
-    r->warm.dirs++;
-    pthread_mutex_unlock(&r->warm_lock);
+    hapi_warmup_add(r->warm, HAPI_WARMUP_TOTAL, x->count);
+    hapi_warmup_add(r->warm, HAPI_WARMUP_CACHED, x->count - missing);
+    hapi_warmup_add(r->warm, HAPI_WARMUP_DIRS, 1);
     if (!missing)
         return;
     pthread_mutex_lock(&r->fetch_lock);
@@ -1999,78 +2000,60 @@ static void warm_pack(hapi_remote *r, struct dir_index *x)
         size_t queued = 0;
         for (struct fetch *f = r->fetches; f; f = f->next)
             queued += f->warm;
-        if (queued < r->nthreads || r->stopping || atomic_load(&r->warm_stop))
+        if (queued < r->nthreads || r->stopping || hapi_warmup_stopping(r->warm))
             break;
         wait_tick(r);
     }
-    if (!r->stopping && !atomic_load(&r->warm_stop))
+    if (!r->stopping && !hapi_warmup_stopping(r->warm))
         fetch_new_locked(r, x, 1);
     pthread_mutex_unlock(&r->fetch_lock);
 }
 
-static int warm_dir(hapi_remote *r, const char *dir)
+/*
+ * walk_dirs()'s function for a warm-up: queues the fetch of every pack of dir
+ * that has a row not cached, keeping at most fetch_threads fetches queued.
+ */
+static int warm_dir(hapi_remote *r, const char *dir, void *arg)
 {
-    for (size_t i = 0; i < r->nsources && !atomic_load(&r->warm_stop); i++) {
+    (void)arg;
+    for (size_t i = 0; i < r->nsources && !hapi_warmup_stopping(r->warm); i++) {
         struct dir_index *x = NULL;
         if (index_get(r, (int)i, dir, &x) == 0)
             warm_pack(r, x);
         index_put(x);
     }
-    struct warm_walk w = { r, (char *)dir };
-    int rc = hapi_remote_list(r, dir, warm_entry, &w);
-    return rc == -ENOENT ? 0 : rc;
+    return 0;
 }
 
-static void *warm_thread(void *arg)
+/* The walk, on the warm-up's thread: queue the packs, then wait for their fetches. */
+static void warm_run(void *arg, const char *root, atomic_int *stop)
 {
     hapi_remote *r = arg;
-    pthread_setname_np(pthread_self(), "hapifs-rwarm");
-    pthread_mutex_lock(&r->warm_lock);
-    char *path = strdup(r->warm.path ? r->warm.path : "");
-    pthread_mutex_unlock(&r->warm_lock);
-    if (path)
-        warm_dir(r, path);
-    free(path);
-    /* then wait for the warm-up's fetches */
+    walk_dirs(r, root, stop, warm_dir, NULL);
     pthread_mutex_lock(&r->fetch_lock);
     for (;;) {
         int pending = 0;
         for (struct fetch *f = r->fetches; f; f = f->next)
             pending |= f->warm;
-        if (!pending || r->stopping || atomic_load(&r->warm_stop))
+        if (!pending || r->stopping || atomic_load(stop))
             break;
         wait_tick(r);
     }
     pthread_mutex_unlock(&r->fetch_lock);
-    pthread_mutex_lock(&r->warm_lock);
-    if (r->warm.state != HAPI_WARM_STOPPED) {
-        r->warm.state = HAPI_WARM_DONE;
-        r->warm.t1_ns = hapi_now_ns();
-    }
-    pthread_mutex_unlock(&r->warm_lock);
-    return NULL;
+}
+
+/* It may wait for queue room or for its fetches, 50 ms at a time. */
+static void warm_wake(void *arg)
+{
+    hapi_remote *r = arg;
+    pthread_mutex_lock(&r->fetch_lock);
+    pthread_cond_broadcast(&r->queue_cond);
+    pthread_mutex_unlock(&r->fetch_lock);
 }
 
 int hapi_remote_warm_stop(hapi_remote *r)
 {
-    pthread_mutex_lock(&r->warm_control);
-    pthread_mutex_lock(&r->warm_lock);
-    int stopped = r->warm.state == HAPI_WARM_RUNNING;
-    if (stopped) {
-        r->warm.state = HAPI_WARM_STOPPED; /* before the walker can say done */
-        r->warm.t1_ns = hapi_now_ns();
-        atomic_store(&r->warm_stop, 1);
-    }
-    pthread_mutex_unlock(&r->warm_lock);
-    if (r->warm_running) {
-        /* It may wait for queue room or for its fetches, 50 ms at a time. */
-        pthread_mutex_lock(&r->fetch_lock);
-        pthread_cond_broadcast(&r->queue_cond);
-        pthread_mutex_unlock(&r->fetch_lock);
-        pthread_join(r->warm_thread, NULL);
-        r->warm_running = 0;
-    }
-    pthread_mutex_unlock(&r->warm_control);
+    int stopped = hapi_warmup_stop(r->warm, 1, NULL);
     if (stopped)
         hapi_log(HAPI_LOG_INFO, "remote warm-up stopped");
     return stopped;
@@ -2078,90 +2061,32 @@ int hapi_remote_warm_stop(hapi_remote *r)
 
 int hapi_remote_warm_start(hapi_remote *r, const char *path)
 {
-    int rc = 0;
-    pthread_mutex_lock(&r->warm_control);
-    pthread_mutex_lock(&r->warm_lock);
-    int busy = r->warm.state == HAPI_WARM_RUNNING;
-    pthread_mutex_unlock(&r->warm_lock);
-    if (busy) {
-        rc = -EBUSY;
-        goto out;
-    }
-    if (r->warm_running) {
-        pthread_join(r->warm_thread, NULL); /* a finished one: it takes warm_lock */
-        r->warm_running = 0;
-    }
-    char *copy = strdup(path);
-    if (!copy) {
-        rc = -ENOMEM;
-        goto out;
-    }
-    pthread_mutex_lock(&r->warm_lock);
-    free(r->warm.path);
-    r->warm.path = copy;
-    r->warm.total = r->warm.cached = r->warm.fetched = r->warm.failed = r->warm.dirs = 0;
-    r->warm.t0_ns = hapi_now_ns();
-    r->warm.t1_ns = 0;
-    r->warm.state = HAPI_WARM_RUNNING;
-    atomic_store(&r->warm_stop, 0);
-    rc = -pthread_create(&r->warm_thread, NULL, warm_thread, r);
-    if (rc == 0)
-        r->warm_running = 1;
-    else
-        r->warm.state = HAPI_WARM_IDLE;
-    pthread_mutex_unlock(&r->warm_lock);
-out:
-    pthread_mutex_unlock(&r->warm_control);
-    return rc;
+    return hapi_warmup_start(r->warm, path);
 }
 
 /* ---------------------------------------------------------------- evict */
 
-struct evict_walk {
-    hapi_remote *r;
-    char *dir;
-    int count;
-    hapi_error *err;
-};
-
-static int evict_dir(hapi_remote *r, const char *dir, int *count, hapi_error *err);
-
-static int evict_entry(void *arg, const char *name, int kind, const struct stat *st)
+/* walk_dirs()'s function for an evict: removes the features of every row of dir's packs. */
+static int evict_dir(hapi_remote *r, const char *dir, void *arg)
 {
-    struct evict_walk *w = arg;
-    (void)st;
-    if (kind != HAPI_REMOTE_DIR)
-        return 0;
-    char *child = hapi_path_join(w->dir, name);
-    if (!child)
-        return -ENOMEM;
-    int rc = evict_dir(w->r, child, &w->count, w->err);
-    free(child);
-    return rc;
-}
-
-static int evict_dir(hapi_remote *r, const char *dir, int *count, hapi_error *err)
-{
+    hapi_evict_walk *w = arg;
     for (size_t i = 0; i < r->nsources; i++) {
         struct dir_index *x = NULL;
         if (index_get(r, (int)i, dir, &x) < 0)
             continue;
+        w->ns = &x->ns;
         for (size_t k = 0; k < x->count; k++) {
             char *path = hapi_path_join(dir, x->entries[k].name);
-            int rc = path ? hapi_cache_evict_path(r->cfg.cache, &x->ns, path, err) : -ENOMEM;
+            int rc = path ? hapi_evict_walk_path(w, path) : -ENOMEM;
             free(path);
             if (rc < 0) {
                 index_put(x);
                 return rc;
             }
-            *count += rc;
         }
         index_put(x);
     }
-    struct evict_walk w = { r, (char *)dir, 0, err };
-    int rc = hapi_remote_list(r, dir, evict_entry, &w);
-    *count += w.count;
-    return rc == -ENOENT ? 0 : rc;
+    return 0;
 }
 
 /* Adds ns to the n namespaces of set (room for one more) unless it is there; the new count. */
@@ -2237,8 +2162,9 @@ int hapi_remote_evict(hapi_remote *r, const char *path, hapi_error *err)
             return hapi_error_set(err, rc, "'%s': no such file or directory", path);
         return rc;
     }
-    rc = evict_dir(r, path, &count, err);
-    return rc < 0 ? rc : count;
+    hapi_evict_walk w = { r->cfg.cache, NULL, 0, err };
+    rc = walk_dirs(r, path, NULL, evict_dir, &w);
+    return rc < 0 ? rc : w.count;
 }
 
 /* ----------------------------------------------------------- open/close */
@@ -2386,11 +2312,17 @@ int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_erro
     pthread_cond_init(&r->index_cond, NULL);
     pthread_mutex_init(&r->fetch_lock, NULL);
     pthread_mutex_init(&r->spill_lock, NULL);
-    pthread_cond_init(&r->queue_cond, NULL);
-    pthread_mutex_init(&r->warm_control, NULL);
-    pthread_mutex_init(&r->warm_lock, NULL);
+    hapi_cond_init_monotonic(&r->queue_cond);
+    static const hapi_warmup_ops warm_ops = {
+        .thread_name = "hapifs-rwarm",
+        .run = warm_run,
+        .wake = warm_wake,
+    };
+    r->warm = hapi_warmup_new(&warm_ops, r);
     r->sources = calloc(cfg->nroots, sizeof(*r->sources));
-    if (!r->sources) {
+    if (!r->sources || !r->warm) {
+        hapi_warmup_free(r->warm);
+        free(r->sources);
         free(r);
         return hapi_error_set(err, -ENOMEM, "out of memory");
     }
@@ -2451,17 +2383,18 @@ void hapi_remote_close(hapi_remote *r)
 {
     if (!r)
         return;
-    atomic_store(&r->warm_stop, 1);
+    if (r->warm)
+        hapi_warmup_cancel(r->warm);
     pthread_mutex_lock(&r->fetch_lock);
     r->stopping = 1;
     pthread_cond_broadcast(&r->queue_cond);
     for (struct fetch *f = r->fetches; f; f = f->next)
         pthread_cond_broadcast(&f->cond);
     pthread_mutex_unlock(&r->fetch_lock);
-    if (r->warm_running)
-        pthread_join(r->warm_thread, NULL);
     for (size_t i = 0; i < r->nthreads; i++)
         pthread_join(r->threads[i], NULL);
+    /* after the fetch threads: a warm-up's fetch counts into it until it ends */
+    hapi_warmup_free(r->warm);
     /* fetches never started: nobody waits on them any more */
     while (r->fetches) {
         struct fetch *f = r->fetches;
@@ -2485,15 +2418,12 @@ void hapi_remote_close(hapi_remote *r)
     }
     free(r->sources);
     free(r->threads);
-    free(r->warm.path);
     pthread_mutex_destroy(&r->index_lock);
     pthread_cond_destroy(&r->index_cond);
     spill_drop_all(r);
     pthread_mutex_destroy(&r->spill_lock);
     pthread_mutex_destroy(&r->fetch_lock);
     pthread_cond_destroy(&r->queue_cond);
-    pthread_mutex_destroy(&r->warm_control);
-    pthread_mutex_destroy(&r->warm_lock);
     free(r);
 }
 
@@ -2526,18 +2456,18 @@ void hapi_remote_stats_get(hapi_remote *r, hapi_remote_stats *st)
         st->fetches_queued += !f->started;
     }
     pthread_mutex_unlock(&r->fetch_lock);
-    pthread_mutex_lock(&r->warm_lock);
-    st->warm_state = r->warm.state;
-    snprintf(st->warm_path, sizeof(st->warm_path), "%s", r->warm.path ? r->warm.path : "");
-    st->warm_total = r->warm.total;
-    st->warm_cached = r->warm.cached;
-    st->warm_fetched = r->warm.fetched;
-    st->warm_failed = r->warm.failed;
-    st->warm_dirs = r->warm.dirs;
-    st->warm_elapsed_s = r->warm.t0_ns ? (double)((r->warm.t1_ns ? r->warm.t1_ns : hapi_now_ns())
-                                                  - r->warm.t0_ns) / 1e9
-                                       : 0;
-    pthread_mutex_unlock(&r->warm_lock);
+    hapi_warmup_status ws;
+    hapi_warmup_status_get(r->warm, &ws);
+    st->warm_state = ws.state;
+    snprintf(st->warm_path, sizeof(st->warm_path), "%s", ws.root ? ws.root : "");
+    st->warm_total = ws.count[HAPI_WARMUP_TOTAL];
+    st->warm_cached = ws.count[HAPI_WARMUP_CACHED];
+    st->warm_fetched = ws.count[HAPI_WARMUP_FETCHED];
+    st->warm_failed = ws.count[HAPI_WARMUP_FAILED];
+    st->warm_dirs = ws.count[HAPI_WARMUP_DIRS];
+    uint64_t t1 = ws.stopped_ns ? ws.stopped_ns : ws.walked_ns ? ws.walked_ns : hapi_now_ns();
+    st->warm_elapsed_s = ws.started_ns ? (double)(t1 - ws.started_ns) / 1e9 : 0;
+    free(ws.root);
 }
 
 size_t hapi_remote_source_count(const hapi_remote *r)

@@ -1,6 +1,7 @@
 /* serve.c — the bytes of a .feat read: a cache lookup or a computation through the view's batcher, into the caller's buffer. */
 #include "serve.h"
 #include "cache.h"
+#include "evict.h"
 #include "extractor.h"
 #include "hapi.h"
 #include "log.h"
@@ -428,23 +429,6 @@ void hapi_serve_collect(hapi_serve *s, const char *path)
                  path, err.message);
 }
 
-struct evict_walk {
-    hapi_serve *serve;
-    hapi_view *view;
-    int count;
-    hapi_error *err;
-};
-
-static int evict_one(const hapi_source_entry *e, void *arg)
-{
-    struct evict_walk *w = arg;
-    int rc = hapi_cache_evict_path(w->serve->cfg.cache, &w->view->ns, e->path, w->err);
-    if (rc < 0)
-        return rc;
-    w->count += rc;
-    return 0;
-}
-
 int hapi_serve_evict(hapi_serve *s, const char *path, hapi_error *err)
 {
     hapi_view *v = hapi_views_get(s->cfg.views);
@@ -459,8 +443,9 @@ int hapi_serve_evict(hapi_serve *s, const char *path, hapi_error *err)
     } else if (S_ISREG(st.st_mode)) {
         rc = hapi_cache_evict_path(s->cfg.cache, &v->ns, path, err);
     } else {
-        struct evict_walk w = { s, v, 0, err };
-        rc = hapi_source_walk(s->cfg.source, path, HAPI_WALK_RECURSE, NULL, evict_one, &w);
+        hapi_evict_walk w = { s->cfg.cache, &v->ns, 0, err };
+        rc = hapi_source_walk(s->cfg.source, path, HAPI_WALK_RECURSE, NULL,
+                              hapi_evict_walk_entry, &w);
         if (rc >= 0)
             rc = w.count;
     }

@@ -14,7 +14,9 @@
 #include "hapi.h"
 #include "log.h"
 #include "options.h"
+#include "shared.h"
 #include "source.h"
+#include "warmup.h"
 
 static char tmp[] = "/tmp/hapi-test-fusefs-XXXXXX";
 static char src[512], mnt[512], model[512], cache[512];
@@ -408,6 +410,105 @@ START_TEST(test_error_ring_filter)
 }
 END_TEST
 
+/* A timed wait on a monotonic condition with hapi_deadline_after_ns() times out after the wait asked. */
+START_TEST(test_deadline_monotonic)
+{
+    pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cond;
+    ck_assert_int_eq(hapi_cond_init_monotonic(&cond), 0);
+    struct timespec ts;
+    uint64_t t0 = hapi_now_ns();
+    hapi_deadline_after_ns(&ts, 50 * 1000000u);
+    uint64_t at = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    ck_assert_uint_ge(at, t0 + 50 * 1000000u);
+    ck_assert_int_lt(ts.tv_nsec, 1000000000);
+    pthread_mutex_lock(&lock);
+    int rc;
+    do
+        rc = pthread_cond_timedwait(&cond, &lock, &ts);
+    while (rc == 0);
+    pthread_mutex_unlock(&lock);
+    ck_assert_int_eq(rc, ETIMEDOUT);
+    uint64_t waited = hapi_now_ns() - t0;
+    ck_assert_uint_ge(waited, 50 * 1000000u);
+    ck_assert_uint_lt(waited, UINT64_C(5000000000));
+    pthread_cond_destroy(&cond);
+}
+END_TEST
+
+/* A walk for the warm-up's state machine: holds until stopped, or returns at once. */
+struct toy_walk {
+    atomic_int hold, runs;
+};
+
+static void toy_run(void *arg, const char *root, atomic_int *stop)
+{
+    struct toy_walk *t = arg;
+    (void)root;
+    atomic_fetch_add(&t->runs, 1);
+    while (atomic_load(&t->hold) && !atomic_load(stop))
+        usleep(1000);
+}
+
+/* Waits up to 5 s for the warm-up to be done; returns its state. */
+static int warmup_wait_done(hapi_warmup *w)
+{
+    hapi_warmup_status st;
+    for (int i = 0; i < 5000; i++) {
+        hapi_warmup_status_get(w, &st);
+        free(st.root);
+        if (st.state == HAPI_WARM_DONE)
+            break;
+        usleep(1000);
+    }
+    return st.state;
+}
+
+/* Start refuses while a run is unfinished, stop says it was and its root, a finished run is joined by the next start. */
+START_TEST(test_warmup_state_machine)
+{
+    struct toy_walk t = { 1, 0 };
+    hapi_warmup_ops ops = { .thread_name = "test-warm", .run = toy_run };
+    hapi_warmup *w = hapi_warmup_new(&ops, &t);
+    ck_assert_ptr_nonnull(w);
+    hapi_warmup_status st;
+    ck_assert_int_eq(hapi_warmup_status_get(w, &st), 0);
+    ck_assert_int_eq(st.state, HAPI_WARM_IDLE);
+    ck_assert_ptr_null(st.root);
+
+    ck_assert_int_eq(hapi_warmup_start(w, "a/b"), 0);
+    ck_assert_int_eq(hapi_warmup_start(w, "c"), -EBUSY);
+    hapi_warmup_add(w, HAPI_WARMUP_TOTAL, 3);
+    ck_assert_int_eq(hapi_warmup_status_get(w, &st), 0);
+    ck_assert_int_eq(st.state, HAPI_WARM_RUNNING);
+    ck_assert_str_eq(st.root, "a/b");
+    ck_assert_uint_eq(st.count[HAPI_WARMUP_TOTAL], 3);
+    free(st.root);
+
+    char *root = NULL;
+    ck_assert_int_eq(hapi_warmup_stop(w, 1, &root), 1);
+    ck_assert_str_eq(root, "a/b");
+    free(root);
+    ck_assert_int_eq(hapi_warmup_status_get(w, &st), 0);
+    ck_assert_int_eq(st.state, HAPI_WARM_STOPPED);
+    ck_assert_uint_ge(st.stopped_ns, st.started_ns);
+    free(st.root);
+    ck_assert_int_eq(hapi_warmup_stop(w, 1, &root), 0);
+    ck_assert_ptr_null(root);
+
+    /* a run that ends by itself is done, its counters new, and the next start joins it */
+    atomic_store(&t.hold, 0);
+    ck_assert_int_eq(hapi_warmup_start(w, "c"), 0);
+    ck_assert_int_eq(warmup_wait_done(w), HAPI_WARM_DONE);
+    ck_assert_uint_eq(hapi_warmup_count(w, HAPI_WARMUP_TOTAL), 0);
+    ck_assert_int_eq(hapi_warmup_stop(w, 1, NULL), 0);
+    ck_assert_int_eq(hapi_warmup_start(w, "d"), 0);
+    ck_assert_int_eq(warmup_wait_done(w), HAPI_WARM_DONE);
+    ck_assert_int_eq(atomic_load(&t.runs), 3);
+    hapi_warmup_free(w);
+}
+END_TEST
+
 int main(void)
 {
     hapi_log_open("/dev/null", 0, 0);
@@ -431,6 +532,8 @@ int main(void)
         { "source_may_see", test_source_may_see },
         { "error_ring", test_error_ring },
         { "error_ring_filter", test_error_ring_filter },
+        { "deadline_monotonic", test_deadline_monotonic },
+        { "warmup_state_machine", test_warmup_state_machine },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(*cases); i++) {
         TCase *tc = tcase_create(cases[i].name);
