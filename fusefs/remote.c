@@ -1393,11 +1393,6 @@ static void deliver(hapi_remote *r, struct fetch *f, size_t a, size_t b, const c
     pthread_mutex_unlock(&r->fetch_lock);
 }
 
-/*
- * Fetches f's pack: checks its version and header against the index, then reads
- * it in chunks of about FETCH_CHUNK, handing each chunk's rows to the
- * waiting readers and storing them in the cache. Returns 0 or why not.
- */
 static void spill_free(struct spill *sp)
 {
     index_put(sp->index);
@@ -1482,6 +1477,15 @@ static int spill_copy(hapi_remote *r, const struct dir_index *x, size_t row, cha
     return found;
 }
 
+/* A put succeeded: if puts were failing, the cache has room again and the spill goes. */
+static void cache_took(hapi_remote *r)
+{
+    if (atomic_exchange(&r->put_failing, 0)) {
+        hapi_log(HAPI_LOG_INFO, "the cache takes fetched features again");
+        spill_drop_all(r);
+    }
+}
+
 /*
  * At most once a second, offers the cache spilled row `row` of x's pack again
  * (for path, id); once it takes it, the cache has room: every spilled row is
@@ -1501,14 +1505,16 @@ static void spill_retry(hapi_remote *r, struct dir_index *x, size_t row, const c
     }
     hapi_cache_item item = { path, *id, copy, x->row_bytes };
     hapi_error err = { 0 };
-    if (hapi_cache_put(r->cfg.cache, &x->ns, &item, 1, &err) == 0 &&
-        atomic_exchange(&r->put_failing, 0)) {
-        hapi_log(HAPI_LOG_INFO, "the cache takes fetched features again");
-        spill_drop_all(r);
-    }
+    if (hapi_cache_put(r->cfg.cache, &x->ns, &item, 1, &err) == 0)
+        cache_took(r);
     free(copy);
 }
 
+/*
+ * Fetches f's pack: checks its version and header against the index, then reads
+ * it in chunks of about FETCH_CHUNK, handing each chunk's rows to the
+ * waiting readers and storing them in the cache. Returns 0 or why not.
+ */
 static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
 {
     const struct dir_index *x = f->index;
@@ -1615,9 +1621,8 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
                     hapi_log(HAPI_LOG_WARNING, "%zu fetched features not cached: %s (served "
                              "uncached; stats: cache_put_failures counts them until the cache "
                              "takes features again)", n, perr.message);
-            } else if (atomic_exchange(&r->put_failing, 0)) {
-                hapi_log(HAPI_LOG_INFO, "the cache takes fetched features again");
-                spill_drop_all(r);
+            } else {
+                cache_took(r);
             }
         }
         deliver(r, f, a, b, rows, failed, 1);
