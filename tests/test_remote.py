@@ -50,6 +50,14 @@ def wait_until(predicate, timeout=60):
         time.sleep(0.05)
 
 
+def drop_pages(root, paths):
+    """Drops the kernel's copies of the files, so that the next reads ask the daemon."""
+    for p in paths:
+        fd = os.open(Path(root) / (p + ".feat"), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
 def feats(root, paths):
     return {p: (Path(root) / (p + ".feat")).read_bytes() for p in paths}
 
@@ -123,10 +131,7 @@ def test_a_miss_that_races_the_store_of_its_row_fetches_nothing_more(tmp_path, s
     with ThreadPoolExecutor(16) as ex:
         for i in range(rounds):
             ctl_write(r, "evict all")
-            for p in paths:  # and the kernel's copies (keep_cache), so every read misses
-                fd = os.open(r.path / (p + ".feat"), os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+            drop_pages(r.path, paths)  # and the kernel's copies (keep_cache): every read misses
             order = paths[i % 7:] + paths[:i % 7]
             got = dict(zip(order, ex.map(lambda p: (r.path / (p + ".feat")).read_bytes(), order)))
             assert got == want
@@ -224,10 +229,7 @@ def test_a_source_that_is_not_a_storage_mount_is_refused(tmp_path, storage, moun
     ctl_write(r, "evict all")
     wait_until(lambda: os.listdir(r.path / "class0") and
                r.ctl("stats")["remote"]["sources"][0]["state"] == "ok")  # at its next use
-    for p in paths:  # the kernel's pages of these files go: the daemon is asked
-        fd = os.open(r.path / (p + ".feat"), os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    drop_pages(r.path, paths)  # the kernel's pages of these files go: the daemon is asked
     assert feats(r.path, paths) == feats(st.path, paths)
     assert r.ctl("stats")["remote"]["sources"][0]["packs"] >= 1
 
@@ -658,14 +660,6 @@ def test_an_index_read_that_hangs_does_not_serve_old_features(tmp_path, storage,
     assert new != old
     assert got.get("later") != old, "served the replaced image's features"
     assert got.get("later") == new, got.get("later")
-
-
-def drop_pages(root, paths):
-    """Drops the kernel's copies of the files, so that the next reads ask the daemon."""
-    for p in paths:
-        fd = os.open(Path(root) / (p + ".feat"), os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def fill(disk):
