@@ -98,8 +98,7 @@ struct remote_source {
     } stats;
     char last_error[512];         /* under lock */
     atomic_uint_fast64_t serving_ns; /* when it last showed its .hapifs/config: see serving() */
-    int root_opened;              /* under lock: a root was opened once (the next is a reopen) */
-    atomic_uint_fast64_t root_since_ns; /* when its root was last reopened (0: never) */
+    atomic_uint_fast64_t root_since_ns; /* when an open root was last replaced (0: never) */
 };
 
 /* ------------------------------------------------------------- indexes */
@@ -140,7 +139,8 @@ struct index_slot {
     uint64_t hash;
     struct dir_index *index;      /* a reference, or NULL */
     int code;                     /* 0, or why there is no index (-ENOENT: no images) */
-    uint64_t at_ns;               /* when it was read */
+    uint64_t at_ns;               /* when the read that made it began: it is at least this old */
+    uint64_t expired_ns;          /* when it was last expired */
     int loading;
     int expired;                  /* read again at the next use */
     struct index_slot *next;
@@ -264,11 +264,20 @@ static struct root *root_get(hapi_remote *r, int src, int *rc)
     if (!rt) {
         hapi_error err = { 0 };
         hapi_source *so = NULL;
-        if (s->root_opened) { /* what was believed of the old root is not of this one */
+        /*
+         * What was believed of the old root is not of this one. A root that
+         * was open and now is another directory's (a network filesystem
+         * mounted again over the directory beneath, or gone from over it):
+         * a name a reader just missed may have been missed there, so the
+         * source is down for SERVING_CHECK_NS (see serving()). Not when
+         * the last root was dropped or failed to open: a reader sees only
+         * this one. (Every reopen counted as a change once: a root dropped
+         * by a storage restart at the end of a run and opened 60 s later
+         * by the next reader made that reader's missing names EIO.)
+         */
+        atomic_store(&s->serving_ns, 0);
+        if (old)
             atomic_store(&s->root_since_ns, hapi_now_ns());
-            atomic_store(&s->serving_ns, 0);
-        }
-        s->root_opened = 1;
         *rc = hapi_source_open(s->path, &so, &err);
         if (*rc == 0 && !(rt = calloc(1, sizeof(*rt)))) {
             hapi_source_close(so);
@@ -795,8 +804,10 @@ static void index_expire(hapi_remote *r, int src, const char *dir)
     uint64_t h = slot_hash(src, dir);
     pthread_mutex_lock(&r->index_lock);
     for (struct index_slot *sl = r->slots[h % INDEX_BUCKETS]; sl; sl = sl->next)
-        if (sl->hash == h && sl->src == src && strcmp(sl->dir, dir) == 0)
+        if (sl->hash == h && sl->src == src && strcmp(sl->dir, dir) == 0) {
             sl->expired = 1;
+            sl->expired_ns = hapi_now_ns(); /* a read under way may have read it before */
+        }
     pthread_mutex_unlock(&r->index_lock);
 }
 
@@ -828,20 +839,26 @@ static int index_get(hapi_remote *r, int src, const char *dir, struct dir_index 
         sl->next = r->slots[h % INDEX_BUCKETS];
         r->slots[h % INDEX_BUCKETS] = sl;
     }
-    /* A load that ends while we wait is fresh enough for us, even with refresh=0. */
-    int waited = 0;
+    /*
+     * An index is as old as the start of the read that got it: through a
+     * link that was down, a read can end 10 s after the storage side
+     * answered it, with a split changed meanwhile (the two-tier soak served
+     * features of a split 11 s gone). A read begun since we came is fresh
+     * enough for us whatever its age, even with refresh=0; one begun before
+     * is not, once older than refresh=: then we read again.
+     */
+    uint64_t came = hapi_now_ns();
     for (;;) {
         uint64_t now = hapi_now_ns();
         uint64_t life = sl->code < 0 && sl->code != -ENOENT ? FAILED_INDEX_RETRY_NS
                                                              : (uint64_t)r->cfg.refresh_ms * 1000000;
-        int fresh = !sl->expired && (waited || now - sl->at_ns < life);
+        int fresh = !sl->expired && (sl->at_ns >= came || now - sl->at_ns < life);
         /* While one reader reads it again, the others go on with the one it replaces. */
         int stale_ok = sl->loading && sl->index && !sl->expired &&
                        now - sl->at_ns < life + STALE_INDEX_GRACE_NS;
         if (fresh || sl->loading) {
             if (sl->loading && !stale_ok) {
                 pthread_cond_wait(&r->index_cond, &r->index_lock);
-                waited = 1;
                 continue;
             }
             int rc = sl->code;
@@ -853,6 +870,7 @@ static int index_get(hapi_remote *r, int src, const char *dir, struct dir_index 
             return rc;
         }
         sl->loading = 1;
+        uint64_t began = now;
         /* an index that only aged is checked by its version; an expired one is read again */
         struct dir_index *kept = !sl->expired && sl->index && sl->index->version[0] ? sl->index
                                                                                   : NULL;
@@ -872,8 +890,8 @@ static int index_get(hapi_remote *r, int src, const char *dir, struct dir_index 
         int changed = old && x && memcmp(&old->ns, &x->ns, sizeof(x->ns)) != 0;
         sl->index = x;
         sl->code = rc;
-        sl->at_ns = hapi_now_ns();
-        sl->expired = 0;
+        sl->at_ns = began;
+        sl->expired = sl->expired_ns >= began; /* expired while we read: read again */
         sl->loading = 0;
         if (x)
             atomic_fetch_add(&x->refs, 1);

@@ -371,6 +371,29 @@ def test_a_dead_source_gives_eio_and_recovers(tmp_path, storage, mounter, models
         back.unmount()
 
 
+def test_a_missing_name_after_a_source_came_back_is_enoent(tmp_path, storage, mounter):
+    """A source that died is opened again by the first reader after it came back, however long
+    after: a name missing then is ENOENT. (Every reopen was taken for a filesystem mounted again
+    over the directory beneath, so such a reader's missing names were EIO: the two-tier soak's
+    final pass, 60 s after a storage restart, read deleted names as EIO.)"""
+    src, st, paths = storage(classes=1, per_class=3)
+    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    os.kill(st.pid, signal.SIGKILL)
+    wait_gone(st.pid)
+    with pytest.raises(OSError) as e:
+        (r.path / (paths[0] + ".feat")).read_bytes()
+    assert e.value.errno == errno.EIO
+    # the same command again, over the dead mount, as systemd does it
+    again = subprocess.run(st.proc.args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    st.ctl("config")
+    time.sleep(1)  # nobody reads the remote meanwhile
+    with pytest.raises(OSError) as e:
+        (r.path / "class0" / "gone.jpg.feat").read_bytes()
+    assert e.value.errno == errno.ENOENT, e.value
+    assert (r.path / (paths[0] + ".feat")).read_bytes() == \
+        (st.path / (paths[0] + ".feat")).read_bytes()
+
 def test_warm_and_evict_through_hapifs_ctl(tmp_path, storage, mounter):
     src, st, paths = storage(classes=3, per_class=4)
     r = remote(mounter, tmp_path, [st.path])
