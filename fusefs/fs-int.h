@@ -26,6 +26,8 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/types.h>
 #include <time.h>
 
 /*
@@ -293,6 +295,41 @@ struct remote_list {
     const char *dir;
 };
 
+/*
+ * A mount's feature source: where its names, attributes and bytes come from.
+ * featsrc-local.c is a storage mount's (the source tree; .feat computed
+ * through serve.c, packs through pack.c), featsrc-remote.c a compute-side
+ * mount's (the storage mounts it reads through remote.c). ops.c asks
+ * fs->src, set once at init, and never which one it is; the control
+ * directory is ops.c's own. Each returns 0 or a negative code unless it
+ * says otherwise.
+ */
+struct open_file;
+struct feat_source {
+    /* name in directory parent (parent_path): see resolve() in ops.c */
+    int (*lookup)(hapi_fs *fs, uint64_t parent, const char *parent_path, const char *name,
+                  pid_t by, struct fuse_entry_param *e, int *kind, char **path,
+                  struct node_content *c, int *has_content);
+    /* node ino's attributes now, and how long the kernel may keep them */
+    int (*getattr)(hapi_fs *fs, fuse_ino_t ino, struct stat *st, double *timeout);
+    /* directory path (node self) listed into d, "." and ".." first */
+    int (*list)(hapi_fs *fs, const char *path, uint64_t self, struct dir_handle *d);
+    /*
+     * Opens node ino (kind, *path, what its lookup found in c) into h and sets
+     * fi's cache flags; takes *path (sets it NULL) when h keeps it.
+     */
+    int (*open)(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, int kind, char **path,
+                const struct node_content *c, struct open_file *h, struct fuse_file_info *fi);
+    /* bytes [off, off + size) of an open .feat into buf: how many, or < 0 (recorded) */
+    ssize_t (*read_feat)(hapi_fs *fs, struct open_file *h, char *buf, size_t size, off_t off);
+    /* replies to a read of another open file of the source (h->fd) */
+    void (*read_file)(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off);
+    /* what statfs(2) on the mount reports */
+    int (*statfs)(hapi_fs *fs, struct statvfs *sv);
+};
+
+extern const struct feat_source featsrc_local, featsrc_remote;
+
 /* An open file: a passthrough fd, a .feat's source, a pack, or a control file's content. */
 struct open_file {
     struct hapi_fs_handle link; /* first: see handle_link() */
@@ -376,6 +413,10 @@ void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t o
 
 /* ops.c */
 void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name);
+int dir_add(struct dir_handle *d, const char *name, const char *suffix, int kind,
+            const char *path, const struct stat *attr, const struct node_content *c);
+int dir_add_bare(struct dir_handle *d, const char *name, uint64_t ino, mode_t type);
+int other_bytes(fuse_req_t req, const struct node_content *c, struct fuse_file_info *fi);
 void handles_free_all(hapi_fs *fs);
 const hapi_cred *req_who(fuse_req_t req, hapi_cred *c);
 void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off);

@@ -113,6 +113,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     fs->handles.next = fs->handles.prev = &fs->handles;
     if (opt->remote) {
         fs->opt = opt;
+        fs->src = &featsrc_remote;
         fs->model_fd = -1;
         fs->started_ns = hapi_now_ns();
         fs->started_realtime = time(NULL);
@@ -121,6 +122,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         return rc;
     }
     fs->opt = opt;
+    fs->src = &featsrc_local;
     /* The model file as loaded, for .hapifs/model, even if the path is replaced later. */
     fs->model_fd = open(opt->model, O_RDONLY | O_CLOEXEC);
     fs->started_ns = hapi_now_ns();

@@ -26,6 +26,7 @@
 /* libfuse's types: fs.c speaks FUSE, the headers' readers need not. */
 struct fuse_session;
 struct fuse_lowlevel_ops;
+struct feat_source;
 
 /* The mounted filesystem: one per daemon, the userdata of every operation. */
 /*
@@ -53,6 +54,7 @@ typedef struct hapi_fs {
     hapi_tune *tune;
     hapi_ctl *ctl;
     hapi_remote *remote;         /* -o remote: every layer above but ctl is NULL */
+    const struct feat_source *src; /* where names and bytes come from (fs-int.h): local or remote */
     hapi_node *node_share;       /* the node's shared budget and cores; NULL: none */
     struct node_table *nodes;
     hapi_watch *watch;           /* inotify on the source (watch=1); NULL: none */

@@ -15,7 +15,12 @@
  *   8     fs-int.h      -             the insides the fs.c family below shares (the node, its
  *                                     table, the handles, the functions that cross files)
  *   8     -             ops.c         the FUSE operations; with noopen.c the only files that
- *                                     reply to the kernel; maps codes to errno
+ *                                     reply to the kernel; maps codes to errno; asks
+ *                                     fs->src for names and bytes (struct feat_source)
+ *   8     -             featsrc-local.c  a storage mount's feature source: the source
+ *                                     tree's names, .feat through serve.c, packs
+ *   8     -             featsrc-remote.c a compute-side mount's feature source, through
+ *                                     remote.c
  *   8     -             noopen.c      the read path without opens (no_open)
  *   8     -             attr.c        attribute synthesis: ids and attributes of every kind
  *   8     -             notify.c      telling the kernel what changed: forgets, epoch notices,
@@ -49,6 +54,7 @@
  *
  * FUSE-speaking files (the only ones that may include <fuse_lowlevel.h>):
  *   fs-int.h fs.c ops.c noopen.c attr.c notify.c nodes.c daemon.c uring.c
+ *   featsrc-local.c featsrc-remote.c
  * options.c builds the mount's arguments with <fuse_opt.h> (options.h needs
  * its struct fuse_args) but never talks to the kernel; fs.h and uring.h
  * forward-declare libfuse's structs. FUSE_USE_VERSION is set once, in

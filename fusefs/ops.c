@@ -84,7 +84,7 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     if ((conn->capable & FUSE_CAP_NO_OPEN_SUPPORT) && fs->no_open)
         conn->want |= FUSE_CAP_NO_OPEN_SUPPORT;
     hapi_uring_initialized(fs->uring);
-    if (fs->remote)
+    if (fs->opt->remote)
         hapi_log(HAPI_LOG_INFO, "mounted %s on %s (remote)", fs->opt->source,
                  fs->opt->mountpoint);
     else
@@ -102,9 +102,6 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
                    pid_t by, struct fuse_entry_param *e, int *kind, char **path,
                    struct node_content *c, int *has_content)
 {
-    struct stat src;
-    int rc;
-
     memset(e, 0, sizeof(*e));
     e->attr_timeout = ATTR_TIMEOUT;
     e->entry_timeout = ENTRY_TIMEOUT;
@@ -119,92 +116,7 @@ static int resolve(hapi_fs *fs, uint64_t parent, const char *parent_path, const 
     }
     if (strlen(name) > NAME_MAX)
         return -ENAMETOOLONG;
-    if (fs->remote) {
-        char *child = hapi_path_join(parent_path, name);
-        if (!child)
-            return -ENOMEM;
-        if ((rc = remote_attr(fs, child, kind, &e->attr)) < 0) {
-            free(child);
-            return rc;
-        }
-        e->ino = e->attr.st_ino;
-        *path = child;
-        if (*kind == HAPI_NODE_REMOTE_FEAT) {
-            remote_feat_content(&e->attr, parent, by, c);
-            *has_content = 1;
-        }
-        return 0;
-    }
-    int pack = strcmp(name, HAPI_PACK_NAME) == 0 ? HAPI_NODE_PACK
-               : strcmp(name, HAPI_PACK_INDEX_NAME) == 0 ? HAPI_NODE_PACK_INDEX : 0;
-    if (pack) {
-        /* Not listed, reachable by name; it shadows a source file of that name. */
-        if ((rc = hapi_source_stat(fs->source, parent_path, &src)) < 0)
-            return rc;
-        /* without opens, what the lookup names is what its reads get (see "without opens") */
-        if ((rc = pack_attr(fs, parent_path, &src, pack, parent, by, fs->no_open, &e->attr,
-                            c)) < 0)
-            return rc;
-        e->ino = e->attr.st_ino;
-        *kind = pack;
-        *has_content = pack == HAPI_NODE_PACK;
-        if ((*path = strdup(parent_path)))
-            return 0;
-        hapi_pack_close(c->snapshot);
-        c->snapshot = NULL;
-        return -ENOMEM;
-    }
-
-    size_t stem = hapi_feat_stem_len(name);
-    if (stem) {
-        char *image_name = strndup(name, stem);
-        char *image = image_name ? hapi_path_join(parent_path, image_name) : NULL;
-        free(image_name);
-        if (!image)
-            return -ENOMEM;
-        rc = hapi_source_stat(fs->source, image, &src);
-        if (rc == 0 && S_ISREG(src.st_mode)) {
-            /* The current split's size (waits while the policy is still choosing it). */
-            hapi_view *v = hapi_views_get(fs->views);
-            if (!v) {
-                free(image);
-                return -ENODEV;
-            }
-            *kind = HAPI_NODE_FEAT;
-            feat_node(v, &src, parent, by, &e->attr, c);
-            c->view = v; /* the caller's reference */
-            e->ino = e->attr.st_ino;
-            *has_content = 1;
-            *path = image;
-            return 0;
-        }
-        if (rc == -ENOENT)
-            hapi_serve_collect(fs->serve, image); /* deleted: its features go too */
-        free(image);
-        /* Not a feature of an image: maybe a real file of that name. */
-    }
-
-    char *child = hapi_path_join(parent_path, name);
-    if (!child)
-        return -ENOMEM;
-    rc = hapi_source_stat(fs->source, child, &src);
-    if (rc < 0)
-        goto fail;
-    if (S_ISDIR(src.st_mode)) {
-        *kind = HAPI_NODE_DIR;
-    } else if (S_ISREG(src.st_mode) && (fs->opt->show_raw || !hapi_image_name_is_image(name))) {
-        *kind = HAPI_NODE_FILE;
-    } else {
-        rc = -ENOENT; /* hidden images, devices, sockets, fifos */
-        goto fail;
-    }
-    e->ino = node_id_for(fs, &src);
-    source_attr(fs, &src, e->ino, &e->attr);
-    *path = child;
-    return 0;
-fail:
-    free(child);
-    return rc;
+    return fs->src->lookup(fs, parent, parent_path, name, by, e, kind, path, c, has_content);
 }
 
 void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
@@ -321,27 +233,12 @@ static void op_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_dat
     fuse_reply_none(req);
 }
 
-/*
- * Attributes of a .feat or pack node: its size and times are those of its
- * bytes, as the lookup that made the node gave them (they never change); its
- * owner and mode are its source's now (src: the image, or the pack's
- * directory), so that a chmod applies within ATTR_TIMEOUT.
- */
-static void content_attr(const struct node_content *c, const struct stat *src, struct stat *st)
-{
-    *st = c->attr;
-    st->st_mode = S_IFREG | (src->st_mode & 0444);
-    st->st_uid = src->st_uid;
-    st->st_gid = src->st_gid;
-}
-
 static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     COUNT(req, HAPI_REQ_GETATTR);
     hapi_fs *fs = fuse_req_userdata(req);
-    struct stat st, src;
-    char *path = NULL;
-    int kind, rc;
+    struct stat st;
+    int rc;
     (void)fi;
 
     if (ino == CTL_DIR_ID) {
@@ -366,49 +263,11 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
         fuse_reply_attr(req, &st, 0);
         return;
     }
-    if (fs->remote) {
-        struct node_content c;
-        if ((rc = node_get(fs, ino, &kind, &path, &c)) == 0 &&
-            (rc = remote_attr(fs, path, &kind, &st)) == 0 && st.st_ino != ino &&
-            kind == HAPI_NODE_REMOTE_FEAT)
-            st = c.attr; /* the node is of other bytes than the name's now: its own size */
-        st.st_ino = ino;
-        if (rc < 0)
-            fuse_reply_err(req, -rc);
-        else
-            fuse_reply_attr(req, &st, ATTR_TIMEOUT);
-        free(path);
-        return;
-    }
-    struct node_content c;
-    if ((rc = node_get(fs, ino, &kind, &path, &c)) < 0 ||
-        (rc = hapi_source_stat(fs->source, path, &src)) < 0) {
-        if (rc == -ENOENT && path && kind == HAPI_NODE_FEAT)
-            hapi_serve_collect(fs->serve, path);
-        fuse_reply_err(req, -rc);
-        free(path);
-        return;
-    }
-    if (kind == HAPI_NODE_FEAT || kind == HAPI_NODE_PACK) {
-        content_attr(&c, &src, &st);
-    } else if (kind == HAPI_NODE_PACK_INDEX) {
-        rc = pack_attr(fs, path, &src, kind, 0, 0, 0, &st, &c);
-        uint64_t serial;
-        hapi_ctl_text *t = fs->no_open && rc == 0 ? node_text(fs, ino, &serial) : NULL;
-        if (t) { /* what its lookup made (no_open) */
-            made_attr(fs, &st, t->len, serial);
-            st.st_ino = ino;
-        }
-        hapi_ctl_text_put(t);
-    } else
-        source_attr(fs, &src, ino, &st);
-    if (rc < 0)
+    double timeout;
+    if ((rc = fs->src->getattr(fs, ino, &st, &timeout)) < 0)
         fuse_reply_err(req, -rc);
     else
-        fuse_reply_attr(req, &st, kind != HAPI_NODE_PACK_INDEX ? node_timeout(fs, ino)
-                                  : fs->no_open                 ? 0
-                                                                : ATTR_TIMEOUT);
-    free(path);
+        fuse_reply_attr(req, &st, timeout);
 }
 
 /* Links a handle the kernel is about to hold into fs (see struct hapi_fs_handle). */
@@ -433,7 +292,7 @@ static void handle_unlink(hapi_fs *fs, struct hapi_fs_handle *l)
 }
 
 /* Adds name + suffix; path (may be NULL) is copied; c (may be NULL) is a .feat's content. */
-static int dir_add(struct dir_handle *d, const char *name, const char *suffix, int kind,
+int dir_add(struct dir_handle *d, const char *name, const char *suffix, int kind,
                    const char *path, const struct stat *attr, const struct node_content *c)
 {
     if (d->count == d->cap) {
@@ -457,7 +316,7 @@ static int dir_add(struct dir_handle *d, const char *name, const char *suffix, i
 }
 
 /* An entry for "." / ".." or a control file: only its id and type matter. */
-static int dir_add_bare(struct dir_handle *d, const char *name, uint64_t ino, mode_t type)
+int dir_add_bare(struct dir_handle *d, const char *name, uint64_t ino, mode_t type)
 {
     struct stat st = { .st_ino = ino, .st_mode = type };
     return dir_add(d, name, "", -1, NULL, &st, NULL);
@@ -477,79 +336,11 @@ static void dir_free(struct dir_handle *d)
     free(d);
 }
 
-/* One entry of a source directory as the mount shows it (a symlink as what it leads to). */
-static int list_one(const hapi_source_entry *e, void *arg)
-{
-    struct list_walk *w = arg;
-    hapi_fs *fs = w->fs;
-    struct stat st;
-    if (!strchr(e->path, '/') && strcmp(e->name, ".hapifs") == 0)
-        return 0; /* shadowed by the control directory */
-    if (S_ISDIR(e->st->st_mode)) {
-        source_attr(fs, e->st, node_id_for(fs, e->st), &st);
-        return dir_add(w->d, e->name, "", HAPI_NODE_DIR, e->path, &st, NULL);
-    }
-    if (!e->is_image) {
-        source_attr(fs, e->st, node_id_for(fs, e->st), &st);
-        return dir_add(w->d, e->name, "", HAPI_NODE_FILE, e->path, &st, NULL);
-    }
-    /* Every .feat of one listing at one split (waits while the policy is still choosing it). */
-    if (!w->view && !(w->view = hapi_views_get(fs->views)))
-        return -ENODEV;
-    struct node_content c;
-    feat_node(w->view, e->st, w->d->self, 0, &st, &c);
-    int rc = dir_add(w->d, e->name, ".feat", HAPI_NODE_FEAT, e->path, &st, &c);
-    if (rc == 0 && fs->opt->show_raw) {
-        source_attr(fs, e->st, node_id_for(fs, e->st), &st);
-        rc = dir_add(w->d, e->name, "", HAPI_NODE_FILE, e->path, &st, NULL);
-    }
-    return rc;
-}
-
-/* One entry of a remote mount's directory. */
-static int remote_list_one(void *arg, const char *name, int kind, const struct stat *st)
-{
-    struct remote_list *w = arg;
-    char *path = hapi_path_join(w->dir, name);
-    if (!path)
-        return -ENOMEM;
-    struct stat attr = *st;
-    int node_kind = remote_node_kind(kind);
-    attr.st_ino = remote_node_id(path, node_kind, (uint64_t)st->st_ino);
-    struct node_content c;
-    if (node_kind == HAPI_NODE_REMOTE_FEAT)
-        remote_feat_content(&attr, w->d->self, 0, &c);
-    int rc = dir_add(w->d, name, "", node_kind, path, &attr,
-                     node_kind == HAPI_NODE_REMOTE_FEAT ? &c : NULL);
-    free(path);
-    return rc;
-}
-
 /* Lists the source directory path as the mount shows it. */
 static int list_source_dir(hapi_fs *fs, const char *path, uint64_t self, struct dir_handle *d)
 {
-    struct stat st;
     d->self = self;
-    if (fs->remote) {
-        struct remote_list w = { d, path };
-        int rc = dir_add_bare(d, ".", self, S_IFDIR);
-        if (rc == 0)
-            rc = dir_add_bare(d, "..", FUSE_ROOT_ID, S_IFDIR);
-        return rc == 0 ? hapi_remote_list(fs->remote, path, remote_list_one, &w) : rc;
-    }
-    int rc = hapi_source_stat(fs->source, path, &st);
-    if (rc == 0 && !S_ISDIR(st.st_mode))
-        rc = -ENOTDIR;
-    if (rc == 0)
-        rc = dir_add_bare(d, ".", self, S_IFDIR);
-    if (rc == 0)
-        rc = dir_add_bare(d, "..", FUSE_ROOT_ID, S_IFDIR);
-    struct list_walk w = { fs, d, NULL };
-    if (rc == 0)
-        rc = hapi_source_walk(fs->source, path, HAPI_WALK_STAT | HAPI_WALK_ALL, NULL, list_one,
-                              &w);
-    d->view = w.view; /* the listing's .feat are of its split (no_open: their nodes keep it) */
-    return rc;
+    return fs->src->list(fs, path, self, d);
 }
 
 static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -780,7 +571,7 @@ const hapi_cred *req_who(fuse_req_t req, hapi_cred *c)
  * direct_io set: the bytes of now, read past the kernel's pages and size of
  * this node, which stay right for it.
  */
-static int other_bytes(fuse_req_t req, const struct node_content *c, struct fuse_file_info *fi)
+int other_bytes(fuse_req_t req, const struct node_content *c, struct fuse_file_info *fi)
 {
     pid_t me = fuse_req_ctx(req)->pid;
     size_t i = 0;
@@ -794,10 +585,8 @@ static int other_bytes(fuse_req_t req, const struct node_content *c, struct fuse
 }
 
 /*
- * Opens ino: a handle per node kind (control file, remote .feat, .feat, pack, index,
- * passthrough file). Long (~190 lines) because each kind's checks of its bytes against
- * the source (ESTALE, direct_io) are read best next to each other; splitting it per kind
- * is left for the source interface of issue 50 item 4.
+ * Opens ino: a control file here, anything else by the feature source (fs->src),
+ * which checks the node's bytes against the source's (ESTALE, direct_io).
  */
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
@@ -876,106 +665,8 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         goto fail;
     }
     h->kind = kind;
-    if (kind == HAPI_NODE_REMOTE_FEAT) {
-        /* The index entry of now: the bytes of this open file never change. */
-        if ((rc = hapi_remote_feat_open(fs->remote, path, &h->remote_feat)) < 0)
-            goto fail;
-        if (remote_node_id(path, kind, hapi_remote_feat_key(h->remote_feat)) == ino)
-            fi->keep_cache = 1; /* the node's pages are of these bytes */
-        else if ((rc = other_bytes(req, &c, fi)) < 0)
-            goto fail;
-    } else if (fs->remote) {
-        if ((rc = hapi_remote_open_file(fs->remote, path)) < 0)
-            goto fail;
-        h->fd = rc;
-        struct stat st;
-        h->remote_size = fstat(h->fd, &st) == 0 ? st.st_size : 0;
-        const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
-        if (strcmp(base, HAPI_PACK_NAME) == 0) {
-            /*
-             * A storage mount's pack is a snapshot taken at its open, whose
-             * size the attributes do not tell (they show the directory's
-             * pack now): read to the end its header says, whatever the
-             * kernel was told; a read that ends before it is EIO.
-             */
-            uint64_t size;
-            if ((rc = hapi_remote_pack_file_size(fs->remote, path, h->fd, &size)) < 0)
-                goto fail;
-            h->remote_size = (off_t)size;
-            fi->direct_io = 1;
-        } else if (strcmp(base, HAPI_PACK_INDEX_NAME) == 0) {
-            /* made at the storage side's open; read whole now, and refused if cut short */
-            char *text = NULL;
-            size_t len = 0;
-            rc = hapi_remote_read_pack_index(fs->remote, path, h->fd, &text, &len);
-            h->fd = -1;
-            if (rc < 0)
-                goto fail;
-            h->kind = HAPI_NODE_CTL_FILE; /* read like a control file */
-            h->text = hapi_ctl_text_new(text, len);
-            free(text);
-            if (!h->text) {
-                rc = -ENOMEM;
-                goto fail;
-            }
-            fi->direct_io = 1;
-        }
-        h->path = path; /* for the error a short read records */
-        path = NULL;
-    } else if (kind == HAPI_NODE_FEAT) {
-        /* The source is read when the features are computed; here it must only exist. */
-        if ((rc = hapi_source_identity(fs->source, path, &h->id)) < 0) {
-            if (rc == -ENOENT)
-                hapi_serve_collect(fs->serve, path);
-            goto fail;
-        }
-        /* The file keeps this split until it is closed, whatever happens meanwhile. */
-        if (!(h->view = hapi_views_get(fs->views))) {
-            rc = -ENODEV;
-            goto fail;
-        }
-        h->path = path;
-        path = NULL;
-        if (c.split == h->view->split && memcmp(&c.id, &h->id, sizeof(h->id)) == 0) {
-            /* Features are immutable for a given source identity and namespace. */
-            fi->keep_cache = 1;
-        } else if ((rc = other_bytes(req, &c, fi)) < 0) {
-            goto fail;
-        }
-    } else if (kind == HAPI_NODE_PACK) {
-        /* A snapshot of the directory now. */
-        if ((rc = hapi_pack_open(fs->packs, path, req_who(req, &cred), &h->pack)) < 0)
-            goto fail;
-        if (hapi_pack_key(h->pack) == c.pack_key) {
-            /*
-             * keep_cache: the pages the kernel has of this node are its snapshot's rows, and
-             * they must stay: a row whose image changed since may be computed again of the
-             * new version, and dropping pages at each open would let another reader of this
-             * node get half a row from before and half from after.
-             */
-            fi->keep_cache = 1;
-        } else if ((rc = other_bytes(req, &c, fi)) < 0) {
-            goto fail;
-        }
-    } else if (kind == HAPI_NODE_PACK_INDEX) {
-        char *text = NULL;
-        size_t len = 0;
-        if ((rc = hapi_pack_index(fs->packs, path, &text, &len)) < 0)
-            goto fail;
-        h->kind = HAPI_NODE_CTL_FILE; /* read like a control file: made now, direct I/O */
-        h->text = hapi_ctl_text_new(text, len);
-        free(text);
-        if (!h->text) {
-            rc = -ENOMEM;
-            goto fail;
-        }
-        fi->direct_io = 1;
-    } else {
-        rc = hapi_source_open_beneath(fs->source, path, O_RDONLY);
-        if (rc < 0)
-            goto fail;
-        h->fd = rc;
-    }
+    if ((rc = fs->src->open(req, fs, ino, kind, &path, &c, h, fi)) < 0)
+        goto fail;
 done:
     free(path);
     handle_link(fs, &h->link, 0);
@@ -997,62 +688,13 @@ void read_feat(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, of
         return;
     }
     /* a remote mount's from its cache or its directory's pack; else from serve.c */
-    ssize_t n = h->remote_feat
-                    ? hapi_remote_feat_read(fs->remote, h->remote_feat, buf, size, off)
-                    : hapi_serve_read(fs->serve, h->view, h->path, &h->id, buf, size, off);
+    ssize_t n = fs->src->read_feat(fs, h, buf, size, off);
     if (n < 0)
         fuse_reply_err(req, hapi_fs_errno((int)n)); /* the layer has recorded why */
     else
         fuse_reply_buf(req, buf, (size_t)n);
     if (buf != stack_buf)
         free(buf);
-}
-
-/*
- * A remote mount's file other than a .feat it fetches: read from its source
- * into a buffer, not spliced, so that a read that ends before the size the
- * file had at open is an error, not a short reply. A network filesystem whose
- * server lost the file (sshfs, while a storage daemon restarts) answers such
- * reads with 0 bytes, which a reader would take for the whole file.
- */
-static void read_remote(fuse_req_t req, hapi_fs *fs, struct open_file *h, size_t size, off_t off)
-{
-    char *buf = malloc(size ? size : 1);
-    size_t got = 0;
-    if (!buf) {
-        fuse_reply_err(req, ENOMEM);
-        return;
-    }
-    while (got < size) {
-        ssize_t n = pread(h->fd, buf + got, size - got, off + (off_t)got);
-        if (n < 0 && errno == EINTR)
-            continue;
-        int fl;
-        if (n < 0 && errno == EINVAL && (fl = fcntl(h->fd, F_GETFL)) >= 0 && (fl & O_DIRECT) &&
-            fcntl(h->fd, F_SETFL, fl & ~O_DIRECT) == 0)
-            continue; /* a local filesystem wants aligned direct reads: read normally */
-        if (n < 0) {
-            int e = errno;
-            free(buf);
-            fuse_reply_err(req, e == ENOMEM ? ENOMEM : EIO);
-            return;
-        }
-        if (n == 0)
-            break;
-        got += (size_t)n;
-    }
-    if (got < size && off + (off_t)got < h->remote_size) {
-        char msg[200];
-        snprintf(msg, sizeof(msg), "the file ended at %lld bytes of %lld read through its source "
-                 "(the source is down or the file changed)", (long long)(off + (off_t)got),
-                 (long long)h->remote_size);
-        hapi_error_ring_add(fs->errors, h->path ? h->path : "", -EIO, msg);
-        free(buf);
-        fuse_reply_err(req, EIO);
-        return;
-    }
-    fuse_reply_buf(req, buf, got);
-    free(buf);
 }
 
 /* A pack read: rows computed or looked up by pack.c into a buffer of ours. */
@@ -1105,21 +747,9 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
         hapi_ctl_text_put(text);
         return;
     }
-    default: {
-        if (fs->remote) {
-            read_remote(req, fs, h, size, off);
-            return;
-        }
-        /* Passthrough: let the kernel splice from the source file where it can. */
-        struct fuse_bufvec buf = FUSE_BUFVEC_INIT(size);
-        buf.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK;
-        buf.buf[0].fd = h->fd;
-        buf.buf[0].pos = off;
-        if (fs->serve)
-            hapi_serve_note_passthrough(fs->serve, size);
-        fuse_reply_data(req, &buf, FUSE_BUF_SPLICE_MOVE);
+    default:
+        fs->src->read_file(req, fs, h, size, off); /* a file of the source */
         return;
-    }
     }
 }
 
@@ -1142,11 +772,10 @@ static void op_statfs(fuse_req_t req, fuse_ino_t ino)
     COUNT(req, HAPI_REQ_STATFS);
     hapi_fs *fs = fuse_req_userdata(req);
     struct statvfs sv;
+    int rc;
     (void)ino;
-    /* A remote mount reports its cache's filesystem: a dead source must not hang df. */
-    if (fs->remote ? statvfs(fs->opt->cache_dir, &sv) < 0
-                   : fstatvfs(hapi_source_root_fd(fs->source), &sv) < 0) {
-        fuse_reply_err(req, errno);
+    if ((rc = fs->src->statfs(fs, &sv)) < 0) {
+        fuse_reply_err(req, -rc);
         return;
     }
     sv.f_flag |= ST_RDONLY;

@@ -19,8 +19,9 @@ for m in re.finditer(r'^ \*\s+(\d+)\s+(\S+)\s+(\S+)\s', layers, re.M):
     for name in m.group(2, 3):
         if name != '-':
             rank[name] = int(m.group(1))
-m = re.search(r'FUSE-speaking files[^\n]*\n \*\s+([^\n]*)', layers)
-fuse_speaking = set(m.group(1).split()) if m else set()
+# the list: the lines after its title, each " *   " and file names only
+m = re.search(r'FUSE-speaking files[^\n]*\n((?: \*\s+(?:\S+\.[ch]\s*)+\n)+)', layers)
+fuse_speaking = set(m.group(1).replace('*', ' ').split()) if m else set()
 
 problems = []
 if not rank or not fuse_speaking:
