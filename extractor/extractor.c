@@ -29,9 +29,13 @@ struct hapi_extractor {
     uint8_t digest[16];     /* XXH3-128 of the model file, canonical (big-endian) bytes */
 };
 
-/* The one format and version of hapifs.json this code reads. */
+/*
+ * The format of hapifs.json and the versions this code reads: 1, and 2, which adds
+ * "interpolation" (required there; version 1 is bilinear).
+ */
 #define HAPI_META_FORMAT "hapifs-staged"
-#define HAPI_META_VERSION 1
+#define HAPI_META_VERSION_MIN 1
+#define HAPI_META_VERSION 2
 /* Beyond this, an input size is a typo, not a model. */
 #define HAPI_META_MAX_SIZE 8192
 
@@ -110,6 +114,49 @@ bad:
 }
 
 /*
+ * Reads a string member into buf (size bytes with its NUL). An absent optional member leaves
+ * buf empty; a required one, a member that is not a string, an empty or too long one is
+ * HAPI_ENOTSTAGED naming the field.
+ */
+static int meta_string(json_t *root, const char *key, int required, char *buf, size_t size,
+                       hapi_error *err)
+{
+    json_t *v = json_object_get(root, key);
+    buf[0] = '\0';
+    if (!v && !required)
+        return 0;
+    const char *text = json_string_value(v);
+    if (!text || !*text || strlen(text) >= size)
+        return hapi_error_set(err, HAPI_ENOTSTAGED,
+                              "hapifs.json: \"%s\" %s (a string of 1..%zu bytes)", key,
+                              v ? "is invalid" : "is missing", size - 1);
+    strcpy(buf, text);
+    return 0;
+}
+
+/*
+ * The resize filter: version 2 names it, version 1 is bilinear (and may say so, no more), so
+ * an archive is never served with a filter other than the one its weights were trained with.
+ */
+static int meta_interpolation(json_t *root, int version, int *out, hapi_error *err)
+{
+    json_t *v = json_object_get(root, "interpolation");
+    const char *name = json_string_value(v);
+    int interpolation = version == 1 && !v ? HAPI_INTERP_BILINEAR : hapi_interpolation_parse(name);
+    if (version == 1 && interpolation != HAPI_INTERP_BILINEAR)
+        return hapi_error_set(err, HAPI_ENOTSTAGED,
+                              "hapifs.json: version 1 resizes bilinearly; \"interpolation\" "
+                              "\"%s\" needs version 2", name ? name : "(not a string)");
+    if (interpolation < 0)
+        return hapi_error_set(err, HAPI_ENOTSTAGED,
+                              "hapifs.json: \"interpolation\" %s%s%s (bilinear or bicubic)",
+                              !v ? "is missing" : name ? "\"" : "is not a string",
+                              name ? name : "", name ? "\" is unknown" : "");
+    *out = interpolation;
+    return 0;
+}
+
+/*
  * Parses the archive's hapifs.json into meta and checks it against the model: the stage list
  * must name the archive's children in order, so a split by name means what the user read.
  */
@@ -131,16 +178,26 @@ static int parse_meta(const char *text, hapi_model *model, hapi_model_meta *meta
                             HAPI_META_FORMAT);
         goto out;
     }
-    int version;
-    if ((rc = meta_int(root, "version", HAPI_META_VERSION, HAPI_META_VERSION, &version, err)) < 0)
-        goto out;
-    const char *arch = json_string_value(json_object_get(root, "arch"));
-    if (!arch || !*arch || strlen(arch) >= sizeof(meta->arch)) {
-        rc = hapi_error_set(err, HAPI_ENOTSTAGED, "hapifs.json: \"arch\" is missing or too long");
+    json_t *version = json_object_get(root, "version");
+    if (!json_is_integer(version) || json_integer_value(version) < HAPI_META_VERSION_MIN ||
+        json_integer_value(version) > HAPI_META_VERSION) {
+        char found[32] = "missing";
+        if (json_is_integer(version))
+            snprintf(found, sizeof(found), "%lld", (long long)json_integer_value(version));
+        else if (version)
+            snprintf(found, sizeof(found), "not an integer");
+        rc = hapi_error_set(err, HAPI_ENOTSTAGED,
+                            "hapifs.json: version %s, this hapifs reads versions %d..%d", found,
+                            HAPI_META_VERSION_MIN, HAPI_META_VERSION);
         goto out;
     }
-    strcpy(meta->arch, arch);
-    if ((rc = meta_int(root, "input_size", 1, HAPI_META_MAX_SIZE, &meta->input_size, err)) < 0 ||
+    meta->version = (int)json_integer_value(version);
+    if ((rc = meta_string(root, "arch", 1, meta->arch, sizeof(meta->arch), err)) < 0 ||
+        (rc = meta_interpolation(root, meta->version, &meta->interpolation, err)) < 0 ||
+        (rc = meta_string(root, "weights", 0, meta->weights, sizeof(meta->weights), err)) < 0 ||
+        (rc = meta_string(root, "weights_enum", 0, meta->weights_enum,
+                          sizeof(meta->weights_enum), err)) < 0 ||
+        (rc = meta_int(root, "input_size", 1, HAPI_META_MAX_SIZE, &meta->input_size, err)) < 0 ||
         (rc = meta_int(root, "resize_size", meta->input_size, HAPI_META_MAX_SIZE,
                        &meta->resize_size, err)) < 0 ||
         (rc = meta_triple(root, "mean", 0, meta->mean, err)) < 0 ||
@@ -287,6 +344,7 @@ int hapi_extractor_open(const hapi_extractor_config *cfg, hapi_extractor **out, 
         .crop = ex->meta.input_size,
         .mode = cfg->mode,
         .max_pixels = cfg->max_pixels,
+        .interpolation = ex->meta.interpolation,
     };
     memcpy(ex->preprocess.mean, ex->meta.mean, sizeof(ex->meta.mean));
     memcpy(ex->preprocess.std, ex->meta.std, sizeof(ex->meta.std));

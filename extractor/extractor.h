@@ -37,10 +37,26 @@ enum hapi_preprocess_mode {
     HAPI_PREPROCESS_FAST = 1   /* DCT-domain downscale first, then the same resampling */
 };
 
+/* The filter of the resize: Pillow's, as torchvision's Resize passes it to a PIL image. */
+enum hapi_interpolation {
+    HAPI_INTERP_BILINEAR = 0, /* triangle, support 1 (Pillow's BILINEAR) */
+    HAPI_INTERP_BICUBIC = 1   /* Keys' cubic with a = -0.5, support 2 (Pillow's BICUBIC) */
+};
+
 /*
- * torchvision's Resize(resize) -> CenterCrop(crop) -> ToTensor -> Normalize(mean, std).
- * max_pixels refuses images whose header says width * height > max_pixels
- * (0: no limit), before anything is allocated for decoding.
+ * The name of an interpolation as archives and .hapifs/config spell it
+ * ("bilinear", "bicubic"): a static string, or NULL for an unknown value.
+ */
+const char *hapi_interpolation_name(int interpolation);
+
+/* The enum hapi_interpolation of a name, or HAPI_EINVAL for NULL or an unknown name. */
+int hapi_interpolation_parse(const char *name);
+
+/*
+ * torchvision's Resize(resize, interpolation) -> CenterCrop(crop) -> ToTensor
+ * -> Normalize(mean, std). max_pixels refuses images whose header says
+ * width * height > max_pixels (0: no limit), before anything is allocated
+ * for decoding.
  */
 typedef struct hapi_preprocess {
     int resize;
@@ -49,6 +65,7 @@ typedef struct hapi_preprocess {
     float std[3];
     int mode;
     uint64_t max_pixels;
+    int interpolation;   /* enum hapi_interpolation; 0 (bilinear) when left out */
 } hapi_preprocess;
 
 /*
@@ -75,10 +92,11 @@ int hapi_image_size(const void *data, size_t size, int *width, int *height);
 void hapi_image_release(hapi_image *img);
 
 /*
- * Resizes (PIL bilinear with antialiasing, short side to pp->resize, long
- * side truncated), centre-crops to pp->crop x pp->crop, scales to [0, 1]
- * and normalizes, writing 3 * crop * crop floats in CHW order to out.
- * Returns 0, HAPI_EINVAL (bad parameters) or -ENOMEM. Thread-safe.
+ * Resizes (PIL's pp->interpolation filter with antialiasing, short side to
+ * pp->resize, long side truncated), centre-crops to pp->crop x pp->crop,
+ * scales to [0, 1] and normalizes, writing 3 * crop * crop floats in CHW
+ * order to out. Returns 0, HAPI_EINVAL (bad parameters, unknown
+ * interpolation) or -ENOMEM. Thread-safe.
  */
 int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
                           float *out, hapi_error *err);
@@ -249,6 +267,11 @@ typedef struct hapi_model_meta {
     float mean[3];
     float std[3];
     int freeze;           /* default freeze index: stages [0, freeze) are frozen */
+    int version;          /* of hapifs.json: 1 or 2 */
+    int interpolation;    /* enum hapi_interpolation: version 2 names it, version 1 is bilinear */
+    char weights[320];    /* "random:seed=N", "file:NAME", ...; "" when not recorded */
+    char weights_enum[128]; /* a torchvision weights enum, e.g. "ResNet50_Weights.IMAGENET1K_V2";
+                               "" when not recorded */
 } hapi_model_meta;
 
 /*
@@ -268,7 +291,8 @@ void hapi_extractor_keep_heap(uint64_t keep_bytes);
 /*
  * Loads and probes the model, parses its metadata, resolves split and freeze
  * and digests the model file. Returns 0, -errno for an unreadable file,
- * HAPI_ENOTSTAGED, HAPI_EMODEL, HAPI_EINVAL (bad split/freeze: the message
+ * HAPI_ENOTSTAGED (also for metadata of an unknown version or naming an
+ * unknown interpolation), HAPI_EMODEL, HAPI_EINVAL (bad split/freeze: the message
  * names the stages that exist). *out is NULL on failure; free with
  * hapi_extractor_close().
  */

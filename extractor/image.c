@@ -463,6 +463,12 @@ static void axis_free(axis_coeffs *a)
     free(a->k);
 }
 
+/* A resampling filter: its kernel and the half-width where it becomes zero, at scale 1. */
+typedef struct resample_filter {
+    double (*kernel)(double x);
+    double support;
+} resample_filter;
+
 static double bilinear_filter(double x)
 {
     if (x < 0.0)
@@ -473,14 +479,58 @@ static double bilinear_filter(double x)
 }
 
 /*
- * Mirrors Pillow's precompute_coeffs() + normalize_coeffs_8bpc() for the
- * bilinear (triangle, support 1) filter, in the same double operations and
- * order: scale from a float box width, the centre at (i + 0.5) * scale, the
- * window rounded with +0.5 and truncation, the tap position multiplied by the
- * reciprocal of filterscale, normalisation by the sum, then rounding to 22
- * fractional bits away from zero.
+ * Keys' cubic convolution with a = -0.5, written as Pillow writes it: the
+ * same products in the same order, so every weight is the same double.
  */
-static int axis_init(axis_coeffs *a, int in_size, int out_size, int first, int last)
+static double bicubic_filter(double x)
+{
+    const double a = -0.5;
+    if (x < 0.0)
+        x = -x;
+    if (x < 1.0)
+        return ((a + 2.0) * x - (a + 3.0)) * x * x + 1;
+    if (x < 2.0)
+        return (((x - 5) * x + 8) * x - 4) * a;
+    return 0.0;
+}
+
+/* Indexed by enum hapi_interpolation. */
+static const resample_filter filters[] = {
+    [HAPI_INTERP_BILINEAR] = {bilinear_filter, 1.0},
+    [HAPI_INTERP_BICUBIC] = {bicubic_filter, 2.0},
+};
+static const char *const interpolation_names[] = {
+    [HAPI_INTERP_BILINEAR] = "bilinear",
+    [HAPI_INTERP_BICUBIC] = "bicubic",
+};
+#define INTERPOLATIONS ((int)(sizeof(filters) / sizeof(filters[0])))
+
+const char *hapi_interpolation_name(int interpolation)
+{
+    if (interpolation < 0 || interpolation >= INTERPOLATIONS)
+        return NULL;
+    return interpolation_names[interpolation];
+}
+
+int hapi_interpolation_parse(const char *name)
+{
+    for (int i = 0; name && i < INTERPOLATIONS; i++)
+        if (strcmp(name, interpolation_names[i]) == 0)
+            return i;
+    return HAPI_EINVAL;
+}
+
+/*
+ * Mirrors Pillow's precompute_coeffs() + normalize_coeffs_8bpc() for any of
+ * its filters, in the same double operations and order: scale from a float
+ * box width, the support widened by the downscale factor, the centre at
+ * (i + 0.5) * scale, the window rounded with +0.5 and truncation, the tap
+ * position multiplied by the reciprocal of filterscale, normalisation by the
+ * sum, then rounding to 22 fractional bits away from zero (bicubic's
+ * negative lobes round down).
+ */
+static int axis_init(axis_coeffs *a, const resample_filter *filter, int in_size, int out_size,
+                     int first, int last)
 {
     double scale, filterscale, support, ss;
     double *w = NULL;
@@ -491,7 +541,7 @@ static int axis_init(axis_coeffs *a, int in_size, int out_size, int first, int l
     a->last = last;
     scale = (double)(float)in_size / out_size;
     filterscale = scale < 1.0 ? 1.0 : scale;
-    support = 1.0 * filterscale;
+    support = filter->support * filterscale;
     ss = 1.0 / filterscale;
     a->ksize = (int)ceil(support) * 2 + 1;
     if (n <= 0)
@@ -518,7 +568,7 @@ static int axis_init(axis_coeffs *a, int in_size, int out_size, int first, int l
             xmax = in_size;
         xmax -= xmin;
         for (int x = 0; x < xmax; x++) {
-            w[x] = bilinear_filter((x + xmin - center + 0.5) * ss);
+            w[x] = filter->kernel((x + xmin - center + 0.5) * ss);
             ww += w[x];
         }
         for (int x = 0; x < xmax; x++) {
@@ -533,7 +583,10 @@ static int axis_init(axis_coeffs *a, int in_size, int out_size, int first, int l
     return 0;
 }
 
-/* Pillow's clip8 for a fixed-point accumulator. */
+/*
+ * Pillow's clip8 for a fixed-point accumulator (a lookup on v >> 22 there;
+ * the same values): bicubic's negative lobes take sums below 0 and above 255.
+ */
 static inline uint8_t clip8_fixed(int32_t v)
 {
     if (v >= (1 << PRECISION_BITS << 8))
@@ -579,6 +632,9 @@ int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
     for (int c = 0; c < 3; c++)
         if (!(pp->std[c] != 0.0f) || !isfinite(pp->std[c]) || !isfinite(pp->mean[c]))
             return hapi_error_set(err, HAPI_EINVAL, "bad normalisation for channel %d", c);
+    if (!hapi_interpolation_name(pp->interpolation))
+        return hapi_error_set(err, HAPI_EINVAL, "unknown interpolation %d", pp->interpolation);
+    const resample_filter *filter = &filters[pp->interpolation];
 
     const int in_w = img->width, in_h = img->height, crop = pp->crop;
     /* torchvision: short side -> resize, long side int(resize * long / short). */
@@ -605,7 +661,7 @@ int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
     /* The rows of the source that the vertical pass will read. */
     int ry0 = cy0, ry1 = cy1;
     if (need_v) {
-        ret = axis_init(&vy, in_h, (int)out_h, cy0, cy1);
+        ret = axis_init(&vy, filter, in_h, (int)out_h, cy0, cy1);
         if (ret < 0)
             goto nomem;
         ry0 = vy.start[0];
@@ -621,7 +677,7 @@ int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
     size_t hstride;
     int hrow0;
     if (need_h) {
-        ret = axis_init(&hx, in_w, (int)out_w, cx0, cx1);
+        ret = axis_init(&hx, filter, in_w, (int)out_w, cx0, cx1);
         if (ret < 0)
             goto nomem;
         hbuf = malloc((size_t)(ry1 - ry0) * (size_t)wcols * 3);

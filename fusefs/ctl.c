@@ -139,18 +139,22 @@ static json_t *render_config(hapi_ctl *c)
     for (int i = 0; compute_stages && i < ts.compute_nstages; i++)
         json_array_append_new(compute_stages, json_real(ts.compute_stage_ms[i]));
     return json_pack(
-        "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s, s:o}, s:o, "
-        "s:{s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
+        "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s?, s:s?, s:s, s:o}, s:o, "
+        "s:{s:s, s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
         "s:{s:s, s:f, s:s, s:f, s:o, s:f, s:b, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
         "source", o->source,
         "mountpoint", o->mountpoint,
         "model",
           "path", o->model, "digest", digest, "arch", meta->arch,
+          /* random weights show here, so features of an untrained model are never a surprise */
+          "weights", meta->weights[0] ? meta->weights : NULL,
+          "weights_enum", meta->weights_enum[0] ? meta->weights_enum : NULL,
           "precision", o->precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32", "stages", stages,
         "split", split,
         "preprocess",
-          "mode", pp->mode == HAPI_PREPROCESS_FAST ? "fast" : "exact", "resize", pp->resize,
+          "mode", pp->mode == HAPI_PREPROCESS_FAST ? "fast" : "exact",
+          "interpolation", hapi_interpolation_name(pp->interpolation), "resize", pp->resize,
           "crop", pp->crop, "mean", pp->mean[0], pp->mean[1], pp->mean[2], "std", pp->std[0],
           pp->std[1], pp->std[2], "max_pixels", (json_int_t)pp->max_pixels,
         "cache",

@@ -55,6 +55,13 @@ int hapi_views_new(hapi_extractor *ex, int dtype, int precision, hapi_views **ou
        fp32 description stays as it was, so existing caches keep their features. */
     if (precision == HAPI_PRECISION_BF16)
         strncat(vs->ns_desc, " precision=bf16", sizeof(vs->ns_desc) - strlen(vs->ns_desc) - 1);
+    /* The model digest covers hapifs.json, which names the filter; the namespace says so too,
+       so that it never rests on how the digest is taken. Bilinear keeps its old description. */
+    if (pp->interpolation != HAPI_INTERP_BILINEAR) {
+        size_t len = strlen(vs->ns_desc);
+        snprintf(vs->ns_desc + len, sizeof(vs->ns_desc) - len, " interpolation=%s",
+                 hapi_interpolation_name(pp->interpolation));
+    }
     pthread_mutex_init(&vs->lock, NULL);
     pthread_cond_init(&vs->cond, NULL);
     *out = vs;

@@ -8,9 +8,9 @@
 
 static const char usage[] =
     "usage: hapi-dump preprocess IMAGE OUT.npy [--resize R] [--crop C] [--mean a,b,c]\n"
-    "                 [--std a,b,c] [--fast] [--max-pixels N]\n"
+    "                 [--std a,b,c] [--fast] [--max-pixels N] [--interpolation bilinear|bicubic]\n"
     "       hapi-dump time IMAGE... [--resize R] [--crop C] [--repeat K] [--fast]\n"
-    "                 [--max-pixels N]\n";
+    "                 [--max-pixels N] [--interpolation bilinear|bicubic]\n";
 
 /* Reads a whole file into a malloc'd buffer. Returns 0 or -errno. */
 static int read_file(const char *path, uint8_t **data, size_t *size)
@@ -233,6 +233,9 @@ int main(int argc, char **argv)
             bad = parse_triple(val, pp.mean) < 0;
         } else if (strcmp(a, "--std") == 0) {
             bad = parse_triple(val, pp.std) < 0;
+        } else if (strcmp(a, "--interpolation") == 0) {
+            pp.interpolation = hapi_interpolation_parse(val);
+            bad = pp.interpolation < 0;
         } else {
             bad = 1;
         }

@@ -550,6 +550,55 @@ START_TEST(preprocess_resizes_like_pil)
 }
 END_TEST
 
+START_TEST(preprocess_bicubic_like_pil)
+{
+    /*
+     * A step 0 -> 255 in an 8x1 row, upscaled to 16x2 (resize 2): scale 1/2,
+     * support 2, four taps. Output column 7 is centred at 3.75 and reads
+     * x = 2..5 at distances 1.25, 0.25, 0.75, 1.75: weights -0.0703125,
+     * 0.8671875, 0.2265625, -0.0234375 (exact in binary; sum 1). Over
+     * 0, 0, 255, 255: 51.8 -> 52, where bilinear gives 64. Column 8 mirrors
+     * it: 203.2 -> 203. The negative lobes overshoot: column 6 sums to -17.9
+     * and column 9 to 272.9, clamped to 0 and 255.
+     */
+    hapi_image img = {.width = 8, .height = 1, .pixels = calloc(8, 3)};
+    hapi_preprocess pp = imagenet;
+    float out[3 * 16 * 16];
+    ck_assert_ptr_nonnull(img.pixels);
+    memset(img.pixels + 4 * 3, 255, 4 * 3);
+    pp.resize = 2;
+    pp.crop = 16; /* the two rows land at 7 and 8, between padding */
+    pp.interpolation = HAPI_INTERP_BICUBIC;
+    ck_assert_int_eq(hapi_image_preprocess(&img, &pp, out, NULL), 0);
+    const float *row = out + 7 * 16;
+    ck_assert_float_eq(row[5], normalised(0, 0, &pp));
+    ck_assert_float_eq(row[6], normalised(0, 0, &pp));
+    ck_assert_float_eq(row[7], normalised(52, 0, &pp));
+    ck_assert_float_eq(row[8], normalised(203, 0, &pp));
+    ck_assert_float_eq(row[9], normalised(255, 0, &pp));
+    ck_assert_float_eq(row[16 + 7], normalised(52, 0, &pp)); /* the second row is the same */
+    pp.interpolation = HAPI_INTERP_BILINEAR;
+    ck_assert_int_eq(hapi_image_preprocess(&img, &pp, out, NULL), 0);
+    ck_assert_float_eq(out[7 * 16 + 7], normalised(64, 0, &pp));
+    hapi_image_release(&img);
+}
+END_TEST
+
+START_TEST(interpolation_names)
+{
+    ck_assert_str_eq(hapi_interpolation_name(HAPI_INTERP_BILINEAR), "bilinear");
+    ck_assert_str_eq(hapi_interpolation_name(HAPI_INTERP_BICUBIC), "bicubic");
+    ck_assert_ptr_null(hapi_interpolation_name(2));
+    ck_assert_ptr_null(hapi_interpolation_name(-1));
+    ck_assert_int_eq(hapi_interpolation_parse("bilinear"), HAPI_INTERP_BILINEAR);
+    ck_assert_int_eq(hapi_interpolation_parse("bicubic"), HAPI_INTERP_BICUBIC);
+    ck_assert_int_eq(hapi_interpolation_parse("Bicubic"), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_interpolation_parse("lanczos"), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_interpolation_parse(""), HAPI_EINVAL);
+    ck_assert_int_eq(hapi_interpolation_parse(NULL), HAPI_EINVAL);
+}
+END_TEST
+
 START_TEST(preprocess_bad_arguments)
 {
     uint8_t px[3] = {1, 2, 3};
@@ -564,6 +613,10 @@ START_TEST(preprocess_bad_arguments)
     pp = imagenet;
     pp.std[1] = 0.0f;
     ck_assert_int_eq(hapi_image_preprocess(&img, &pp, out, NULL), HAPI_EINVAL);
+    pp = imagenet;
+    pp.interpolation = 2;
+    ck_assert_int_eq(hapi_image_preprocess(&img, &pp, out, &err), HAPI_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.message, "interpolation"));
     img.pixels = NULL;
     ck_assert_int_eq(hapi_image_preprocess(&img, &imagenet, out, NULL), HAPI_EINVAL);
 }
@@ -633,6 +686,8 @@ static Suite *image_suite(void)
         {"preprocess_smaller_than_crop", preprocess_smaller_than_crop},
         {"preprocess_crop_rounds_half_to_even", preprocess_crop_rounds_half_to_even},
         {"preprocess_resizes_like_pil", preprocess_resizes_like_pil},
+        {"preprocess_bicubic_like_pil", preprocess_bicubic_like_pil},
+        {"interpolation_names", interpolation_names},
         {"preprocess_bad_arguments", preprocess_bad_arguments},
         {"load_decodes_then_preprocesses", load_decodes_then_preprocesses},
         {"name_is_image", name_is_image},

@@ -46,7 +46,7 @@ static const struct {
  * the error tests need. argv: DIR R18 VIT.
  */
 static const char python_fixtures[] =
-    "import json, sys, torch\n"
+    "import collections, json, sys, torch\n"
     "d, r18, vit = sys.argv[1:4]\n"
     "torch.set_grad_enabled(False)\n"
     "def det_input(b, s):\n"
@@ -68,7 +68,38 @@ static const char python_fixtures[] =
     "plain = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 4)))\n"
     "torch.jit.save(plain, f'{d}/plain.pt')\n"
     "torch.jit.save(plain, f'{d}/badmeta.pt', _extra_files={'hapifs.json': json.dumps(\n"
-    "    {'format': 'hapifs-staged', 'version': 1, 'stages': ['0']})})\n";
+    "    {'format': 'hapifs-staged', 'version': 1, 'stages': ['0']})})\n"
+    "tiny = torch.jit.script(torch.nn.Sequential(collections.OrderedDict(\n"
+    "    conv=torch.nn.Conv2d(3, 4, 3), pool=torch.nn.AdaptiveAvgPool2d(1))))\n"
+    "base = {'format': 'hapifs-staged', 'version': 2, 'arch': 'tiny', 'input_size': 16,\n"
+    "        'resize_size': 18, 'mean': [0.5, 0.5, 0.5], 'std': [0.25, 0.25, 0.25],\n"
+    "        'stages': ['conv', 'pool'], 'freeze': 2, 'interpolation': 'bilinear'}\n"
+    "for name, changes in TINY:\n"
+    "    meta = dict(base, **changes)\n"
+    "    meta = {k: v for k, v in meta.items() if v is not None}\n"
+    "    torch.jit.save(tiny, f'{d}/tiny-{name}.pt',\n"
+    "                   _extra_files={'hapifs.json': json.dumps(meta)})\n";
+
+/*
+ * Tiny staged archives (a convolution and a pooling, 16x16 input) whose hapifs.json differs
+ * from a valid version 2 by the changes given as Python keyword values (None drops the key),
+ * saved to DIR/tiny-NAME.pt: the metadata versions and interpolations, accepted and refused.
+ */
+static const char python_tiny[] =
+    "TINY = [\n"
+    "    ('bicubic', dict(interpolation='bicubic', weights='random:seed=7',\n"
+    "                     weights_enum='EfficientNet_B0_Weights.IMAGENET1K_V1')),\n"
+    "    ('bilinear', dict(weights='file:my weights.pth')),\n"
+    "    ('v1', dict(version=1, interpolation=None)),\n"
+    "    ('v1-says-bilinear', dict(version=1)),\n"
+    "    ('v1-bicubic', dict(version=1, interpolation='bicubic')),\n"
+    "    ('lanczos', dict(interpolation='lanczos')),\n"
+    "    ('no-interpolation', dict(interpolation=None)),\n"
+    "    ('interpolation-number', dict(interpolation=3)),\n"
+    "    ('v3', dict(version=3)),\n"
+    "    ('v0', dict(version=0)),\n"
+    "    ('weights-number', dict(weights=7)),\n"
+    "]\n";
 
 /* Runs argv[0] with argv and waits; returns its exit status or -1. */
 static int run(char *const argv[])
@@ -640,6 +671,76 @@ START_TEST(test_extractor_not_staged)
 }
 END_TEST
 
+/* Opens DIR/tiny-NAME.pt (see python_tiny); returns what hapi_extractor_open() does. */
+static int open_tiny(const char *name, hapi_extractor **ex, hapi_error *err)
+{
+    char path[PATH_MAX];
+    snprintf(path, sizeof(path), "%s/tiny-%s.pt", tmpdir, name);
+    return open_ex(path, "auto", NULL, HAPI_DTYPE_FP32, ex, err);
+}
+
+/* Version 2 names the interpolation, which reaches the preprocessing; version 1 is bilinear. */
+START_TEST(test_extractor_meta_interpolation)
+{
+    static const struct {
+        const char *name;
+        int version, interpolation;
+        const char *weights, *weights_enum;
+    } cases[] = {
+        {"bicubic", 2, HAPI_INTERP_BICUBIC, "random:seed=7",
+         "EfficientNet_B0_Weights.IMAGENET1K_V1"},
+        {"bilinear", 2, HAPI_INTERP_BILINEAR, "file:my weights.pth", ""},
+        {"v1", 1, HAPI_INTERP_BILINEAR, "", ""},
+        {"v1-says-bilinear", 1, HAPI_INTERP_BILINEAR, "", ""},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        hapi_error err = {0};
+        hapi_extractor *ex = NULL;
+        int rc = open_tiny(cases[i].name, &ex, &err);
+        ck_assert_msg(rc == 0, "%s: %d %s", cases[i].name, rc, err.message);
+        const hapi_model_meta *meta = hapi_extractor_meta(ex);
+        ck_assert_int_eq(meta->version, cases[i].version);
+        ck_assert_int_eq(meta->interpolation, cases[i].interpolation);
+        ck_assert_int_eq(hapi_extractor_preprocess(ex)->interpolation, cases[i].interpolation);
+        ck_assert_int_eq(hapi_extractor_preprocess(ex)->resize, 18);
+        ck_assert_str_eq(meta->weights, cases[i].weights);
+        ck_assert_str_eq(meta->weights_enum, cases[i].weights_enum);
+        hapi_extractor_close(ex);
+    }
+    /* The exporter records its random weights, whatever version it writes. */
+    hapi_error err = {0};
+    hapi_extractor *ex = NULL;
+    ck_assert_int_eq(open_ex(r18_path, "auto", NULL, HAPI_DTYPE_FP32, &ex, &err), 0);
+    ck_assert_str_eq(hapi_extractor_meta(ex)->weights, "random:seed=0");
+    hapi_extractor_close(ex);
+}
+END_TEST
+
+/* An unknown version or interpolation refuses the archive with one line that names it. */
+START_TEST(test_extractor_meta_refused)
+{
+    static const struct {
+        const char *name, *says;
+    } cases[] = {
+        {"lanczos", "\"interpolation\" \"lanczos\" is unknown (bilinear or bicubic)"},
+        {"no-interpolation", "\"interpolation\" is missing"},
+        {"interpolation-number", "\"interpolation\" is not a string"},
+        {"v1-bicubic", "version 1 resizes bilinearly; \"interpolation\" \"bicubic\" needs version 2"},
+        {"v3", "version 3, this hapifs reads versions 1..2"},
+        {"v0", "version 0, this hapifs reads versions 1..2"},
+        {"weights-number", "\"weights\" is invalid"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        hapi_error err = {0};
+        hapi_extractor *ex = (hapi_extractor *)&err;
+        ck_assert_int_eq(open_tiny(cases[i].name, &ex, &err), HAPI_ENOTSTAGED);
+        ck_assert_ptr_null(ex);
+        ck_assert_msg(strstr(err.message, cases[i].says), "%s: %s", cases[i].name, err.message);
+        ck_assert_ptr_null(strchr(err.message, '\n'));
+    }
+}
+END_TEST
+
 START_TEST(test_extractor_digest)
 {
     hapi_error err = {0};
@@ -795,8 +896,17 @@ static void make_fixtures(void)
     char *export_vit[] = {PYTHON, exporter, "vit_b_16", "-o", vit_path, "--input-size", "32",
                           "-q", NULL};
     char *copy[] = {"/bin/cp", r18_path, r18_copy_path, NULL};
-    char *fixtures[] = {PYTHON, "-c", (char *)python_fixtures, tmpdir, r18_path, vit_path, NULL};
-    if (run(export_r18) != 0 || run(export_vit) != 0 || run(copy) != 0 || run(fixtures) != 0) {
+    char *script = malloc(sizeof(python_tiny) + sizeof(python_fixtures));
+    if (!script) {
+        perror("test-model");
+        exit(1);
+    }
+    strcat(strcpy(script, python_tiny), python_fixtures);
+    char *fixtures[] = {PYTHON, "-c", script, tmpdir, r18_path, vit_path, NULL};
+    int failed = run(export_r18) != 0 || run(export_vit) != 0 || run(copy) != 0 ||
+                 run(fixtures) != 0;
+    free(script);
+    if (failed) {
         fprintf(stderr, "test-model: could not make the fixtures with %s\n", exporter);
         remove_fixtures();
         exit(1);
@@ -837,6 +947,8 @@ static Suite *model_suite(void)
         {"extractor meta and sizes", test_extractor_meta_and_sizes},
         {"extractor split errors", test_extractor_split_errors},
         {"extractor not staged", test_extractor_not_staged},
+        {"extractor meta interpolation", test_extractor_meta_interpolation},
+        {"extractor meta refused", test_extractor_meta_refused},
         {"extractor digest", test_extractor_digest},
         {"npy header", test_npy_header},
         {"npy parse", test_npy_parse},

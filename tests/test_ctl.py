@@ -54,6 +54,9 @@ def test_status_and_stats_after_reads(tree, mounter, models):
     config = m.ctl("config")
     assert str(src) in lines["source"]
     assert config["model"]["arch"] in lines["model"]
+    # what the features are of: random weights say so; the archive's resize filter
+    assert config["model"]["weights"] == "random:seed=0"
+    assert config["preprocess"]["interpolation"] == "bilinear"
     index = config["split"]["index"]
     assert f"index {index}: stages [0, {index}) of {len(config['model']['stages'])}" in lines["split"]
     assert f"through '{config['split']['stage']}'" in lines["split"]

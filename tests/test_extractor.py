@@ -49,8 +49,11 @@ def load_staged(path):
 
 
 def reference(model, meta, image_paths, split):
-    """PIL open -> RGB -> Resize -> CenterCrop -> ToTensor -> Normalize, then stages [0, split)."""
-    tf = T.Compose([T.Resize(meta["resize_size"]), T.CenterCrop(meta["input_size"]),
+    """PIL open -> RGB -> Resize -> CenterCrop -> ToTensor -> Normalize, then stages [0, split).
+
+    The resize filter is the archive's (version 1 has none: bilinear)."""
+    mode = T.InterpolationMode(meta.get("interpolation", "bilinear"))
+    tf = T.Compose([T.Resize(meta["resize_size"], mode), T.CenterCrop(meta["input_size"]),
                     T.ToTensor(), T.Normalize(meta["mean"], meta["std"])])
     x = torch.stack([tf(Image.open(p).convert("RGB")) for p in image_paths])
     with torch.no_grad():
@@ -141,3 +144,24 @@ def test_bad_split_fails_with_message(tmp_path, models, images):
     r = run_features(archive, tmp_path / "o", images[:1], "--split", "fc")
     assert r.returncode == 1
     assert "past the frozen stages" in r.stderr and "pool" in r.stderr
+
+
+def test_bicubic_archive_resizes_bicubic(tmp_path, models, images):
+    """An archive that names bicubic gets features of bicubic inputs, not of bilinear ones."""
+    need_tool()
+    model, meta = load_staged(models("resnet18", 64))
+    archive = tmp_path / "bicubic.pt"
+    meta = dict(meta, version=2, interpolation="bicubic")
+    torch.jit.save(model, str(archive), _extra_files={"hapifs.json": json.dumps(meta)})
+    r = run_features(archive, tmp_path / "o", images, "--split", "stem", "--dtype", "fp32")
+    assert r.returncode == 0, r.stderr
+    bicubic = reference(model, meta, images, 1)
+    bilinear = reference(model, dict(meta, interpolation="bilinear"), images, 1)
+    for i, p in enumerate(images):
+        got = read_feat(tmp_path / "o" / f"{p.name}.npy").astype(np.float64)
+        to_bicubic = np.abs(got - bicubic[i]).max() / np.abs(bicubic[i]).max()
+        to_bilinear = np.abs(got - bilinear[i]).max() / np.abs(bilinear[i]).max()
+        print(f"bicubic archive {p.name}: rel {to_bicubic:.3g} to bicubic, "
+              f"{to_bilinear:.3g} to bilinear")
+        assert to_bicubic <= 1e-3 and to_bilinear > 10 * to_bicubic, (p.name, to_bicubic,
+                                                                      to_bilinear)

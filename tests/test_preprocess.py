@@ -22,6 +22,8 @@ HAPI_DUMP = os.path.join(BUILD_ROOT, "tests", "hapi-dump")
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 PAIRS = [(73, 64), (128, 112), (256, 224), (48, 64), (30, 64)]
+# The filters an archive may name; torchvision hands each to PIL's resize.
+INTERPOLATIONS = ["bilinear", "bicubic"]
 
 pytestmark = pytest.mark.skipif(not os.access(HAPI_DUMP, os.X_OK),
                                 reason=f"{HAPI_DUMP} not built (set HAPI_BUILD_ROOT)")
@@ -189,9 +191,9 @@ def make_images(d):
 
 # ------------------------------------------------------------- references
 
-def reference(path, resize, crop):
+def reference(path, resize, crop, interpolation="bilinear"):
     t = transforms.Compose([
-        transforms.Resize(resize),
+        transforms.Resize(resize, transforms.InterpolationMode(interpolation)),
         transforms.CenterCrop(crop),
         transforms.ToTensor(),
         transforms.Normalize(MEAN, STD),
@@ -241,17 +243,26 @@ KINDS = ["jpeg_444", "jpeg_422", "jpeg_420", "jpeg_420_tall", "jpeg_420_wide",
 # ------------------------------------------------------------------ tests
 
 @pytest.mark.filterwarnings("ignore:Palette images with Transparency")
+@pytest.mark.parametrize("interpolation", INTERPOLATIONS)
 @pytest.mark.parametrize("resize,crop", PAIRS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_exact_parity(images, tmp_path, kind, resize, crop):
-    ref = reference(images[kind], resize, crop)
-    got = ours(tmp_path, images[kind], resize, crop)
+def test_exact_parity(images, tmp_path, kind, resize, crop, interpolation):
+    ref = reference(images[kind], resize, crop, interpolation)
+    got = ours(tmp_path, images[kind], resize, crop, "--interpolation", interpolation)
     diff = float(np.abs(got - ref).max())
     rel = float((np.abs(got - ref) / np.maximum(np.abs(ref), 1e-6)).max())
-    report(test="exact", kind=kind, resize=resize, crop=crop, max_abs_diff=diff,
-           cosine=cosine(got, ref))
+    report(test="exact", kind=kind, resize=resize, crop=crop, interpolation=interpolation,
+           max_abs_diff=diff, cosine=cosine(got, ref))
     assert cosine(got, ref) >= 0.9999 and rel <= 1e-3, f"max abs diff {diff}"
-    assert diff == 0.0, f"{kind} {resize}/{crop}: not bit-exact, max abs diff {diff}"
+    assert diff == 0.0, (f"{kind} {resize}/{crop} {interpolation}: not bit-exact, "
+                         f"max abs diff {diff}")
+
+
+def test_bicubic_is_not_bilinear(images, tmp_path):
+    """The flag reaches the resampler: the two filters give other pixels of one photo."""
+    bilinear = ours(tmp_path, images["jpeg_photo_640"], 128, 112)
+    bicubic = ours(tmp_path, images["jpeg_photo_640"], 128, 112, "--interpolation", "bicubic")
+    assert np.abs(bilinear - bicubic).max() > 0.1
 
 
 def test_unchanged_size_is_not_resampled(tmp_path):
@@ -276,22 +287,24 @@ def test_padding_is_normalised_zero(tmp_path):
     assert np.array_equal(got, reference(path, 10, 16))
 
 
+@pytest.mark.parametrize("interpolation", INTERPOLATIONS)
 @pytest.mark.parametrize("size", [(640, 480), (1024, 768), (500, 375), (481, 1031)])
 @pytest.mark.parametrize("resize,crop", [(256, 224), (128, 112), (73, 64)])
-def test_fast_mode_close(tmp_path, size, resize, crop):
+def test_fast_mode_close(tmp_path, size, resize, crop, interpolation):
     path = str(tmp_path / "fast.jpg")
     Image.fromarray(photo(*size, seed=size[0])).save(path, quality=85)
-    ref = reference(path, resize, crop)
-    got = ours(tmp_path, path, resize, crop, "--fast")
+    ref = reference(path, resize, crop, interpolation)
+    got = ours(tmp_path, path, resize, crop, "--fast", "--interpolation", interpolation)
     cos = cosine(got, ref)
-    report(test="fast", size=list(size), resize=resize, crop=crop, cosine=cos,
-           max_abs_diff=float(np.abs(got - ref).max()))
+    report(test="fast", size=list(size), resize=resize, crop=crop, interpolation=interpolation,
+           cosine=cos, max_abs_diff=float(np.abs(got - ref).max()))
     assert cos >= 0.995, f"fast-mode cosine {cos}"
 
 
-def test_fast_mode_png_is_exact(images, tmp_path):
-    got = ours(tmp_path, images["png_rgb"], 73, 64, "--fast")
-    assert np.array_equal(got, reference(images["png_rgb"], 73, 64))
+@pytest.mark.parametrize("interpolation", INTERPOLATIONS)
+def test_fast_mode_png_is_exact(images, tmp_path, interpolation):
+    got = ours(tmp_path, images["png_rgb"], 73, 64, "--fast", "--interpolation", interpolation)
+    assert np.array_equal(got, reference(images["png_rgb"], 73, 64, interpolation))
 
 
 # ----------------------------------------------------------------- errors
@@ -351,3 +364,9 @@ def test_pixel_limit(images, tmp_path):
 
 def test_missing_file(tmp_path):
     expect_failure(str(tmp_path / "absent.jpg"), tmp_path)
+
+
+def test_unknown_interpolation_is_a_usage_error(images, tmp_path):
+    r = dump(images["png_rgb"], str(tmp_path / "never.npy"), "--interpolation", "lanczos")
+    assert r.returncode == 2 and "bad option --interpolation lanczos" in r.stderr
+    assert not os.path.exists(tmp_path / "never.npy")

@@ -34,6 +34,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         .std = { 0.229f, 0.224f, 0.225f },
         .mode = (ctl & 0x80) ? HAPI_PREPROCESS_FAST : HAPI_PREPROCESS_EXACT,
         .max_pixels = 1u << 22, /* what a mount's max_pixels= does for big headers */
+        /* ctl's bits are all taken: the length's parity picks the filter (bicubic reads
+           twice as far each side) */
+        .interpolation = (size & 1) ? HAPI_INTERP_BICUBIC : HAPI_INTERP_BILINEAR,
     };
     float out[3 * 16 * 16];
     hapi_error err = { 0 };
