@@ -301,10 +301,16 @@ static struct root *root_get(hapi_remote *r, int src, int *rc)
     return rt;
 }
 
-/* Codes that say the filesystem under a source is gone (a dead sshfs, a stale NFS handle). */
+/*
+ * Codes that say the filesystem under a source is gone (a dead sshfs, a stale
+ * NFS handle; ECANCELED: a FUSE daemon killed with io_uring, for the first
+ * tens of ms). Not dropping the root on ECANCELED kept the dead mount's root
+ * until the restarted one replaced it, which counted as a remount over a live
+ * root: its first missing names were EIO.
+ */
 static int is_transport_error(int rc)
 {
-    return rc == -ENOTCONN || rc == -ESTALE || rc == -EIO || rc == -ECONNABORTED ||
+    return rc == -ENOTCONN || rc == -ECANCELED || rc == -ESTALE || rc == -EIO || rc == -ECONNABORTED ||
            rc == -ETIMEDOUT || rc == -EHOSTDOWN || rc == -EHOSTUNREACH || rc == -ENETDOWN ||
            rc == -ECONNRESET || rc == -ENXIO;
 }
