@@ -123,3 +123,38 @@ def test_mount_again_over_a_dead_mount(tmp_path, models):
                 subprocess.run(["umount", "-l", str(m.path)], check=False)
         assert wait_gone(pid)
     assert not is_mounted(m.path)
+
+
+def test_mount_again_over_a_mount_nobody_answers(tmp_path, models):
+    """A daemon killed while its io_uring ring held requests can leave its FUSE connection alive
+    with nobody to answer it: the restart's check of the mount point waited for good (the
+    two-tier soak: every compute restart after one such kill hung). Made here by stopping the
+    daemon (SIGSTOP): the same command again takes the mount for dead after 10 s without an
+    answer, aborts its connection, and serves."""
+    need_hapifs()
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    paths = make_tree(src, classes=1, per_class=3, size=(40, 56), seed=7)
+    cache.mkdir()
+    opts = {"model": str(models()), "cache": str(cache), "prefetch": "off"}
+    m = Mount(src, tmp_path / "mnt", dict(opts))
+    before = feats(m.path, paths)
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = subprocess.run(m.proc.args, capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stderr
+        assert "did not answer in 10 s" in r.stderr and took < 100, (took, r.stderr)
+        assert feats(m.path, paths) == before
+    finally:
+        os.kill(m.pid, signal.SIGKILL)
+        os.kill(m.pid, signal.SIGCONT)
+        wait_gone(m.pid)
+        pid = m.daemon_pid()
+        subprocess.run(["fusermount3", "-u", str(m.path)], check=False)
+        for _ in range(3):
+            if is_mounted(m.path):
+                subprocess.run(["umount", "-l", str(m.path)], check=False)
+        if pid:
+            wait_gone(pid)
+    assert not is_mounted(m.path)
