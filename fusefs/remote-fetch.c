@@ -273,6 +273,55 @@ void hapi_remote__spill_retry(hapi_remote *r, struct dir_index *x, size_t row, c
 }
 
 /*
+ * Rows [a, b) of f's pack, read into rows: notes in failed those the storage
+ * side could not compute, hands the rows to the waiting readers and stores
+ * the others in the cache (items and paths_buf have room for a chunk's rows
+ * and their paths).
+ */
+static void fetch_chunk(hapi_remote *r, struct fetch *f, size_t a, size_t b, const char *rows,
+                        unsigned char *failed, hapi_cache_item *items, char *paths_buf)
+{
+    const struct dir_index *x = f->index;
+    struct remote_source *s = &r->sources[x->src];
+    size_t dir_len = strlen(x->dir);
+    size_t n = 0;
+    for (size_t i = a; i < b; i++) {
+        const char *row = rows + (i - a) * x->row_bytes;
+        failed[i - a] = (unsigned char)(x->entries[i].failed || row_failed(x, row));
+        if (failed[i - a]) {
+            atomic_fetch_add(&s->stats.rows_failed, 1);
+            continue;
+        }
+        char *p = paths_buf + (i - a) * (dir_len + NAME_MAX + 2);
+        snprintf(p, dir_len + NAME_MAX + 2, "%s%s%s", x->dir, *x->dir ? "/" : "",
+                 x->entries[i].name);
+        items[n++] = (hapi_cache_item){ p, x->entries[i].id, row, x->row_bytes };
+    }
+    deliver(r, f, a, b, rows, failed, 0);
+    if (n) {
+        hapi_error perr = { 0 };
+        /* A full disk or map costs the cache, never the read: served all the same. */
+        if (hapi_cache_put(r->cfg.cache, &x->ns, items, n, &perr) < 0) {
+            atomic_fetch_add(&r->stats.cache_put_failures, n);
+            spill_keep(r, f->index, a, b, rows, failed);
+            if (!atomic_exchange(&r->put_failing, 1))
+                hapi_log(HAPI_LOG_WARNING, "%zu fetched features not cached: %s (served "
+                         "uncached; stats: cache_put_failures counts them until the cache "
+                         "takes features again)", n, perr.message);
+        } else {
+            cache_took(r);
+        }
+    }
+    deliver(r, f, a, b, rows, failed, 1);
+    atomic_fetch_add(&s->stats.rows, b - a);
+    atomic_fetch_add(&r->stats.fetched_rows, n);
+    if (f->warm) {
+        hapi_warmup_add(r->warm, HAPI_WARMUP_FETCHED, n);
+        hapi_warmup_add(r->warm, HAPI_WARMUP_FAILED, (b - a) - n);
+    }
+}
+
+/*
  * Fetches f's pack: checks its version and header against the index, then reads
  * it in chunks of about FETCH_CHUNK, handing each chunk's rows to the
  * waiting readers and storing them in the cache. Returns 0 or why not.
@@ -359,41 +408,7 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
         }
         pos += want;
         atomic_fetch_add(&s->stats.pack_bytes, want);
-        size_t n = 0;
-        for (size_t i = a; i < b; i++) {
-            const char *row = rows + (i - a) * x->row_bytes;
-            failed[i - a] = (unsigned char)(x->entries[i].failed || row_failed(x, row));
-            if (failed[i - a]) {
-                atomic_fetch_add(&s->stats.rows_failed, 1);
-                continue;
-            }
-            char *p = paths_buf + (i - a) * (dir_len + NAME_MAX + 2);
-            snprintf(p, dir_len + NAME_MAX + 2, "%s%s%s", x->dir, *x->dir ? "/" : "",
-                     x->entries[i].name);
-            items[n++] = (hapi_cache_item){ p, x->entries[i].id, row, x->row_bytes };
-        }
-        deliver(r, f, a, b, rows, failed, 0);
-        if (n) {
-            hapi_error perr = { 0 };
-            /* A full disk or map costs the cache, never the read: served all the same. */
-            if (hapi_cache_put(r->cfg.cache, &x->ns, items, n, &perr) < 0) {
-                atomic_fetch_add(&r->stats.cache_put_failures, n);
-                spill_keep(r, f->index, a, b, rows, failed);
-                if (!atomic_exchange(&r->put_failing, 1))
-                    hapi_log(HAPI_LOG_WARNING, "%zu fetched features not cached: %s (served "
-                             "uncached; stats: cache_put_failures counts them until the cache "
-                             "takes features again)", n, perr.message);
-            } else {
-                cache_took(r);
-            }
-        }
-        deliver(r, f, a, b, rows, failed, 1);
-        atomic_fetch_add(&s->stats.rows, b - a);
-        atomic_fetch_add(&r->stats.fetched_rows, n);
-        if (f->warm) {
-            hapi_warmup_add(r->warm, HAPI_WARMUP_FETCHED, n);
-            hapi_warmup_add(r->warm, HAPI_WARMUP_FAILED, (b - a) - n);
-        }
+        fetch_chunk(r, f, a, b, rows, failed, items, paths_buf);
         a = b;
         if (x->count == 0)
             break;

@@ -69,6 +69,39 @@ static int64_t json_int_of(json_t *o, const char *key, int *bad)
 }
 
 /*
+ * Parses the x->count entries of an index (entries, a JSON array of as many)
+ * into x->entries: each one's name, identity and status, the names in byte
+ * order. Returns 0, HAPI_ECORRUPT or -ENOMEM with why in err.
+ */
+static int index_parse_entries(struct dir_index *x, json_t *entries, hapi_error *err)
+{
+    int rc = HAPI_ECORRUPT, bad = 0;
+    for (size_t i = 0; i < x->count; i++) {
+        json_t *e = json_array_get(entries, i);
+        const char *name = json_string_value(json_object_get(e, "name"));
+        const char *status = json_string_value(json_object_get(e, "status"));
+        struct index_entry *ie = &x->entries[i];
+        ie->id.size = (uint64_t)json_int_of(e, "size", &bad);
+        ie->id.mtime_ns = json_int_of(e, "mtime_ns", &bad);
+        ie->id.ctime_ns = json_int_of(e, "ctime_ns", &bad);
+        ie->id.ino = (uint64_t)json_int_of(e, "ino", &bad);
+        if (bad || !name || !name_ok(name) || !status) {
+            hapi_error_set(err, rc, "entry %zu: bad name, identity or status", i);
+            return rc;
+        }
+        /* The pack's rows are in the byte order of the names: the index must say so too. */
+        if (i > 0 && strcmp(x->entries[i - 1].name, name) >= 0) {
+            hapi_error_set(err, rc, "entry %zu: names out of order", i);
+            return rc;
+        }
+        ie->failed = strcmp(status, "failed") == 0;
+        if (!(ie->name = strdup(name)))
+            return hapi_error_set(err, -ENOMEM, "out of memory");
+    }
+    return 0;
+}
+
+/*
  * Parses an index text of dir on src into *out (one reference). Every field
  * is checked against the others (sizes, header, order of the names), so a
  * corrupt or foreign index is refused with why in err.
@@ -154,30 +187,8 @@ static int index_parse(const char *text, size_t len, int src, const char *dir,
         rc = hapi_error_set(err, -ENOMEM, "out of memory");
         goto out;
     }
-    for (size_t i = 0; i < x->count; i++) {
-        json_t *e = json_array_get(entries, i);
-        const char *name = json_string_value(json_object_get(e, "name"));
-        const char *status = json_string_value(json_object_get(e, "status"));
-        struct index_entry *ie = &x->entries[i];
-        ie->id.size = (uint64_t)json_int_of(e, "size", &bad);
-        ie->id.mtime_ns = json_int_of(e, "mtime_ns", &bad);
-        ie->id.ctime_ns = json_int_of(e, "ctime_ns", &bad);
-        ie->id.ino = (uint64_t)json_int_of(e, "ino", &bad);
-        if (bad || !name || !name_ok(name) || !status) {
-            hapi_error_set(err, rc, "entry %zu: bad name, identity or status", i);
-            goto out;
-        }
-        /* The pack's rows are in the byte order of the names: the index must say so too. */
-        if (i > 0 && strcmp(x->entries[i - 1].name, name) >= 0) {
-            hapi_error_set(err, rc, "entry %zu: names out of order", i);
-            goto out;
-        }
-        ie->failed = strcmp(status, "failed") == 0;
-        if (!(ie->name = strdup(name))) {
-            rc = hapi_error_set(err, -ENOMEM, "out of memory");
-            goto out;
-        }
-    }
+    if ((rc = index_parse_entries(x, entries, err)) < 0)
+        goto out;
     rc = 0;
     *out = x;
     x = NULL;
