@@ -1,4 +1,4 @@
-/* evict.h — removing the cached features an evict walk finds, counted: the step serve.c's and remote.c's evict walks share. */
+/* evict.h — removing the cached features an evict walk finds, counted: the step serve.c's and remote-walk.c's evict walks share. */
 #ifndef HAPI_EVICT_H
 #define HAPI_EVICT_H
 

@@ -214,7 +214,7 @@ struct notice_watchdog {
 };
 
 /*
- * A remote mount's split change, told from a thread of its own. remote.c
+ * A remote mount's split change, told from a thread of its own. remote-index.c
  * notices the storage side's new split when it reads a directory's index,
  * which a read of a .feat may do (a miss reads the index again); the kernel
  * holds that file's page locked until the read is answered, and forgetting

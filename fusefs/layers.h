@@ -35,12 +35,28 @@
  *                                     through the view's batcher; the batcher's load and sink
  *   3     remote.h      remote.c      a compute-side mount's feature source (-o remote): the
  *                                     union of storage mounts, packs fetched into the cache;
- *                                     it uses only source.c and view.c
+ *                                     it uses only source.c and view.c. remote.c: the union
+ *                                     tree (stat, list, open), open/close, stats
+ *   3     remote-int.h  -             the insides the remote family below shares (the remote,
+ *                                     its sources, indexes and fetches, the functions that
+ *                                     cross files)
+ *   3     -             remote-source.c
+ *                                     the sources: roots reopened, opens and reads beneath
+ *                                     them, whether one serves, the check of its config
+ *   3     -             remote-index.c
+ *                                     a directory's index: parsed, read, kept per source in
+ *                                     the slot cache, read again after refresh=
+ *   3     -             remote-fetch.c
+ *                                     the fetch queue and threads, pack reads, the spill of
+ *                                     rows the cache refuses
+ *   3     -             remote-feat.c the .feat opens and reads: cache, spill or a fetch
+ *   3     -             remote-walk.c the walks of the union: warm-up and evict
  *   2     view.h        view.c        what a .feat is at one split; the current view
  *   2     warmup.h      warmup.c      one warm-up walker at a time (start, stop, pause, status)
- *                                     for background.c and remote.c, which give it their walk
+ *                                     for background.c and remote-walk.c, which give it their walk
  *   2     evict.h       evict.c       an evict walk's step: remove one path's cached features,
- *                                     counted (serve.c's and remote.c's evict walks); the cache only
+ *                                     counted (serve.c's and remote-walk.c's evict walks); the
+ *                                     cache only
  *   1     source.h      source.c      the source tree: beneath-the-root opens, identities,
  *                                     whole-file loads, the one tree walker; who asks (creds)
  *   1     watch.h       watch.c       inotify on the source's directories the kernel holds,
@@ -81,8 +97,8 @@
  *   background's warm-up control lock (warmup.h): starting, pausing, joining its walker
  *   tune.lock             the profile and the policy's inputs
  *   views.lock            the current view (leaf but for view refcounts)
- *   remote.c's warm-up control lock (warmup.h), held through the join
- *   remote.c's check_lock (one source's check at a time), then that source's lock
+ *   the remote's warm-up control lock (warmup.h; remote-walk.c's walk), held through the join
+ *   remote-source.c's check_lock (one source's check at a time), then that source's lock
  *   the batcher's and the cache's own locks (extractor/, cache/)
  *   fs's node table lock (nodes.c), then watch.c's table lock (hapi_watch_add and
  *   hapi_watch_remove are called under it when a directory's node is
@@ -90,7 +106,8 @@
  *   leaves, never held while taking another but the two last ones below:
  *   background prefetch.lock, keeper.lock, warm.view_lock and each warm-up's
  *   status lock (warmup.h);
- *   remote.c's index_lock, fetch_lock, spill_lock and a remote source's lock;
+ *   remote-index.c's index_lock, remote-fetch.c's fetch_lock and spill_lock, and a
+ *   remote source's lock (remote-source.c);
  *   a pack's lock, the packs' failure and partial-row locks; watch.c's table
  *   lock; fs's handles_lock (ops.c), its notice watchdog's lock and its split
  *   notifier's lock (notify.c) (each epoch notice goes out with neither held); a ctl

@@ -232,7 +232,7 @@ static void watchdog_end(struct notice_watchdog *w)
 }
 
 /*
- * tune.c's (and remote.c's) split-change callback, so that the next open
+ * tune.c's (and remote-index.c's) split-change callback, so that the next open
  * sees the new size and contents. A .feat and a pack are named by their
  * bytes: the kernel is told to forget their names (the next lookup finds the
  * new node; their pages stay right for the nodes they belong to, and files
@@ -313,7 +313,7 @@ void notifier_free(hapi_fs *fs)
     fs->notifier = NULL;
 }
 
-/* remote.c's callback: see struct split_notifier. */
+/* remote-index.c's callback: see struct split_notifier. */
 void invalidate_remote_feats(void *arg)
 {
     hapi_fs *fs = arg;

@@ -1,4 +1,4 @@
-/* warmup.h — the warm-up's state machine, shared by the storage side (background.c) and the remote side (remote.c). */
+/* warmup.h — the warm-up's state machine, shared by the storage side (background.c) and the remote side (remote-walk.c). */
 #ifndef HAPI_WARMUP_H
 #define HAPI_WARMUP_H
 
@@ -20,7 +20,7 @@
  * Locks: control, taken by start and stop and held through the join of the
  * walker (which never takes it); status_lock, a leaf, for the root and the
  * times. control's place in the daemon's lock order (layers.h) is its
- * owner's (background's and remote.c's warm-up control locks); the
+ * owner's (background's and remote-walk.c's warm-up control locks); the
  * owner's run and wake are called with control held (run on the walker's
  * thread, which does not hold it), and prepare with control and status_lock
  * held: none may take a lock above its owner's control lock, and prepare
