@@ -287,3 +287,16 @@ def test_bad_arguments(tmp_path):
     assert r.returncode != 0 and "ResNet18_Weights.IMAGENET1K_V1" in r.stderr, r.stderr
     r = export("resnet18", tmp_path / "z.pt", "--input-size", "64", "--stages", "layer1.0.conv2")
     assert r.returncode != 0 and "cannot cut after 'layer1.0.conv2'" in r.stderr, r.stderr
+
+
+def test_man_page_lists_every_option():
+    """hapifs-export-model(1) and --help name the same options."""
+    r = subprocess.run([PYTHON, str(EXPORTER), "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0
+    import re
+    options = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", r.stdout)) - {"--help"}
+    page = (EXPORTER.parent / "hapifs-export-model.1.scd").read_text()
+    documented = set(re.findall(r"\*(--[a-z][a-z-]+)\*", page))
+    assert options == documented
+    assert len(options) >= 15
