@@ -21,6 +21,7 @@ CASES = [
     ("regnet_y_400mf", 64, None, 232 / 224),
     ("mobilenet_v3_small", 64, None, 256 / 224),
     ("swin_t", 64, None, 232 / 224),
+    ("densenet121", 32, None, 256 / 224),
 ]
 BICUBIC = {"efficientnet_b0", "swin_t"}
 
@@ -87,6 +88,13 @@ def test_staged_archive_equals_torchvision(tmp_path, arch, size, names, ratio):
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
     pooled = run_stages(model, x, meta["freeze"])
     assert pooled.dim() == 2 and pooled.shape[0] == 3
+    # a stage never overwrites its input, the feature its predecessor served
+    with torch.no_grad():
+        for name, stage in model.named_children():
+            before = x.clone()
+            y = stage(x)
+            assert torch.equal(x, before), name
+            x = y
 
 
 def test_transform_input_is_in_the_first_stage(tmp_path):
