@@ -308,3 +308,13 @@ def test_man_page_lists_every_option():
     documented = set(re.findall(r"\*(--[a-z][a-z-]+)\*", page))
     assert options == documented
     assert len(options) >= 15
+
+
+def test_vit_weights_of_another_size(tmp_path):
+    torch.save(torchvision.models.vit_b_32(weights=None, image_size=64).state_dict(),
+               tmp_path / "vit64.pt")
+    r = export("vit_b_32", tmp_path / "v.pt", "--input-size", "32",
+               "--weights", str(tmp_path / "vit64.pt"))
+    assert r.returncode != 0, r.stderr
+    assert "encoder.pos_embedding [1, 5, 768] in the file, [1, 2, 768] in the model" in r.stderr
+    assert "--input-size" in r.stderr
