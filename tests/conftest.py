@@ -153,8 +153,10 @@ def reference_features(archive, image_path, split, meta=None):
     extra = {"hapifs.json": ""}
     model = torch.jit.load(str(archive), map_location="cpu", _extra_files=extra)
     meta = json.loads(extra["hapifs.json"])
-    tf = T.Compose([T.Resize(meta["resize_size"]), T.CenterCrop(meta["input_size"]),
-                    T.ToTensor(), T.Normalize(meta["mean"], meta["std"])])
+    interpolation = T.InterpolationMode(meta.get("interpolation", "bilinear"))
+    tf = T.Compose([T.Resize(meta["resize_size"], interpolation),
+                    T.CenterCrop(meta["input_size"]), T.ToTensor(),
+                    T.Normalize(meta["mean"], meta["std"])])
     x = tf(Image.open(image_path).convert("RGB")).unsqueeze(0)
     with torch.no_grad():
         for i, (_, stage) in enumerate(model.named_children()):
