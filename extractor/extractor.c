@@ -114,16 +114,16 @@ bad:
 }
 
 /*
- * Reads a string member into buf (size bytes with its NUL). An absent optional member leaves
- * buf empty; a required one, a member that is not a string, an empty or too long one is
- * HAPI_ENOTSTAGED naming the field.
+ * Reads a string member into buf (size bytes with its NUL). An absent or null optional member
+ * leaves buf empty; a required one, a member that is not a string, an empty or too long one
+ * is HAPI_ENOTSTAGED naming the field.
  */
 static int meta_string(json_t *root, const char *key, int required, char *buf, size_t size,
                        hapi_error *err)
 {
     json_t *v = json_object_get(root, key);
     buf[0] = '\0';
-    if (!v && !required)
+    if ((!v || json_is_null(v)) && !required) /* absent or null: none */
         return 0;
     const char *text = json_string_value(v);
     if (!text || !*text || strlen(text) >= size)
