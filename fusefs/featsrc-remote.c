@@ -159,24 +159,13 @@ static void remote_read_file(fuse_req_t req, hapi_fs *fs, struct open_file *h, s
         fuse_reply_err(req, ENOMEM);
         return;
     }
-    while (got < size) {
-        ssize_t n = pread(h->fd, buf + got, size - got, off + (off_t)got);
-        if (n < 0 && errno == EINTR)
-            continue;
-        int fl;
-        if (n < 0 && errno == EINVAL && (fl = fcntl(h->fd, F_GETFL)) >= 0 && (fl & O_DIRECT) &&
-            fcntl(h->fd, F_SETFL, fl & ~O_DIRECT) == 0)
-            continue; /* a local filesystem wants aligned direct reads: read normally */
-        if (n < 0) {
-            int e = errno;
-            free(buf);
-            fuse_reply_err(req, e == ENOMEM ? ENOMEM : EIO);
-            return;
-        }
-        if (n == 0)
-            break;
-        got += (size_t)n;
+    ssize_t n = hapi_remote_pread_all(h->fd, buf, size, off);
+    if (n < 0) {
+        free(buf);
+        fuse_reply_err(req, n == -ENOMEM ? ENOMEM : EIO);
+        return;
     }
+    got = (size_t)n;
     if (got < size && off + (off_t)got < h->remote_size) {
         char msg[200];
         snprintf(msg, sizeof(msg), "the file ended at %lld bytes of %lld read through its source "

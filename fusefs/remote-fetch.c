@@ -94,18 +94,8 @@ static int row_failed(const struct dir_index *x, const char *row)
 /* Reads exactly len bytes at off, or fails: a short read is a torn pack. */
 static int read_exact(int fd, char *buf, size_t len, off_t off)
 {
-    size_t got = 0;
-    while (got < len) {
-        ssize_t n = pread(fd, buf + got, len - got, off + (off_t)got);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0)
-            return -errno;
-        if (n == 0)
-            return HAPI_ECORRUPT;
-        got += (size_t)n;
-    }
-    return 0;
+    ssize_t n = hapi_remote_pread_all(fd, buf, len, off);
+    return n < 0 ? (int)n : (size_t)n < len ? HAPI_ECORRUPT : 0;
 }
 
 /*
@@ -339,10 +329,7 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
     if (!path)
         return hapi_error_set(err, -ENOMEM, "out of memory");
     /* Around the page cache too: a pack rewritten in place keeps its size (see index_load()). */
-    int direct = O_DIRECT;
-    fd = hapi_remote__source_open(r, x->src, path, O_RDONLY | direct);
-    if (fd == -EINVAL)
-        fd = hapi_remote__source_open(r, x->src, path, O_RDONLY | (direct = 0));
+    fd = hapi_remote__source_open_direct(r, x->src, path);
     if (fd < 0) {
         rc = hapi_error_set(err, fd, "cannot open the pack: %s", hapi_strerror(fd));
         goto out;
@@ -384,12 +371,6 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
         size_t b = a + rows_per_chunk < x->count ? a + rows_per_chunk : x->count;
         size_t want = (b - a) * x->row_bytes + (pos == 0 ? x->pack_header_len : 0);
         rc = read_exact(fd, buf, want, (off_t)pos);
-        if (rc == -EINVAL && direct) {
-            /* a local filesystem wants aligned buffers for O_DIRECT: read normally */
-            close(fd);
-            fd = hapi_remote__source_open(r, x->src, path, O_RDONLY | (direct = 0));
-            rc = fd < 0 ? fd : read_exact(fd, buf, want, (off_t)pos);
-        }
         if (rc < 0) {
             rc = rc == HAPI_ECORRUPT
                      ? hapi_error_set(err, rc, "the pack ended at %llu bytes of %llu (torn)",

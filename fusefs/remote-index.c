@@ -246,16 +246,12 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
      * their page cache for O_DIRECT; where it is refused, read normally.
      */
     struct stat ist = { .st_uid = getuid(), .st_gid = getgid(), .st_mode = 0444 };
-    int rc = -EINVAL;
-    for (int direct = 1; rc == -EINVAL && direct >= 0; direct--) {
-        /* a local filesystem wants aligned buffers for O_DIRECT: then read normally */
-        int fd = hapi_remote__source_open(r, src, path, O_RDONLY | (direct ? O_DIRECT : 0));
-        if (fd >= 0)
-            hapi_remote__refresh_size(fd); /* an index that grew past a cached size reads whole */
-        if (fd >= 0 && fstat(fd, &ist) < 0)
-            ist.st_mode = 0444;
-        rc = hapi_remote__read_text(fd, INDEX_MAX, &text, &len);
-    }
+    int fd = hapi_remote__source_open_direct(r, src, path);
+    if (fd >= 0)
+        hapi_remote__refresh_size(fd); /* an index that grew past a cached size reads whole */
+    if (fd >= 0 && fstat(fd, &ist) < 0)
+        ist.st_mode = 0444;
+    int rc = hapi_remote__read_text(fd, INDEX_MAX, &text, &len);
     if (rc == 0) {
         atomic_fetch_add(&s->stats.index_reads, 1);
         atomic_fetch_add(&s->stats.index_bytes, len);

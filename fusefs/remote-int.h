@@ -199,7 +199,7 @@ void hapi_remote__source_failed(hapi_remote *r, int src, const char *path, int r
 int hapi_remote__source_open(hapi_remote *r, int src, const char *path, int flags);
 void hapi_remote__refresh_size(int fd);
 int hapi_remote__source_stat(hapi_remote *r, int src, const char *path, struct stat *st);
-int hapi_remote__direct_off(int fd);
+int hapi_remote__source_open_direct(hapi_remote *r, int src, const char *path);
 int hapi_remote__read_text(int fd, size_t max, char **text, size_t *len);
 ssize_t hapi_remote__source_read_head(hapi_remote *r, int src, const char *path, char *buf,
                                       size_t len);

@@ -163,13 +163,42 @@ int hapi_remote__source_stat(hapi_remote *r, int src, const char *path, struct s
 }
 
 /*
+ * Opens path on src for reading around page caches (O_DIRECT: a network
+ * filesystem's may hold what the file was), or plainly where the filesystem
+ * refuses O_DIRECT at the open (tmpfs). Read it with hapi_remote_pread_all().
+ */
+int hapi_remote__source_open_direct(hapi_remote *r, int src, const char *path)
+{
+    int fd = hapi_remote__source_open(r, src, path, O_RDONLY | O_DIRECT);
+    return fd == -EINVAL ? hapi_remote__source_open(r, src, path, O_RDONLY) : fd;
+}
+
+/*
  * After a direct read of fd failed with EINVAL (a local filesystem wants
  * aligned buffers and lengths): whether fd now reads normally (retry).
  */
-int hapi_remote__direct_off(int fd)
+static int direct_off(int fd)
 {
     int fl = fcntl(fd, F_GETFL);
     return fl >= 0 && (fl & O_DIRECT) && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0;
+}
+
+ssize_t hapi_remote_pread_all(int fd, void *buf, size_t len, off_t off)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t n = pread(fd, (char *)buf + got, len - got, off + (off_t)got);
+        if (n < 0 && errno == EINVAL && direct_off(fd))
+            continue;
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return -errno;
+        if (n == 0)
+            break;
+        got += (size_t)n;
+    }
+    return (ssize_t)got;
 }
 
 /* Reads fd to its end (at most max bytes) into *text (malloc'd, NUL-terminated); closes fd. */
@@ -195,17 +224,11 @@ int hapi_remote__read_text(int fd, size_t max, char **text, size_t *len)
             buf = bigger;
             cap *= 2;
         }
-        ssize_t n = read(fd, buf + used, cap - used);
-        if (n < 0 && errno == EINVAL && hapi_remote__direct_off(fd))
-            continue;
-        if (n < 0 && errno == EINTR)
-            continue;
+        ssize_t n = hapi_remote_pread_all(fd, buf + used, cap - used, (off_t)used);
         if (n < 0)
-            rc = -errno;
-        else if (n == 0)
-            break;
-        else
-            used += (size_t)n;
+            rc = (int)n;
+        else if ((used += (size_t)n) < cap)
+            break; /* the end */
     }
     close(fd);
     if (rc < 0) {
@@ -235,21 +258,15 @@ static int source_read_text(hapi_remote *r, int src, const char *path, size_t ma
 ssize_t hapi_remote__source_read_head(hapi_remote *r, int src, const char *path, char *buf,
                                       size_t len)
 {
-    ssize_t n = -EINVAL;
-    for (int direct = 1; direct >= 0 && n == -EINVAL; direct--) {
-        int fd = hapi_remote__source_open(r, src, path, O_RDONLY | (direct ? O_DIRECT : 0));
-        if (fd < 0) {
-            n = fd;
-            continue;
-        }
-        n = pread(fd, buf, len, 0);
-        if (n == 0) {
-            hapi_remote__refresh_size(fd); /* a size of 0 cached: see hapi_remote__refresh_size() */
-            n = pread(fd, buf, len, 0);
-        }
-        n = n < 0 ? -errno : n;
-        close(fd);
+    int fd = hapi_remote__source_open_direct(r, src, path);
+    if (fd < 0)
+        return fd;
+    ssize_t n = hapi_remote_pread_all(fd, buf, len, 0);
+    if (n == 0) {
+        hapi_remote__refresh_size(fd); /* a size of 0 cached: see hapi_remote__refresh_size() */
+        n = hapi_remote_pread_all(fd, buf, len, 0);
     }
+    close(fd);
     return n;
 }
 

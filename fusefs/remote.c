@@ -293,10 +293,7 @@ int hapi_remote_open_file(hapi_remote *r, const char *path)
                 why = -EIO;
             continue;
         }
-        /* around page caches: a network filesystem's may hold what the file was */
-        int fd = hapi_remote__source_open(r, (int)i, path, O_RDONLY | O_DIRECT);
-        if (fd == -EINVAL)
-            fd = hapi_remote__source_open(r, (int)i, path, O_RDONLY);
+        int fd = hapi_remote__source_open_direct(r, (int)i, path);
         if (fd >= 0) {
             hapi_remote__refresh_size(fd);
             atomic_fetch_add(&r->sources[i].stats.file_reads, 1);
@@ -314,25 +311,6 @@ int hapi_remote_open_file(hapi_remote *r, const char *path)
     return why == -ENOENT ? hapi_remote__missing_or_down(r) : why;
 }
 
-/* pread of len bytes at off, all of them unless the file ends; around page caches as fd is. */
-static ssize_t read_through(int fd, char *buf, size_t len, off_t off)
-{
-    size_t got = 0;
-    while (got < len) {
-        ssize_t n = pread(fd, buf + got, len - got, off + (off_t)got);
-        if (n < 0 && errno == EINVAL && hapi_remote__direct_off(fd))
-            continue;
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0)
-            return -errno;
-        if (n == 0)
-            break;
-        got += (size_t)n;
-    }
-    return (ssize_t)got;
-}
-
 int hapi_remote_pack_file_size(hapi_remote *r, const char *path, int fd, uint64_t *size)
 {
     char buf[HAPI_NPY_HEADER_MAX] __attribute__((aligned(4096)));
@@ -340,10 +318,10 @@ int hapi_remote_pack_file_size(hapi_remote *r, const char *path, int fd, uint64_
     int64_t shape[HAPI_MAX_DIMS];
     /* the fixed part, then the rest of the header: no byte of a row, which the storage side
      * would compute for it */
-    ssize_t n = read_through(fd, buf, 10, 0);
+    ssize_t n = hapi_remote_pread_all(fd, buf, 10, 0);
     if (n >= 10 && (rc = hapi_npy_parse(buf, (size_t)n, &dtype, shape, &ndim)) == -EAGAIN) {
         size_t total = 10 + ((size_t)(unsigned char)buf[8] | (size_t)(unsigned char)buf[9] << 8);
-        ssize_t m = read_through(fd, buf + 10, total - 10, 10);
+        ssize_t m = hapi_remote_pread_all(fd, buf + 10, total - 10, 10);
         n = m < 0 ? m : 10 + m;
     }
     if (n >= 0 && (rc = hapi_npy_parse(buf, (size_t)n, &dtype, shape, &ndim)) > 0 && ndim >= 1) {

@@ -82,11 +82,17 @@ int hapi_remote_list(hapi_remote *r, const char *dir,
 
 /*
  * Opens a regular file of the first source that has it for reading, with
- * O_DIRECT where the source allows it (a caller whose pread is refused with
- * EINVAL, unaligned on a local filesystem, clears it with fcntl). Returns an
- * fd or -errno.
+ * O_DIRECT where the source allows it (read it with hapi_remote_pread_all()).
+ * Returns an fd or -errno.
  */
 int hapi_remote_open_file(hapi_remote *r, const char *path);
+/*
+ * Reads len bytes of fd at off into buf: all of them unless the file ends
+ * first. Where a direct read is refused for its alignment (EINVAL, a local
+ * filesystem), clears O_DIRECT on fd and reads normally. Returns the bytes
+ * read (fewer than len only at the end of the file) or -errno.
+ */
+ssize_t hapi_remote_pread_all(int fd, void *buf, size_t len, off_t off);
 /*
  * A directory's pack read through (its .hapifs-pack.npy, fd from
  * hapi_remote_open_file()): the size its header says, into *size. Returns 0,
