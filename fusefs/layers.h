@@ -31,6 +31,7 @@
  *   5     background.h  background.c  warm-up walker, directory prefetch, cache keeper
  *   4     pack.h        pack.c        per-directory packs: a snapshot of a directory's
  *                                     images served as one .npy through serve.c, its index
+ *                                     (written by packindex.c)
  *   3     serve.h       serve.c       the bytes of a .feat read: cache lookup or computation
  *                                     through the view's batcher; the batcher's load and sink
  *   3     remote.h      remote.c      a compute-side mount's feature source (-o remote): the
@@ -44,8 +45,8 @@
  *                                     the sources: roots reopened, opens and reads beneath
  *                                     them, whether one serves, the check of its config
  *   3     -             remote-index.c
- *                                     a directory's index: parsed, read, kept per source in
- *                                     the slot cache, read again after refresh=
+ *                                     a directory's index: read, parsed (packindex.c), kept
+ *                                     per source in the slot cache, read again after refresh=
  *   3     -             remote-fetch.c
  *                                     the fetch queue and threads, pack reads, the spill of
  *                                     rows the cache refuses
@@ -59,6 +60,8 @@
  *                                     cache only
  *   1     source.h      source.c      the source tree: beneath-the-root opens, identities,
  *                                     whole-file loads, the one tree walker; who asks (creds)
+ *   1     packindex.h   packindex.c   the pack index format (DIR/.hapifs-pack.json): its
+ *                                     struct, written (pack.c) and parsed (remote-index.c)
  *   1     watch.h       watch.c       inotify on the source's directories the kernel holds,
  *                                     on a thread of its own
  *   1     uring.h       uring.c       FUSE over io_uring: requests served on their CPU

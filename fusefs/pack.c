@@ -3,13 +3,13 @@
 #include "cache.h"
 #include "extractor.h"
 #include "hapi.h"
+#include "packindex.h"
 #include "serve.h"
 #include "shared.h"
 #include "source.h"
 #include "view.h"
 
 #include <errno.h>
-#include <jansson.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -286,9 +286,9 @@ static int pack_header(const hapi_view *v, uint64_t count, char *buf)
 /* What the index of a snapshot can grow to: its fixed part and, per row, a bound. */
 static uint64_t index_bound(const struct snapshot *sn)
 {
-    uint64_t bound = 4096;
+    uint64_t bound = HAPI_PACKINDEX_HEAD_BOUND;
     for (size_t i = 0; i < sn->count; i++)
-        bound += 6 * strlen(sn->names[i]) + 256; /* \uXXXX escapes at worst */
+        bound += hapi_packindex_entry_bound(sn->names[i]);
     return bound;
 }
 
@@ -642,32 +642,39 @@ ssize_t hapi_pack_read(hapi_pack *k, char *buf, size_t size, off_t off)
 
 /* ------------------------------------------------------------------ index */
 
-/*
- * The index's version: a hash of everything in it that says what the
- * compute side may serve (namespace, shape, names, identities, failures),
- * not of the rows' cached/pending status, which changes while features are
- * computed. It is the index's second key, so a compute-side mount checks a
- * kept index by reading the first few hundred bytes, not the whole index.
- */
-static json_t *index_entry(hapi_packs *p, const hapi_view *v, const struct snapshot *sn, size_t i,
-                           XXH3_state_t *version)
+/* Entry i of sn's index at v: its status now (the format is packindex.c's). */
+static void index_entry(hapi_packs *p, const hapi_view *v, const struct snapshot *sn, size_t i,
+                        hapi_packindex_entry *e)
 {
     const hapi_source_id *id = &sn->ids[i];
     int failed = failure_find(p, v, sn->paths[i], id);
-    XXH3_64bits_update(version, sn->names[i], strlen(sn->names[i]) + 1);
-    XXH3_64bits_update(version, id, sizeof(*id));
-    XXH3_64bits_update(version, &failed, sizeof(failed));
-    const char *status = failed ? "failed"
-                         : hapi_serve_cached(p->serve, (hapi_view *)v, sn->paths[i], id)
-                             ? "cached"
-                             : "pending";
-    json_t *e = json_pack("{s:s, s:I, s:I, s:I, s:I, s:s}", "name", sn->names[i],
-                          "size", (json_int_t)id->size, "mtime_ns", (json_int_t)id->mtime_ns,
-                          "ctime_ns", (json_int_t)id->ctime_ns, "ino", (json_int_t)id->ino,
-                          "status", status);
-    if (e && failed)
-        json_object_set_new(e, "error", json_string(hapi_strerror(failed)));
-    return e;
+    e->name = sn->names[i];
+    e->id = *id;
+    e->code = failed;
+    e->status = failed ? HAPI_PACKINDEX_FAILED
+                : hapi_serve_cached(p->serve, (hapi_view *)v, sn->paths[i], id)
+                    ? HAPI_PACKINDEX_CACHED
+                    : HAPI_PACKINDEX_PENDING;
+}
+
+/* Writes the index of snapshot sn at v (its pack's header header_len bytes) as text. */
+static int index_write(hapi_packs *p, const char *dir, const hapi_view *v,
+                       const struct snapshot *sn, size_t header_len, char **text, size_t *len)
+{
+    hapi_packindex x = {
+        .dir = dir, .split = v->split, .stage = v->output.name, .dtype = v->dtype,
+        .ndim = v->output.ndim, .header_bytes = header_len, .row_bytes = v->sample_bytes,
+        .size = header_len + sn->count * (uint64_t)v->sample_bytes, .count = sn->count,
+    };
+    memcpy(x.ns_hex, v->ns_hex, sizeof(x.ns_hex));
+    memcpy(x.shape, v->output.shape, sizeof(x.shape));
+    if (!(x.entries = calloc(sn->count ? sn->count : 1, sizeof(*x.entries))))
+        return -ENOMEM;
+    for (size_t i = 0; i < sn->count; i++)
+        index_entry(p, v, sn, i, &x.entries[i]);
+    int rc = hapi_packindex_write(&x, text, len);
+    free(x.entries);
+    return rc;
 }
 
 int hapi_pack_index(hapi_packs *p, const char *dir, char **text, size_t *len)
@@ -686,43 +693,7 @@ int hapi_pack_index(hapi_packs *p, const char *dir, char **text, size_t *len)
     int rc = take(p, dir, NULL, &v, &sn, header);
     if (rc < 0)
         return rc;
-    json_t *shape = json_array(), *entries = json_array();
-    XXH3_state_t version;
-    XXH3_64bits_reset(&version);
-    XXH3_64bits_update(&version, v->ns_hex, strlen(v->ns_hex) + 1);
-    XXH3_64bits_update(&version, &v->dtype, sizeof(v->dtype));
-    XXH3_64bits_update(&version, &sn.count, sizeof(sn.count));
-    for (int i = 0; shape && i < v->output.ndim; i++) {
-        json_array_append_new(shape, json_integer(v->output.shape[i]));
-        XXH3_64bits_update(&version, &v->output.shape[i], sizeof(v->output.shape[i]));
-    }
-    for (size_t i = 0; entries && i < sn.count; i++)
-        if (json_array_append_new(entries, index_entry(p, v, &sn, i, &version)) < 0)
-            rc = -ENOMEM;
-    char version_hex[17];
-    snprintf(version_hex, sizeof(version_hex), "%016llx",
-             (unsigned long long)XXH3_64bits_digest(&version));
-    json_t *j = NULL;
-    if (rc >= 0 && shape && entries) {
-        uint64_t hdr = (uint64_t)rc;
-        /* jansson keeps insertion order: "format" and "version" come first */
-        j = json_pack("{s:s, s:s, s:s, s:s, s:s, s:i, s:s, s:s, s:O, s:I, s:I, s:I, s:I, s:s, s:O}",
-                      "format", HAPI_PACK_FORMAT, "version", version_hex, "dir", dir,
-                      "pack", HAPI_PACK_NAME,
-                      "namespace", v->ns_hex, "split", v->split, "stage", v->output.name,
-                      "dtype", v->dtype == HAPI_DTYPE_FP16 ? "<f2" : "<f4", "row_shape", shape,
-                      "count", (json_int_t)sn.count, "header_bytes", (json_int_t)hdr,
-                      "row_bytes", (json_int_t)v->sample_bytes,
-                      "size", (json_int_t)(hdr + sn.count * (uint64_t)v->sample_bytes),
-                      "failed_rows", "NaN", "entries", entries);
-    }
-    json_decref(shape);
-    json_decref(entries);
-    *text = j ? json_dumps(j, JSON_COMPACT) : NULL;
-    json_decref(j);
-    rc = *text ? 0 : -ENOMEM;
-    if (*text)
-        *len = strlen(*text);
+    rc = index_write(p, dir, v, &sn, (size_t)rc, text, len);
     if (rc == 0)
         atomic_fetch_add(&p->stats.index_reads, 1);
     snapshot_free(&sn);

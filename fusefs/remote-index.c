@@ -1,12 +1,11 @@
-/* remote-index.c — a directory's index on a source (.hapifs-pack.json): its text parsed and checked, read around page caches, kept per (source, directory) in the slot cache and read again after refresh=. */
+/* remote-index.c — a directory's index on a source (.hapifs-pack.json): parsed (packindex.c) and kept as a remote needs it, read around page caches, kept per (source, directory) in the slot cache and read again after refresh=. */
 #include "remote-int.h"
 #include "log.h"
+#include "packindex.h"
 #include "shared.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <jansson.h>
-#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,14 +35,6 @@ void hapi_remote__index_put(struct dir_index *x)
 
 /* ----------------------------------------------------------- index text */
 
-/* A name from an index: one path component, not "." or "..", an image. */
-static int name_ok(const char *name)
-{
-    size_t len = strlen(name);
-    return len > 0 && len <= NAME_MAX - 5 && !strchr(name, '/') && strcmp(name, ".") != 0 &&
-           strcmp(name, "..") != 0 && hapi_image_name_is_image(name);
-}
-
 int hapi_remote__hex_to_ns(const char *hex, hapi_cache_namespace *ns)
 {
     if (!hex || strlen(hex) != 2 * sizeof(ns->bytes))
@@ -58,144 +49,66 @@ int hapi_remote__hex_to_ns(const char *hex, hapi_cache_namespace *ns)
     return 0;
 }
 
-static int64_t json_int_of(json_t *o, const char *key, int *bad)
-{
-    json_t *v = json_object_get(o, key);
-    if (!json_is_integer(v)) {
-        *bad = 1;
-        return 0;
-    }
-    return json_integer_value(v);
-}
-
 /*
- * Parses the x->count entries of an index (entries, a JSON array of as many)
- * into x->entries: each one's name, identity and status, the names in byte
- * order. Returns 0, HAPI_ECORRUPT or -ENOMEM with why in err.
+ * What a remote mount keeps of parsed index pi: the namespace as bytes, the
+ * header of a .feat, the entries (their names taken from pi). Returns 0 or
+ * < 0 with why in err.
  */
-static int index_parse_entries(struct dir_index *x, json_t *entries, hapi_error *err)
+static int index_keep(hapi_packindex *pi, struct dir_index *x, hapi_error *err)
 {
-    int rc = HAPI_ECORRUPT, bad = 0;
+    if (hapi_remote__hex_to_ns(pi->ns_hex, &x->ns) < 0)
+        return hapi_error_set(err, HAPI_ECORRUPT, "bad namespace"); /* the parser checked it */
+    memcpy(x->ns_hex, pi->ns_hex, sizeof(x->ns_hex));
+    memcpy(x->version, pi->version, sizeof(x->version));
+    x->dtype = pi->dtype;
+    x->ndim = pi->ndim;
+    memcpy(x->shape, pi->shape, sizeof(x->shape));
+    int hl = hapi_npy_header(x->header, x->dtype, x->shape, x->ndim);
+    if (hl < 0)
+        return hapi_error_set(err, HAPI_ECORRUPT, "no .npy header for its row_shape");
+    x->header_len = (size_t)hl;
+    x->row_bytes = (size_t)pi->row_bytes;
+    x->pack_header_len = (size_t)pi->header_bytes;
+    x->pack_size = pi->size;
+    if (!(x->entries = calloc(pi->count ? pi->count : 1, sizeof(*x->entries))))
+        return hapi_error_set(err, -ENOMEM, "out of memory");
+    x->count = pi->count;
     for (size_t i = 0; i < x->count; i++) {
-        json_t *e = json_array_get(entries, i);
-        const char *name = json_string_value(json_object_get(e, "name"));
-        const char *status = json_string_value(json_object_get(e, "status"));
-        struct index_entry *ie = &x->entries[i];
-        ie->id.size = (uint64_t)json_int_of(e, "size", &bad);
-        ie->id.mtime_ns = json_int_of(e, "mtime_ns", &bad);
-        ie->id.ctime_ns = json_int_of(e, "ctime_ns", &bad);
-        ie->id.ino = (uint64_t)json_int_of(e, "ino", &bad);
-        if (bad || !name || !name_ok(name) || !status) {
-            hapi_error_set(err, rc, "entry %zu: bad name, identity or status", i);
-            return rc;
-        }
-        /* The pack's rows are in the byte order of the names: the index must say so too. */
-        if (i > 0 && strcmp(x->entries[i - 1].name, name) >= 0) {
-            hapi_error_set(err, rc, "entry %zu: names out of order", i);
-            return rc;
-        }
-        ie->failed = strcmp(status, "failed") == 0;
-        if (!(ie->name = strdup(name)))
-            return hapi_error_set(err, -ENOMEM, "out of memory");
+        hapi_packindex_entry *e = &pi->entries[i];
+        x->entries[i].name = (char *)e->name; /* taken over */
+        e->name = NULL;
+        x->entries[i].id = e->id;
+        x->entries[i].failed = e->status == HAPI_PACKINDEX_FAILED;
     }
     return 0;
 }
 
 /*
- * Parses an index text of dir on src into *out (one reference). Every field
- * is checked against the others (sizes, header, order of the names), so a
- * corrupt or foreign index is refused with why in err.
+ * Parses an index text of dir on src into *out (one reference): the format's
+ * checks (packindex.c) refuse a corrupt or foreign index with why in err.
  */
 static int index_parse(const char *text, size_t len, int src, const char *dir,
                        struct dir_index **out, hapi_error *err)
 {
-    json_error_t je;
+    hapi_packindex *pi = NULL;
     *out = NULL;
-    /*
-     * The first JSON value only: through a network filesystem that kept an
-     * older, longer size, a read past the new content's end returns the old
-     * tail from the page cache (the kernel completes a short direct read with
-     * cached pages up to the size it believes).
-     */
-    json_t *j = json_loadb(text, len, JSON_DISABLE_EOF_CHECK, &je);
-    if (!j)
-        return hapi_error_set(err, HAPI_ECORRUPT, "not JSON (%s, line %d)", je.text, je.line);
-    int rc = HAPI_ECORRUPT, bad = 0;
+    int rc = hapi_packindex_parse(text, len, &pi, err);
+    if (rc < 0)
+        return rc;
     struct dir_index *x = calloc(1, sizeof(*x));
-    if (!x) {
-        json_decref(j);
+    if (!x || !(x->dir = strdup(dir))) {
+        free(x);
+        hapi_packindex_free(pi);
         return hapi_error_set(err, -ENOMEM, "out of memory");
     }
     atomic_init(&x->refs, 1);
     x->src = src;
-    json_t *format = json_object_get(j, "format"), *entries = json_object_get(j, "entries");
-    json_t *shape = json_object_get(j, "row_shape");
-    const char *dtype = json_string_value(json_object_get(j, "dtype"));
-    const char *ns = json_string_value(json_object_get(j, "namespace"));
-    if (!json_is_string(format) || strcmp(json_string_value(format), HAPI_PACK_FORMAT) != 0) {
-        hapi_error_set(err, rc, "not a %s index", HAPI_PACK_FORMAT);
-        goto out;
-    }
-    if (!ns || hapi_remote__hex_to_ns(ns, &x->ns) < 0 || !dtype ||
-        (strcmp(dtype, "<f2") != 0 && strcmp(dtype, "<f4") != 0) || !json_is_array(shape) ||
-        json_array_size(shape) < 1 || json_array_size(shape) > HAPI_MAX_DIMS - 1 ||
-        !json_is_array(entries)) {
-        hapi_error_set(err, rc, "missing or malformed namespace, dtype, row_shape or entries");
-        goto out;
-    }
-    memcpy(x->ns_hex, ns, 33);
-    const char *version = json_string_value(json_object_get(j, "version"));
-    if (version && strlen(version) == 16 && strspn(version, "0123456789abcdef") == 16)
-        memcpy(x->version, version, 17);
-    x->dtype = strcmp(dtype, "<f2") == 0 ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32;
-    x->ndim = (int)json_array_size(shape);
-    uint64_t elems = 1;
-    for (int i = 0; i < x->ndim; i++) {
-        json_t *d = json_array_get(shape, (size_t)i);
-        if (!json_is_integer(d) || json_integer_value(d) < 1 || json_integer_value(d) > (1 << 24)) {
-            hapi_error_set(err, rc, "bad row_shape");
-            goto out;
-        }
-        x->shape[i] = json_integer_value(d);
-        elems *= (uint64_t)x->shape[i];
-    }
-    x->row_bytes = (size_t)(elems * (x->dtype == HAPI_DTYPE_FP16 ? 2 : 4));
-    int64_t count = json_int_of(j, "count", &bad), row_bytes = json_int_of(j, "row_bytes", &bad);
-    int64_t header_bytes = json_int_of(j, "header_bytes", &bad), size = json_int_of(j, "size", &bad);
-    if (bad || elems > (1u << 28) || count < 0 || (size_t)count != json_array_size(entries) ||
-        (uint64_t)row_bytes != x->row_bytes) {
-        hapi_error_set(err, rc, "count, row_bytes or entries disagree");
-        goto out;
-    }
-    int hl = hapi_npy_header(x->header, x->dtype, x->shape, x->ndim);
-    int64_t pack_shape[HAPI_MAX_DIMS];
-    char pack_header[HAPI_NPY_HEADER_MAX];
-    pack_shape[0] = count;
-    memcpy(pack_shape + 1, x->shape, (size_t)x->ndim * sizeof(int64_t));
-    int phl = hapi_npy_header(pack_header, x->dtype, pack_shape, x->ndim + 1);
-    if (hl < 0 || phl < 0 || header_bytes != phl ||
-        (uint64_t)size != (uint64_t)phl + (uint64_t)count * x->row_bytes) {
-        hapi_error_set(err, rc, "header_bytes or size disagree with the shape");
-        goto out;
-    }
-    x->header_len = (size_t)hl;
-    x->pack_header_len = (size_t)phl;
-    x->pack_size = (uint64_t)size;
-    x->count = (size_t)count;
-    x->entries = calloc(x->count ? x->count : 1, sizeof(*x->entries));
-    if (!x->entries || !(x->dir = strdup(dir))) {
-        rc = hapi_error_set(err, -ENOMEM, "out of memory");
-        goto out;
-    }
-    if ((rc = index_parse_entries(x, entries, err)) < 0)
-        goto out;
-    rc = 0;
-    *out = x;
-    x = NULL;
-out:
-    json_decref(j);
-    if (x)
+    rc = index_keep(pi, x, err);
+    hapi_packindex_free(pi);
+    if (rc < 0)
         hapi_remote__index_put(x);
+    else
+        *out = x;
     return rc;
 }
 
@@ -283,20 +196,6 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
     return rc == -ENOTDIR ? -ENOENT : rc;
 }
 
-/* The version named at the head of a hapifs-pack index ("" when it names none). */
-static void head_version(const char *head, char version[17])
-{
-    static const char prefix[] = "{\"format\":\"" HAPI_PACK_FORMAT "\",\"version\":\"";
-    version[0] = '\0';
-    if (strncmp(head, prefix, sizeof(prefix) - 1) != 0)
-        return;
-    head += sizeof(prefix) - 1;
-    if (strspn(head, "0123456789abcdef") != 16 || head[16] != '"')
-        return;
-    memcpy(version, head, 16);
-    version[16] = '\0';
-}
-
 /*
  * Whether dir's index on src still has the version of kept, read from its
  * first INDEX_HEAD bytes: one small read instead of the whole index (about
@@ -318,7 +217,7 @@ int hapi_remote__index_unchanged(hapi_remote *r, int src, const char *dir,
     if (n >= 0) {
         char version[17];
         head[n] = '\0';
-        head_version(head, version);
+        hapi_packindex_head_version(head, version);
         same = version[0] && strcmp(version, kept->version) == 0;
         atomic_fetch_add(&r->sources[src].stats.index_checks, 1);
         atomic_fetch_add(&r->sources[src].stats.index_bytes, (uint64_t)n);
