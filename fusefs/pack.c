@@ -531,14 +531,136 @@ static void partial_put(hapi_packs *p, const hapi_view *v, uint64_t key, size_t 
 
 /* --------------------------------------------------------------- reading */
 
+/*
+ * One read's rows: the bytes [dpos, dend) of the pack's rows (offsets past
+ * its header) go to dst, rows [r0, r1); rows [a0, a1) are asked for ahead.
+ * parts[0, demand) are the rows the read covers that no kept partial row
+ * served (part_row[i] is part i's row), parts[demand, nparts) those ahead.
+ * A row covered in part (only the first or the last can be) is computed
+ * whole into whole[0] (the first) or whole[1] (the last), then kept.
+ */
+struct rows_read {
+    hapi_pack *k;
+    char *dst;
+    uint64_t dpos, dend;
+    size_t r0, r1, a0, a1;
+    hapi_serve_part *parts;
+    size_t *part_row;
+    size_t nparts, demand;
+    char *whole[2];
+};
+
+/* The part [*from, *to) of row r that bytes [dpos, dend) of the rows cover. */
+static void row_span(const struct rows_read *rr, size_t r, size_t *from, size_t *to)
+{
+    uint64_t sb = rr->k->view->sample_bytes, row = r * sb;
+    *from = (size_t)(rr->dpos > row ? rr->dpos - row : 0);
+    *to = (size_t)(rr->dend < row + sb ? rr->dend - row : sb);
+}
+
+/* Where the part of row r that the read covers goes in its buffer. */
+static char *row_dst(const struct rows_read *rr, size_t r, size_t from)
+{
+    return rr->dst + (r * (uint64_t)rr->k->view->sample_bytes + from - rr->dpos);
+}
+
+/*
+ * The rows to ask for ahead of a read that ends at row r1, so that batches
+ * stay full: up to two batches past it, never a row asked for before.
+ */
+static void rows_ahead(hapi_pack *k, size_t r1, size_t *a0, size_t *a1)
+{
+    hapi_batcher_stats bs;
+    hapi_batcher_stats_get(k->view->batcher, &bs);
+    size_t window = 2 * (size_t)(bs.batch > 0 ? bs.batch : 1);
+    pthread_mutex_lock(&k->lock);
+    *a0 = k->ahead > r1 ? k->ahead : r1;
+    *a1 = r1 + window < k->snap.count ? r1 + window : k->snap.count;
+    if (*a1 < *a0)
+        *a1 = *a0;
+    if (*a1 > k->ahead)
+        k->ahead = *a1;
+    pthread_mutex_unlock(&k->lock);
+}
+
+/*
+ * The parts to ask serve for: each row the read covers (a row it covers in
+ * part comes from the partial rows if another read has kept it, else is
+ * computed whole), then the rows ahead. Returns 0 or -ENOMEM.
+ */
+static int rows_plan(struct rows_read *rr)
+{
+    hapi_pack *k = rr->k;
+    size_t sb = k->view->sample_bytes;
+    rr->parts = calloc(rr->r1 - rr->r0 + (rr->a1 - rr->a0), sizeof(*rr->parts));
+    rr->part_row = calloc(rr->r1 - rr->r0, sizeof(*rr->part_row));
+    if (!rr->parts || !rr->part_row)
+        return -ENOMEM;
+    for (size_t r = rr->r0; r < rr->r1; r++) {
+        size_t from, to;
+        row_span(rr, r, &from, &to);
+        char *dst = row_dst(rr, r, from);
+        int in_part = from > 0 || to < sb;
+        if (in_part && partial_get(k->packs, k->view, k->snap.key, r, dst, from, to))
+            continue;
+        hapi_serve_part *pt = &rr->parts[rr->nparts];
+        rr->part_row[rr->nparts++] = r;
+        *pt = (hapi_serve_part){ k->snap.paths[r], &k->snap.ids[r], dst, from, to, 0 };
+        if (in_part) {
+            char **w = &rr->whole[r == rr->r0 ? 0 : 1];
+            if (!(*w = malloc(sb)))
+                return -ENOMEM;
+            pt->dst = *w;
+            pt->from = 0;
+            pt->to = sb;
+        }
+    }
+    rr->demand = rr->nparts;
+    for (size_t r = rr->a0; r < rr->a1; r++) {
+        rr->parts[rr->nparts].path = k->snap.paths[r];
+        rr->parts[rr->nparts++].id = &k->snap.ids[r];
+    }
+    return 0;
+}
+
+/*
+ * After serve filled the parts: a failed row is noted for the index and is
+ * NaN; a row computed whole is kept and its covered part copied out.
+ */
+static void rows_deliver(struct rows_read *rr)
+{
+    hapi_pack *k = rr->k;
+    hapi_packs *p = k->packs;
+    for (size_t i = 0; i < rr->demand; i++) {
+        hapi_serve_part *pt = &rr->parts[i];
+        size_t r = rr->part_row[i];
+        if (pt->code) {
+            /* The row of an image that cannot be computed is NaN; the index says why. */
+            failure_note(p, k->view, pt->path, pt->id, pt->code);
+            atomic_fetch_add(&p->stats.rows_failed, 1);
+        }
+        char **w = r == rr->r0 && rr->whole[0]       ? &rr->whole[0]
+                   : r == rr->r1 - 1 && rr->whole[1] ? &rr->whole[1]
+                                                     : NULL;
+        if (w) {
+            size_t from, to;
+            row_span(rr, r, &from, &to);
+            partial_put(p, k->view, k->snap.key, r, *w, pt->code, row_dst(rr, r, from), from, to);
+            *w = NULL;
+        } else if (pt->code) {
+            fill_nan(k->view, pt->dst, pt->from, pt->to);
+        }
+    }
+    atomic_fetch_add(&p->stats.rows, rr->r1 - rr->r0);
+}
+
 ssize_t hapi_pack_read(hapi_pack *k, char *buf, size_t size, off_t off)
 {
     hapi_packs *p = k->packs;
-    hapi_view *v = k->view;
     atomic_fetch_add(&p->stats.reads, 1);
     if (off < 0 || (uint64_t)off >= k->size)
         return 0;
-    uint64_t pos = (uint64_t)off, hdr = k->header_len, sb = v->sample_bytes;
+    uint64_t pos = (uint64_t)off, hdr = k->header_len, sb = k->view->sample_bytes;
     uint64_t end = size < k->size - pos ? pos + size : k->size;
     size_t n = 0;
     if (pos < hdr) {
@@ -550,92 +672,24 @@ ssize_t hapi_pack_read(hapi_pack *k, char *buf, size_t size, off_t off)
         atomic_fetch_add(&p->stats.bytes, n);
         return (ssize_t)n;
     }
-    /* The rows the read covers, and the rows asked for ahead of it so batches stay full. */
-    uint64_t dpos = (pos > hdr ? pos : hdr) - hdr, dend = end - hdr;
-    size_t r0 = dpos / sb, r1 = (dend + sb - 1) / sb;
-    hapi_batcher_stats bs;
-    hapi_batcher_stats_get(v->batcher, &bs);
-    size_t window = 2 * (size_t)(bs.batch > 0 ? bs.batch : 1);
-    pthread_mutex_lock(&k->lock);
-    size_t a0 = k->ahead > r1 ? k->ahead : r1;
-    size_t a1 = r1 + window < k->snap.count ? r1 + window : k->snap.count;
-    if (a1 < a0)
-        a1 = a0;
-    if (a1 > k->ahead)
-        k->ahead = a1;
-    pthread_mutex_unlock(&k->lock);
-
-    /*
-     * The rows the read covers: a row it covers in part (the first, the last)
-     * comes from the partial rows if another read has kept it, else is
-     * computed whole (into whole[]) and kept.
-     */
-    uint64_t key = k->snap.key;
-    size_t nrows = r1 - r0, nparts = 0;
-    hapi_serve_part *parts = calloc(nrows + (a1 - a0), sizeof(*parts));
-    size_t *part_row = calloc(nrows, sizeof(*part_row));
-    char *whole[2] = { NULL, NULL };
-    int rc = parts && part_row ? 0 : -ENOMEM;
-    for (size_t r = r0; r < r1 && rc == 0; r++) {
-        uint64_t row = r * sb;
-        size_t from = (size_t)(dpos > row ? dpos - row : 0);
-        size_t to = (size_t)(dend < row + sb ? dend - row : sb);
-        char *dst = buf + n + (row + from - dpos);
-        int in_part = from > 0 || to < sb;
-        if (in_part && partial_get(p, v, key, r, dst, from, to))
-            continue;
-        hapi_serve_part *pt = &parts[nparts];
-        part_row[nparts++] = r;
-        pt->path = k->snap.paths[r];
-        pt->id = &k->snap.ids[r];
-        pt->dst = dst;
-        pt->from = from;
-        pt->to = to;
-        if (in_part) {
-            char **w = &whole[r == r0 ? 0 : 1];
-            if (!(*w = malloc(sb)))
-                rc = -ENOMEM;
-            pt->dst = *w;
-            pt->from = 0;
-            pt->to = sb;
-        }
-    }
-    size_t demand = nparts;
-    for (size_t r = a0; r < a1 && rc == 0; r++) {
-        parts[nparts].path = k->snap.paths[r];
-        parts[nparts++].id = &k->snap.ids[r];
-    }
+    struct rows_read rr = { .k = k, .dst = buf + n };
+    rr.dpos = (pos > hdr ? pos : hdr) - hdr;
+    rr.dend = end - hdr;
+    rr.r0 = rr.dpos / sb;
+    rr.r1 = (rr.dend + sb - 1) / sb;
+    rows_ahead(k, rr.r1, &rr.a0, &rr.a1);
+    int rc = rows_plan(&rr);
     if (rc == 0)
-        rc = hapi_serve_read_parts(p->serve, v, parts, nparts);
-    if (rc == 0) {
-        for (size_t i = 0; i < demand; i++) {
-            hapi_serve_part *pt = &parts[i];
-            size_t r = part_row[i];
-            if (pt->code) {
-                /* The row of an image that cannot be computed is NaN; the index says why. */
-                failure_note(p, v, pt->path, pt->id, pt->code);
-                atomic_fetch_add(&p->stats.rows_failed, 1);
-            }
-            char **w = r == r0 && whole[0] ? &whole[0] : r == r1 - 1 && whole[1] ? &whole[1] : NULL;
-            if (w) {
-                uint64_t row = r * sb;
-                size_t from = (size_t)(dpos > row ? dpos - row : 0);
-                size_t to = (size_t)(dend < row + sb ? dend - row : sb);
-                partial_put(p, v, key, r, *w, pt->code, buf + n + (row + from - dpos), from, to);
-                *w = NULL;
-            } else if (pt->code) {
-                fill_nan(v, pt->dst, pt->from, pt->to);
-            }
-        }
-        atomic_fetch_add(&p->stats.rows, nrows);
-    }
-    free(whole[0]);
-    free(whole[1]);
-    free(parts);
-    free(part_row);
+        rc = hapi_serve_read_parts(p->serve, k->view, rr.parts, rr.nparts);
+    if (rc == 0)
+        rows_deliver(&rr);
+    free(rr.whole[0]);
+    free(rr.whole[1]);
+    free(rr.parts);
+    free(rr.part_row);
     if (rc < 0)
         return rc;
-    n += (size_t)(dend - dpos);
+    n += (size_t)(rr.dend - rr.dpos);
     atomic_fetch_add(&p->stats.bytes, n);
     return (ssize_t)n;
 }
