@@ -46,8 +46,9 @@
  *                    closed, its stats
  *   remote-source.c  the sources: their roots, reopened; opens and reads beneath
  *                    them; whether one is serving; the check of its .hapifs/config
- *   remote-index.c   a directory's index: its text parsed, read, kept per source
- *                    in the slot cache and read again after refresh=
+ *   remote-index.c   a directory's index: read, parsed (packindex.c, which holds
+ *                    the format), kept per source in the slot cache and read
+ *                    again after refresh=
  *   remote-fetch.c   the fetch queue and its threads, pack reads, the spill of
  *                    rows the cache refuses
  *   remote-feat.c    .feat opens and reads: the cache, the spill, or a fetch
