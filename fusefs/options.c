@@ -328,6 +328,35 @@ static int parse_int(const char *text, long lo, long hi, long *out)
     return 0;
 }
 
+/*
+ * An integer option in [lo, hi] into *out; NULL text keeps *out (the default). The refusal
+ * names the range, and its unit when one is given: "batch_wait=x: expected 0..10000 (ms)".
+ */
+static int parse_int_option(const char *option, const char *text, long lo, long hi,
+                            const char *unit, int *out, hapi_error *err)
+{
+    long v;
+    if (!text)
+        return 0;
+    if (parse_int(text, lo, hi, &v) < 0)
+        return hapi_error_set(err, HAPI_EINVAL, "%s=%s: expected %ld..%ld%s%s%s", option, text,
+                              lo, hi, unit ? " (" : "", unit ? unit : "", unit ? ")" : "");
+    *out = (int)v;
+    return 0;
+}
+
+/* A 0|1 option into *out; NULL text keeps *out (the default). */
+static int parse_flag(const char *option, const char *text, int *out, hapi_error *err)
+{
+    long v;
+    if (!text)
+        return 0;
+    if (parse_int(text, 0, 1, &v) < 0)
+        return hapi_error_set(err, HAPI_EINVAL, "%s=%s: expected 0 or 1", option, text);
+    *out = (int)v;
+    return 0;
+}
+
 /* Resolves path and checks it is a directory; owned result in *out. */
 static int resolve_dir(const char *what, const char *path, char **out, hapi_error *err)
 {
@@ -634,7 +663,6 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
         if (storage_only[i][1])
             return hapi_error_set(err, HAPI_EINVAL, "%s= is an option of the storage side's "
                                   "mount, not of a remote one", storage_only[i][0]);
-    long v;
     int rc;
     o->remote = 1;
     char *list = strdup(raw->nonopt[0]), *save = NULL;
@@ -675,52 +703,28 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
             strcat(o->source, ":");
         strcat(o->source, o->roots[i]);
     }
-    o->refresh_ms = 30000;
-    if (raw->refresh) {
-        if (parse_int(raw->refresh, 0, 86400, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "refresh=%s: expected 0..86400 (seconds)",
-                                  raw->refresh);
-        o->refresh_ms = (int)v * 1000;
-    }
+    int refresh_s = 30;
+    if ((rc = parse_int_option("refresh", raw->refresh, 0, 86400, "seconds", &refresh_s,
+                               err)) < 0)
+        return rc;
+    o->refresh_ms = refresh_s * 1000;
     o->fetch_threads = 4;
-    if (raw->fetch_threads) {
-        if (parse_int(raw->fetch_threads, 1, 256, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "fetch_threads=%s: expected 1..256",
-                                  raw->fetch_threads);
-        o->fetch_threads = (int)v;
-    }
+    if ((rc = parse_int_option("fetch_threads", raw->fetch_threads, 1, 256, NULL,
+                               &o->fetch_threads, err)) < 0)
+        return rc;
     o->device = strdup("cpu");
     if (!o->device)
         return hapi_error_set(err, -ENOMEM, "out of memory");
     return validate_common(raw, o, err);
 }
 
-static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+/*
+ * The model and how it runs: model= (an existing regular file), split=, freeze=, device=,
+ * dtype=, preprocess=, precision=, prefetch=, and that bf16 runs on the CPU alone.
+ */
+static int validate_model(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
 {
-    long v;
     int rc;
-
-    if (raw->bad_option)
-        return hapi_error_set(err, HAPI_EINVAL, "unknown option or argument '%s'", raw->bad_option);
-    if (raw->nonopts < 2)
-        return hapi_error_set(err, HAPI_EINVAL, "usage: hapifs SOURCE MOUNTPOINT -o model=PATH[,...]");
-    char dead[PATH_MAX];
-    if (!raw->fake && is_dead_mount(raw->nonopt[1], dead)) { /* mount -f: nothing to mount */
-        /* detached right before the mount: its directory cannot be looked at until then */
-        if (!(o->mountpoint = strdup(dead)))
-            return hapi_error_set(err, -ENOMEM, "out of memory");
-        o->dead_mount = 1;
-    } else if ((rc = resolve_dir("mount point", raw->nonopt[1], &o->mountpoint, err)) < 0) {
-        return rc;
-    }
-    if (raw->remote)
-        return validate_remote(raw, o, err);
-    if (raw->refresh || raw->fetch_threads)
-        return hapi_error_set(err, HAPI_EINVAL, "%s= is an option of a remote mount (-o remote)",
-                              raw->refresh ? "refresh" : "fetch_threads");
-    if ((rc = resolve_dir("source", raw->nonopt[0], &o->source, err)) < 0)
-        return rc;
-
     if (!raw->model)
         return hapi_error_set(err, HAPI_EINVAL, "option model=PATH is required");
     o->model = realpath(raw->model, NULL);
@@ -761,40 +765,39 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
     if (o->precision == HAPI_PRECISION_BF16 && strcmp(o->device, "cpu") != 0)
         return hapi_error_set(err, HAPI_EINVAL, "precision=bf16 runs on the CPU only, not %s",
                               o->device);
+    return 0;
+}
 
+/*
+ * What the storage side spends: torch_threads=, batch=, batch_wait=, decode_threads=, mem=,
+ * and the node's shared budget (node=, node_mem=, node_cores=).
+ */
+static int validate_resources(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    long v;
+    int rc;
     o->torch_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (o->torch_threads < 1)
         o->torch_threads = 1;
-    if (raw->torch_threads) {
-        if (parse_int(raw->torch_threads, 1, 1024, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "torch_threads=%s: expected 1..1024",
-                                  raw->torch_threads);
-        o->torch_threads = (int)v;
-    }
+    if ((rc = parse_int_option("torch_threads", raw->torch_threads, 1, 1024, NULL,
+                               &o->torch_threads, err)) < 0)
+        return rc;
     o->batch = 0; /* auto: the policy sizes it */
-    if (raw->batch) {
-        if (strcmp(raw->batch, "auto") == 0)
-            o->batch = 0;
-        else if (parse_int(raw->batch, 1, HAPI_BATCH_MAX, &v) < 0)
+    if (raw->batch && strcmp(raw->batch, "auto") != 0) {
+        if (parse_int(raw->batch, 1, HAPI_BATCH_MAX, &v) < 0)
             return hapi_error_set(err, HAPI_EINVAL, "batch=%s: expected auto or 1..%d",
                                   raw->batch, HAPI_BATCH_MAX);
-        else
-            o->batch = (int)v;
+        o->batch = (int)v;
     }
-    o->batch_wait_us = 5000;
-    if (raw->batch_wait) {
-        if (parse_int(raw->batch_wait, 0, 10000, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "batch_wait=%s: expected 0..10000 (ms)",
-                                  raw->batch_wait);
-        o->batch_wait_us = (int)v * 1000;
-    }
+    int batch_wait_ms = 5;
+    if ((rc = parse_int_option("batch_wait", raw->batch_wait, 0, 10000, "ms", &batch_wait_ms,
+                               err)) < 0)
+        return rc;
+    o->batch_wait_us = batch_wait_ms * 1000;
     o->decode_threads = 1;
-    if (raw->decode_threads) {
-        if (parse_int(raw->decode_threads, 1, 256, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "decode_threads=%s: expected 1..256",
-                                  raw->decode_threads);
-        o->decode_threads = (int)v;
-    }
+    if ((rc = parse_int_option("decode_threads", raw->decode_threads, 1, 256, NULL,
+                               &o->decode_threads, err)) < 0)
+        return rc;
     o->mem_budget = 1ull << 30;
     if (raw->mem && (hapi_fs_parse_size(raw->mem, &o->mem_budget) < 0 || o->mem_budget == 0))
         return hapi_error_set(err, HAPI_EINVAL, "mem=%s: expected a size, e.g. 2G", raw->mem);
@@ -813,13 +816,13 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
                           o->node_mem == 0))
         return hapi_error_set(err, HAPI_EINVAL, "node_mem=%s: expected a size, e.g. 8G",
                               raw->node_mem);
-    if (raw->node_cores) {
-        if (parse_int(raw->node_cores, 1, 4096, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "node_cores=%s: expected 1..4096",
-                                  raw->node_cores);
-        o->node_cores = (int)v;
-    }
-    /* The policy's inputs: parsed and checked by its table (policy/inputs.c), as ctl does. */
+    return parse_int_option("node_cores", raw->node_cores, 1, 4096, NULL, &o->node_cores, err);
+}
+
+/* The policy's inputs (link=, rtt=, ...): parsed and checked by its table, as ctl does. */
+static int validate_policy_inputs(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    int rc;
     o->link_bps = HAPI_POLICY_LINK_DEFAULT;
     o->transport = HAPI_TRANSPORT_FILE;
     o->client_speed = 1.0;
@@ -849,34 +852,62 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
             return hapi_error_set(err, HAPI_EINVAL, "profile=%s: expected redo", raw->profile);
         o->profile_redo = 1;
     }
-    if (raw->warm) {
-        if (parse_int(raw->warm, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "warm=%s: expected 0 or 1", raw->warm);
-        o->warm = (int)v;
-    }
-    if (raw->show_raw) {
-        if (parse_int(raw->show_raw, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "show_raw=%s: expected 0 or 1", raw->show_raw);
-        o->show_raw = (int)v;
-    }
+    return 0;
+}
+
+/* What the mount shows and how the kernel reads it: warm=, show_raw=, watch=, no_open=,
+   max_pixels=. */
+static int validate_serving(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    int rc;
     o->watch = 1;
-    if (raw->watch) {
-        if (parse_int(raw->watch, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "watch=%s: expected 0 or 1", raw->watch);
-        o->watch = (int)v;
-    }
     o->no_open = 1;
-    if (raw->no_open) {
-        if (parse_int(raw->no_open, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "no_open=%s: expected 0 or 1", raw->no_open);
-        o->no_open = (int)v;
-    }
+    if ((rc = parse_flag("warm", raw->warm, &o->warm, err)) < 0 ||
+        (rc = parse_flag("show_raw", raw->show_raw, &o->show_raw, err)) < 0 ||
+        (rc = parse_flag("watch", raw->watch, &o->watch, err)) < 0 ||
+        (rc = parse_flag("no_open", raw->no_open, &o->no_open, err)) < 0)
+        return rc;
     o->max_pixels = HAPI_DEFAULT_MAX_PIXELS;
     if (raw->max_pixels && (hapi_fs_parse_size(raw->max_pixels, &o->max_pixels) < 0 ||
                             o->max_pixels == 0))
         return hapi_error_set(err, HAPI_EINVAL, "max_pixels=%s: expected a positive number",
                               raw->max_pixels);
+    return 0;
+}
 
+/*
+ * The options as written into o, checked in this order: the command line's words, the mount
+ * point (a dead mount of ours is taken as it is), then a remote mount's options or a storage
+ * mount's source, model, resources, policy inputs and serving, then what both kinds take.
+ */
+static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    int rc;
+
+    if (raw->bad_option)
+        return hapi_error_set(err, HAPI_EINVAL, "unknown option or argument '%s'", raw->bad_option);
+    if (raw->nonopts < 2)
+        return hapi_error_set(err, HAPI_EINVAL, "usage: hapifs SOURCE MOUNTPOINT -o model=PATH[,...]");
+    char dead[PATH_MAX];
+    if (!raw->fake && is_dead_mount(raw->nonopt[1], dead)) { /* mount -f: nothing to mount */
+        /* detached right before the mount: its directory cannot be looked at until then */
+        if (!(o->mountpoint = strdup(dead)))
+            return hapi_error_set(err, -ENOMEM, "out of memory");
+        o->dead_mount = 1;
+    } else if ((rc = resolve_dir("mount point", raw->nonopt[1], &o->mountpoint, err)) < 0) {
+        return rc;
+    }
+    if (raw->remote)
+        return validate_remote(raw, o, err);
+    if (raw->refresh || raw->fetch_threads)
+        return hapi_error_set(err, HAPI_EINVAL, "%s= is an option of a remote mount (-o remote)",
+                              raw->refresh ? "refresh" : "fetch_threads");
+    if ((rc = resolve_dir("source", raw->nonopt[0], &o->source, err)) < 0 ||
+        (rc = validate_model(raw, o, err)) < 0 ||
+        (rc = validate_resources(raw, o, err)) < 0 ||
+        (rc = validate_policy_inputs(raw, o, err)) < 0 ||
+        (rc = validate_serving(raw, o, err)) < 0)
+        return rc;
     return validate_common(raw, o, err);
 }
 
@@ -886,23 +917,11 @@ static int validate_common(struct raw_options *raw, hapi_fs_options *o, hapi_err
     int rc;
     long v;
     o->threads = 32;
-    if (raw->threads) {
-        if (parse_int(raw->threads, 1, 1024, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "threads=%s: expected 1..1024", raw->threads);
-        o->threads = (int)v;
-    }
     o->uring = 1;
-    if (raw->uring) {
-        if (parse_int(raw->uring, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "uring=%s: expected 0 or 1", raw->uring);
-        o->uring = (int)v;
-    }
-    if (raw->cache_reset) {
-        if (parse_int(raw->cache_reset, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "cache_reset=%s: expected 0 or 1",
-                                  raw->cache_reset);
-        o->cache_reset = (int)v;
-    }
+    if ((rc = parse_int_option("threads", raw->threads, 1, 1024, NULL, &o->threads, err)) < 0 ||
+        (rc = parse_flag("uring", raw->uring, &o->uring, err)) < 0 ||
+        (rc = parse_flag("cache_reset", raw->cache_reset, &o->cache_reset, err)) < 0)
+        return rc;
     const char *cache = raw->cache ? raw->cache : HAPI_DEFAULT_CACHE_DIR;
     if ((rc = prepare_cache_dir(cache, &o->cache_dir, err)) < 0)
         return rc;
