@@ -39,7 +39,7 @@ static void report(int fd, const char *prog, int code, const char *message)
             fprintf(stderr, "%s: %s\n", prog, message);
         return;
     }
-    char line[512];
+    char line[HAPI_ERROR_MESSAGE_MAX + 16]; /* "ERROR " and a whole message */
     int len = code < 0 ? snprintf(line, sizeof(line), "ERROR %s\n", message)
                        : snprintf(line, sizeof(line), "OK\n");
     if (len > (int)sizeof(line) - 1)
@@ -164,7 +164,7 @@ static int mount_session(struct fuse_session *se, const hapi_fs_options *opt, ch
 /* In the parent: waits for the child's word and turns it into an exit status. */
 static int wait_for_child(int fd, pid_t child, const char *prog)
 {
-    char line[512];
+    char line[HAPI_ERROR_MESSAGE_MAX + 16]; /* report()'s line */
     size_t used = 0;
     while (used < sizeof(line) - 1) {
         ssize_t r = read(fd, line + used, sizeof(line) - 1 - used);
