@@ -183,6 +183,49 @@ static int option_proc(void *data, const char *arg, int key, struct fuse_args *o
     }
 }
 
+#define HELP_COLUMN 25 /* where an option's text starts */
+#define HELP_WIDTH 92  /* where its lines end */
+
+/* One option's lines of --help: "    HEAD  TEXT", TEXT's words wrapped under HELP_COLUMN. */
+static void print_help_option(const char *head, const char *text)
+{
+    int col = printf("    %s  ", head);
+    for (; col < HELP_COLUMN; col++)
+        putchar(' ');
+    for (const char *w = text; *w;) {
+        size_t n = strcspn(w, " ");
+        if (w != text && col + 1 + (int)n > HELP_WIDTH) {
+            col = printf("\n%*s", HELP_COLUMN, "") - 1;
+        } else if (w != text) {
+            putchar(' ');
+            col++;
+        }
+        col += printf("%.*s", (int)n, w);
+        w += n;
+        w += strspn(w, " ");
+    }
+    putchar('\n');
+}
+
+/*
+ * The policy's inputs that are mount options, from their table (policy/inputs.c): each one's
+ * value, meaning, range, unit and default as the table has them, so that --help, README.md's
+ * table (tests/test_examples.py compares them) and the parser cannot drift.
+ */
+static void print_policy_inputs(void)
+{
+    size_t n;
+    const hapi_policy_input_spec *specs = hapi_policy_input_specs(&n);
+    for (size_t i = 0; i < n; i++) {
+        char head[64], text[512];
+        if (!specs[i].mount_option)
+            continue;
+        snprintf(head, sizeof(head), "%s=%s", specs[i].name, specs[i].value);
+        hapi_policy_input_help(&specs[i], text, sizeof(text));
+        print_help_option(head, text);
+    }
+}
+
 void hapi_fs_usage(const char *prog)
 {
     printf("usage: %s SOURCE MOUNTPOINT -o model=PATH[,OPTIONS] [-f] [-d]\n"
@@ -196,8 +239,9 @@ void hapi_fs_usage(const char *prog)
            "\n"
            "options:\n"
            "    model=PATH           staged model archive (hapifs-export-model); required\n"
-           "    split=auto|N|NAME    run stages [0, N) or through stage NAME (default auto: the policy\n"
-           "                         picks it from the profile, the link and the cache)\n"
+           "    split=auto|N|NAME    run stages [0, N), N in 1..the frozen stages (freeze=), or\n"
+           "                         through stage NAME (default auto: the policy picks it from\n"
+           "                         the profile, the policy inputs below and the cache)\n"
            "    freeze=N|NAME        stages before this are frozen (default: from the model)\n"
            "    dtype=fp16|fp32      feature type (default fp16)\n"
            "    preprocess=exact|fast  torchvision-exact decode, or DCT-scaled decode (default exact)\n"
@@ -208,28 +252,18 @@ void hapi_fs_usage(const char *prog)
            "    cache_reset=0|1      replace a corrupt or foreign cache instead of failing\n"
            "    threads=N            FUSE worker threads (default 32)\n"
            "    torch_threads=N      libtorch intra-op threads (default: cores)\n"
-           "    batch=auto|N         storage-side batch, N in 1..4096 (default auto: the fastest\n"
+           "    batch=auto|N         storage-side batch, N in 1..%d (default auto: the fastest\n"
            "                         per sample measured that fits mem)\n"
            "    batch_wait=MS        how long a partial batch waits for more reads (default 5)\n"
            "    decode_threads=N     JPEG/PNG decode threads (default 1)\n"
            "    mem=SIZE             storage-side memory budget: weights, inference, images in\n"
-           "                         flight (default 1G)\n"
+           "                         flight; a size above 0, e.g. 512M or 2G (default 1G)\n"
            "    node=PATH|none       the file the mounts of this node share their budget and\n"
            "                         cores through (default /run/hapifs/node)\n"
            "    node_mem=SIZE        the budget of all mounts of the node together (default:\n"
            "                         the node file's, first set to half the RAM)\n"
            "    node_cores=N         cores the node's inferences share (default: the node\n"
            "                         file's, first set to the online CPUs)\n"
-           "    link=RATE            link to the compute tier, e.g. 1Gbit, 100Mbit, 125MB/s\n"
-           "                         (default 1Gbit)\n"
-           "    rtt=TIME             the link's round-trip time, e.g. 1ms, 200us (default 0: the\n"
-           "                         policy counts bytes alone)\n"
-           "    transport=file|pack  how the compute tier reads: one .feat at a time through a\n"
-           "                         network filesystem (default), or packs through hapifs -o remote\n"
-           "    client_speed=X       compute tier's speed relative to this node (default 1)\n"
-           "    compute_file_ms=MS   the compute tier's training loop per file beside the stages\n"
-           "                         (examples/probe-speed.py measures it; default 1.5)\n"
-           "    epochs=N             epochs a job is expected to read (default 5)\n"
            "    profile=redo         measure the model again instead of using the stored profile\n"
            "    warm=0|1             compute the whole tree in the background at mount\n"
            "    prefetch=dir|off     a miss queues the rest of its directory below every read\n"
@@ -254,6 +288,11 @@ void hapi_fs_usage(const char *prog)
            "    -d                   debug output (implies -f)\n"
            "    -h, -V               help, version\n"
            "\n"
+           "policy inputs (storage side): what the policy assumes of the link and the compute\n"
+           "tier; hapifs-ctl set-* changes them on a live mount, .hapifs/policy shows their use:\n",
+           prog, prog, HAPI_BATCH_MAX);
+    print_policy_inputs();
+    printf("\n"
            "remote options (a compute-side mount; cache=, cache_size=, cache_reset=, threads=, uring=,\n"
            "log= and the FUSE options apply too):\n"
            "    remote               SOURCE[:SOURCE...] are storage mounts seen through a network\n"
@@ -261,8 +300,7 @@ void hapi_fs_usage(const char *prog)
            "    refresh=SECONDS      a directory's index (names, identities, namespace) is read\n"
            "                         again after this long: the bound on serving features of a\n"
            "                         changed image or an old split (default 30, 0 = every use)\n"
-           "    fetch_threads=N      packs fetched at once (default 4)\n",
-           prog, prog);
+           "    fetch_threads=N      packs fetched at once (default 4)\n");
 }
 
 int hapi_fs_parse_size(const char *text, uint64_t *out)
