@@ -28,9 +28,12 @@ def cpu_model():
 
 
 def load_tool(name):
-    """bench/NAME as a new module named NAME with '_' for '-'; each call runs the script's top
+    """bench/NAME, or a script of the tree by its path from the top (examples/train.py), as a new
+    module named for the file with '_' for '-' (and no .py); each call runs the script's top
     level again (its main() runs only under __main__). Raises what the script raises."""
-    loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"), str(TOP / "bench" / name))
+    path = TOP / name if "/" in name else TOP / "bench" / name
+    module = path.name.removesuffix(".py").replace("-", "_")
+    loader = importlib.machinery.SourceFileLoader(module, str(path))
     spec = importlib.util.spec_from_loader(loader.name, loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)

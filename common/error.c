@@ -1,9 +1,13 @@
 /* error.c — the shared error space: descriptions and the status object. */
 #include "hapi.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+
+_Static_assert(HAPI_ERROR_MESSAGE_MAX >= PATH_MAX + 256,
+               "a hapi_error message holds a whole path and the words around it");
 
 const char *hapi_strerror(int code)
 {

@@ -34,13 +34,21 @@ enum {
 };
 
 /*
+ * A message's room: a whole path (PATH_MAX, 4096 on Linux; common/error.c
+ * checks it) and 256 bytes of words around it, so that a message naming a
+ * mount point or a file is never cut.
+ */
+#define HAPI_ERROR_MESSAGE_MAX (4096 + 256)
+
+/*
  * A status object owned by the caller, filled by a failing call with its
  * code and a one-line message naming what failed. May be NULL wherever a
  * function takes one; functions never read it, they only write on failure.
+ * It is 4.3 KB: declare it once per function, not in arrays or per item.
  */
 typedef struct hapi_error {
     int code;
-    char message[256];
+    char message[HAPI_ERROR_MESSAGE_MAX];
 } hapi_error;
 
 /* Describes a hapifs code or a negated errno. The string is static. */

@@ -1,21 +1,5 @@
 /* attr.c — attribute synthesis: the ids and attributes of source files, .feat files, packs, a remote mount's entries and the control files. */
 #include "fs-int.h"
-#include "background.h"
-#include "cache.h"
-#include "ctl.h"
-#include "extractor.h"
-#include "hapi.h"
-#include "log.h"
-#include "options.h"
-#include "pack.h"
-#include "remote.h"
-#include "serve.h"
-#include "shared.h"
-#include "source.h"
-#include "tune.h"
-#include "uring.h"
-#include "view.h"
-#include "watch.h"
 
 #include <fuse_lowlevel.h>
 

@@ -39,7 +39,7 @@ static void report(int fd, const char *prog, int code, const char *message)
             fprintf(stderr, "%s: %s\n", prog, message);
         return;
     }
-    char line[512];
+    char line[HAPI_ERROR_MESSAGE_MAX + 16]; /* "ERROR " and a whole message */
     int len = code < 0 ? snprintf(line, sizeof(line), "ERROR %s\n", message)
                        : snprintf(line, sizeof(line), "OK\n");
     if (len > (int)sizeof(line) - 1)
@@ -164,7 +164,7 @@ static int mount_session(struct fuse_session *se, const hapi_fs_options *opt, ch
 /* In the parent: waits for the child's word and turns it into an exit status. */
 static int wait_for_child(int fd, pid_t child, const char *prog)
 {
-    char line[512];
+    char line[HAPI_ERROR_MESSAGE_MAX + 16]; /* report()'s line */
     size_t used = 0;
     while (used < sizeof(line) - 1) {
         ssize_t r = read(fd, line + used, sizeof(line) - 1 - used);
@@ -212,6 +212,100 @@ static void detach_stdio(void)
         hapi_log(HAPI_LOG_WARNING, "chdir /: %s", strerror(errno));
 }
 
+/*
+ * Unless -f: forks, the parent waiting for the child's word (wait_for_child()), the child
+ * in a session of its own with *status_fd the pipe to report on. Returns 1 in the parent
+ * or on a failure, with *exit_code what the process exits with; 0 in the daemon.
+ */
+static int fork_daemon(const char *prog, int *status_fd, int *exit_code)
+{
+    int pipefd[2];
+    if (pipe2(pipefd, O_CLOEXEC) < 0) {
+        fprintf(stderr, "%s: pipe: %s\n", prog, strerror(errno));
+        return 1;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        fprintf(stderr, "%s: fork: %s\n", prog, strerror(errno));
+        close(pipefd[0]);
+        close(pipefd[1]);
+        return 1;
+    }
+    if (pid > 0) {
+        close(pipefd[1]);
+        *exit_code = wait_for_child(pipefd[0], pid, prog);
+        return 1;
+    }
+    close(pipefd[0]);
+    *status_fd = pipefd[1];
+    setsid();
+    return 0;
+}
+
+/*
+ * In the daemon: the log, the filesystem's layers, the FUSE session (*se, the caller's to
+ * destroy), the mount, io_uring; then the mount serves. A failure is reported on status_fd
+ * (or stderr) and returned (< 0); with the session mounted, its signal handlers stay
+ * installed for the caller to remove.
+ */
+static int start_serving(hapi_fs *fs, hapi_fs_options *opt, struct fuse_session **se,
+                         char *staging, int status_fd, const char *prog)
+{
+    hapi_error err = { 0 };
+    int rc;
+    if ((rc = hapi_log_open(opt->log_path, opt->foreground, opt->debug)) < 0) {
+        hapi_error_set(&err, rc, "log %s: %s", opt->log_path, strerror(-rc));
+        report(status_fd, prog, rc, err.message);
+        return rc;
+    }
+    opt->serving_gate = 1; /* hapi_fs_serving() below, once mounted */
+    if ((rc = hapi_fs_init(fs, opt, &err)) < 0) {
+        hapi_log(HAPI_LOG_ERROR, "%s", err.message);
+        report(status_fd, prog, rc, err.message);
+        return rc;
+    }
+    *se = fuse_session_new(&opt->fuse_args, &hapi_fs_ops, sizeof(hapi_fs_ops), fs);
+    if (!*se) {
+        report(status_fd, prog, -EINVAL, "cannot create the FUSE session (bad FUSE option?)");
+        return -EINVAL;
+    }
+    fs->se = *se;
+    if (fuse_set_signal_handlers(*se) < 0) {
+        report(status_fd, prog, -EINVAL, "cannot install signal handlers");
+        return -EINVAL;
+    }
+    if ((rc = mount_session(*se, opt, staging, &err)) < 0) {
+        report(status_fd, prog, rc, err.message);
+        fuse_remove_signal_handlers(*se); /* a session mounted beneath ends with the process */
+        return rc;
+    }
+    hapi_fs_probe_epochs(fs);
+    if (opt->uring && hapi_uring_available()) {
+        hapi_error uerr = { 0 };
+        if (hapi_uring_start(*se, opt->threads, &fs->uring, &uerr) < 0)
+            hapi_log(HAPI_LOG_WARNING, "%s; requests go through /dev/fuse", uerr.message);
+    }
+    hapi_fs_serving(fs);
+    return 0;
+}
+
+/* Serves until the unmount or a signal; returns the exit code. */
+static int serve_until_unmount(struct fuse_session *se, const hapi_fs_options *opt)
+{
+    struct fuse_loop_config *loop = fuse_loop_cfg_create();
+    if (!loop) {
+        hapi_log(HAPI_LOG_ERROR, "out of memory");
+        return 1;
+    }
+    fuse_loop_cfg_set_clone_fd(loop, 0);
+    fuse_loop_cfg_set_max_threads(loop, (unsigned)opt->threads);
+    fuse_loop_cfg_set_idle_threads(loop, (unsigned)(opt->threads > 4 ? opt->threads / 4 : 1));
+    int rc = fuse_session_loop_mt(se, loop);
+    hapi_log(HAPI_LOG_INFO, "unmounting %s", opt->mountpoint);
+    fuse_loop_cfg_destroy(loop);
+    return rc == 0 ? 0 : 1;
+}
+
 int hapi_fs_main(int argc, char *argv[], int helper)
 {
     const char *prog = helper ? "mount.hapifs" : "hapifs";
@@ -219,106 +313,33 @@ int hapi_fs_main(int argc, char *argv[], int helper)
     hapi_error err = { 0 };
     hapi_fs fs = { 0 };
     struct fuse_session *se = NULL;
-    struct fuse_loop_config *loop = NULL;
     int status_fd = -1;
     int exit_code = 1;
-    int rc;
     char staging[PATH_MAX] = ""; /* mount_beneath()'s link to the mount point */
 
-    rc = hapi_fs_options_parse(argc, argv, helper, &opt, &err);
-    if (rc < 0) {
+    if (hapi_fs_options_parse(argc, argv, helper, &opt, &err) < 0) {
         fprintf(stderr, "%s: %s\n", prog, err.message);
         goto out;
     }
-    if (opt.show_help) {
-        hapi_fs_usage(prog);
+    if (opt.show_help || opt.show_version || opt.fake) { /* mount -f: nothing to mount */
+        if (opt.show_help)
+            hapi_fs_usage(prog);
+        else if (opt.show_version)
+            printf("hapifs %s (libfuse %s)\n", HAPI_VERSION, fuse_pkgversion());
         exit_code = 0;
         goto out;
     }
-    if (opt.show_version) {
-        printf("hapifs %s (libfuse %s)\n", HAPI_VERSION, fuse_pkgversion());
-        exit_code = 0;
+    if (!opt.foreground && fork_daemon(prog, &status_fd, &exit_code))
         goto out;
-    }
-    if (opt.fake) {
-        exit_code = 0;
+    if (start_serving(&fs, &opt, &se, staging, status_fd, prog) < 0)
         goto out;
-    }
-
-    if (!opt.foreground) {
-        int pipefd[2];
-        if (pipe2(pipefd, O_CLOEXEC) < 0) {
-            fprintf(stderr, "%s: pipe: %s\n", prog, strerror(errno));
-            goto out;
-        }
-        pid_t pid = fork();
-        if (pid < 0) {
-            fprintf(stderr, "%s: fork: %s\n", prog, strerror(errno));
-            close(pipefd[0]);
-            close(pipefd[1]);
-            goto out;
-        }
-        if (pid > 0) {
-            close(pipefd[1]);
-            exit_code = wait_for_child(pipefd[0], pid, prog);
-            goto out;
-        }
-        close(pipefd[0]);
-        status_fd = pipefd[1];
-        setsid();
-    }
-
-    if ((rc = hapi_log_open(opt.log_path, opt.foreground, opt.debug)) < 0) {
-        hapi_error_set(&err, rc, "log %s: %s", opt.log_path, strerror(-rc));
-        report(status_fd, prog, rc, err.message);
-        goto out;
-    }
-    opt.serving_gate = 1; /* hapi_fs_serving() below, once mounted */
-    if ((rc = hapi_fs_init(&fs, &opt, &err)) < 0) {
-        hapi_log(HAPI_LOG_ERROR, "%s", err.message);
-        report(status_fd, prog, rc, err.message);
-        goto out;
-    }
-    se = fuse_session_new(&opt.fuse_args, &hapi_fs_ops, sizeof(hapi_fs_ops), &fs);
-    if (!se) {
-        report(status_fd, prog, -EINVAL, "cannot create the FUSE session (bad FUSE option?)");
-        goto out;
-    }
-    fs.se = se;
-    if (fuse_set_signal_handlers(se) < 0) {
-        report(status_fd, prog, -EINVAL, "cannot install signal handlers");
-        goto out;
-    }
-    if ((rc = mount_session(se, &opt, staging, &err)) < 0) {
-        report(status_fd, prog, rc, err.message);
-        fuse_remove_signal_handlers(se); /* a session mounted beneath ends with the process */
-        goto out;
-    }
-    hapi_fs_probe_epochs(&fs);
-    if (opt.uring && hapi_uring_available()) {
-        hapi_error uerr = { 0 };
-        if (hapi_uring_start(se, opt.threads, &fs.uring, &uerr) < 0)
-            hapi_log(HAPI_LOG_WARNING, "%s; requests go through /dev/fuse", uerr.message);
-    }
-    hapi_fs_serving(&fs);
     report(status_fd, prog, 0, NULL);
     if (status_fd >= 0) {
         close(status_fd);
         status_fd = -1;
         detach_stdio();
     }
-
-    loop = fuse_loop_cfg_create();
-    if (!loop) {
-        hapi_log(HAPI_LOG_ERROR, "out of memory");
-    } else {
-        fuse_loop_cfg_set_clone_fd(loop, 0);
-        fuse_loop_cfg_set_max_threads(loop, (unsigned)opt.threads);
-        fuse_loop_cfg_set_idle_threads(loop, (unsigned)(opt.threads > 4 ? opt.threads / 4 : 1));
-        rc = fuse_session_loop_mt(se, loop);
-        exit_code = rc == 0 ? 0 : 1;
-        hapi_log(HAPI_LOG_INFO, "unmounting %s", opt.mountpoint);
-    }
+    exit_code = serve_until_unmount(se, &opt);
     hapi_fs_stop_watching(&fs); /* its thread notifies the kernel through se */
     fs.se = NULL; /* nothing may notify the kernel any more */
     fuse_session_unmount(se);
@@ -330,7 +351,6 @@ out:
         unlink(staging);
     if (status_fd >= 0)
         close(status_fd);
-    fuse_loop_cfg_destroy(loop);
     if (se)
         fuse_session_destroy(se);
     hapi_fs_destroy(&fs);

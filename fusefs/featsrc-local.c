@@ -1,12 +1,5 @@
 /* featsrc-local.c — a storage mount's feature source: the source tree's names, .feat computed through serve.c, packs through pack.c. */
 #include "fs-int.h"
-#include "hapi.h"
-#include "options.h"
-#include "pack.h"
-#include "serve.h"
-#include "shared.h"
-#include "source.h"
-#include "view.h"
 
 #include <fuse_lowlevel.h>
 

@@ -1,10 +1,5 @@
 /* featsrc-remote.c — a compute-side mount's feature source (-o remote): names, attributes and bytes through remote.c. */
 #include "fs-int.h"
-#include "hapi.h"
-#include "log.h"
-#include "options.h"
-#include "remote.h"
-#include "shared.h"
 
 #include <fuse_lowlevel.h>
 

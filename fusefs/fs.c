@@ -1,22 +1,6 @@
 /* fs.c — the mounted filesystem built and torn down, layer by layer. */
 #include "fs.h"
 #include "fs-int.h"
-#include "background.h"
-#include "cache.h"
-#include "ctl.h"
-#include "extractor.h"
-#include "hapi.h"
-#include "log.h"
-#include "options.h"
-#include "pack.h"
-#include "remote.h"
-#include "serve.h"
-#include "shared.h"
-#include "source.h"
-#include "tune.h"
-#include "uring.h"
-#include "view.h"
-#include "watch.h"
 
 #include <fuse_lowlevel.h>
 
@@ -103,35 +87,14 @@ static int join_node(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
     return 0;
 }
 
-/* Over 100 lines on purpose: the layers in the order they are built, each a step that can fail. */
-int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
+/* A storage mount's lowest layers: the source, the node's share, the model, the cache. */
+static int init_lower(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
 {
     int rc;
-
-    memset(fs, 0, sizeof(*fs));
-    pthread_mutex_init(&fs->handles_lock, NULL);
-    fs->handles.next = fs->handles.prev = &fs->handles;
-    if (opt->remote) {
-        fs->opt = opt;
-        fs->src = &featsrc_remote;
-        fs->model_fd = -1;
-        fs->started_ns = hapi_now_ns();
-        fs->started_realtime = time(NULL);
-        if ((rc = init_remote(fs, opt, err)) < 0)
-            hapi_fs_destroy(fs);
-        return rc;
-    }
-    fs->opt = opt;
-    fs->src = &featsrc_local;
-    /* The model file as loaded, for .hapifs/model, even if the path is replaced later. */
-    fs->model_fd = open(opt->model, O_RDONLY | O_CLOEXEC);
-    fs->started_ns = hapi_now_ns();
-    fs->started_realtime = time(NULL);
-
     if ((rc = hapi_source_open(opt->source, &fs->source, err)) < 0)
-        goto fail;
+        return rc;
     if ((rc = join_node(fs, opt, err)) < 0)
-        goto fail;
+        return rc;
     hapi_extractor_config cfg = {
         .model_path = opt->model,
         .split = opt->split,
@@ -146,46 +109,51 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     /* A batch's tensors reuse the last one's memory, up to the budget (extractor.h). */
     hapi_extractor_keep_heap(opt->mem_budget);
     if ((rc = hapi_extractor_open(&cfg, &fs->ex, err)) < 0)
-        goto fail;
+        return rc;
     hapi_cache_options copt = { .max_bytes = opt->cache_size, .reset = opt->cache_reset };
-    if ((rc = hapi_cache_open(opt->cache_dir, &copt, &fs->cache, err)) < 0)
-        goto fail;
+    return hapi_cache_open(opt->cache_dir, &copt, &fs->cache, err);
+}
+
+/*
+ * The node table with its root, the error ring, and with watch=1 the notices' watchdog and
+ * the source's watch; then whether the kernel may read without opens.
+ */
+static int init_nodes(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
+{
+    int rc;
     fs->nodes = node_table_new();
     fs->errors = hapi_error_ring_new();
-    if (!fs->nodes || !fs->errors) {
-        rc = hapi_error_set(err, -ENOMEM, "out of memory");
-        goto fail;
-    }
+    if (!fs->nodes || !fs->errors)
+        return hapi_error_set(err, -ENOMEM, "out of memory");
     if (opt->watch) {
-        if ((rc = watchdog_start(fs)) < 0) {
-            hapi_error_set(err, rc, "cannot start the notices' watchdog: %s", strerror(-rc));
-            goto fail;
-        }
+        if ((rc = watchdog_start(fs)) < 0)
+            return hapi_error_set(err, rc, "cannot start the notices' watchdog: %s",
+                                  strerror(-rc));
         if ((rc = hapi_watch_new(on_change, fs, &fs->watch, err)) < 0)
-            goto fail;
+            return rc;
         fs->nodes->watch = fs->watch;
     }
     /* The root, in the table so that it has a watch like any directory; never forgotten. */
-    if ((rc = node_ref(fs->nodes, FUSE_ROOT_ID, HAPI_NODE_DIR, "", NULL, 0, ENTRY_TIMEOUT)) < 0) {
-        rc = hapi_error_set(err, rc, "out of memory");
-        goto fail;
-    }
+    if ((rc = node_ref(fs->nodes, FUSE_ROOT_ID, HAPI_NODE_DIR, "", NULL, 0, ENTRY_TIMEOUT)) < 0)
+        return hapi_error_set(err, rc, "out of memory");
     if (rc == 1)
         watch_dir(fs, FUSE_ROOT_ID, "");
     /* Without opens, freshness rests on the watch: only over a watched source. */
     uint64_t changes;
     fs->no_open = opt->no_open && fs->watch &&
                   dir_timeout(fs, FUSE_ROOT_ID, &changes) == WATCHED_TIMEOUT;
+    return 0;
+}
 
-    if ((rc = hapi_views_new(fs->ex, opt->dtype, opt->precision, &fs->views, err)) < 0)
-        goto fail;
-    /*
-     * batch_wait is wall time at a whole CPU. Under a CFS quota below one CPU the next
-     * image decodes 1/quota times slower, and a partial batch that waited only batch_wait
-     * runs alone: measured under a quarter of a CPU, batches of 1.0 where the same reads
-     * made batches of 12 unthrottled, and a first epoch 2.5x as long at the late splits. So
-     * the wait stretches by 1/quota (at most BATCH_WAIT_MAX_US).
-     */
+/*
+ * batch_wait is wall time at a whole CPU. Under a CFS quota below one CPU the next image
+ * decodes 1/quota times slower, and a partial batch that waited only batch_wait runs alone:
+ * measured under a quarter of a CPU, batches of 1.0 where the same reads made batches of 12
+ * unthrottled, and a first epoch 2.5x as long at the late splits. So the wait stretches by
+ * 1/quota (at most BATCH_WAIT_MAX_US). Returns the wait in microseconds.
+ */
+static int stretched_batch_wait(const hapi_fs_options *opt)
+{
     int batch_wait_us = opt->batch_wait_us;
     double quota = hapi_cpu_quota("/proc/self/cgroup", "/sys/fs/cgroup");
     if (quota > 0 && quota < 1 && batch_wait_us > 0) {
@@ -194,24 +162,36 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
                  "more reads (batch_wait=%d at a whole CPU)", quota, batch_wait_us / 1e3,
                  opt->batch_wait_us / 1000);
     }
+    return batch_wait_us;
+}
+
+/* The layers that serve, in the order they are built: views, serve, packs, background. */
+static int init_serving(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
+{
+    int rc;
+    if ((rc = hapi_views_new(fs->ex, opt->dtype, opt->precision, &fs->views, err)) < 0)
+        return rc;
     hapi_serve_config scfg = {
         .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
-        .errors = fs->errors, .batch_wait_us = batch_wait_us,
+        .errors = fs->errors, .batch_wait_us = stretched_batch_wait(opt),
         .decode_threads = opt->decode_threads, .mem_budget = opt->mem_budget,
         .node = fs->node_share, .torch_threads = opt->torch_threads,
     };
     if ((rc = hapi_serve_new(&scfg, &fs->serve, err)) < 0)
-        goto fail;
-    if ((rc = hapi_packs_new(fs->source, fs->views, fs->serve, &fs->packs)) < 0) {
-        hapi_error_set(err, rc, "out of memory");
-        goto fail;
-    }
+        return rc;
+    if ((rc = hapi_packs_new(fs->source, fs->views, fs->serve, &fs->packs)) < 0)
+        return hapi_error_set(err, rc, "out of memory");
     hapi_background_config bcfg = {
         .source = fs->source, .cache = fs->cache, .views = fs->views, .serve = fs->serve,
         .prefetch = opt->prefetch, .cache_size = opt->cache_size, .warm = opt->warm,
     };
-    if ((rc = hapi_background_start(&bcfg, &fs->background, err)) < 0)
-        goto fail;
+    return hapi_background_start(&bcfg, &fs->background, err);
+}
+
+/* The layers above serving: the policy's thread (tune) and the control files. */
+static int init_control(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
+{
+    int rc;
     /* The split and batch are chosen in the background; .feat operations wait for them. */
     hapi_tune_config tcfg = {
         .opt = opt, .source = fs->source, .ex = fs->ex, .cache = fs->cache, .views = fs->views,
@@ -220,7 +200,7 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .arg = fs, .serving = opt->serving_gate ? fs_serving : NULL,
     };
     if ((rc = hapi_tune_start(&tcfg, &fs->tune, err)) < 0)
-        goto fail;
+        return rc;
     hapi_ctl_config ccfg = {
         .opt = opt, .requests = &fs->requests, .source = fs->source, .ex = fs->ex,
         .cache = fs->cache, .views = fs->views,
@@ -230,13 +210,32 @@ int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .epoch_notices = &fs->epoch_notices,
         .started_ns = fs->started_ns,
     };
-    if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0) {
-        hapi_error_set(err, rc, "out of memory");
-        goto fail;
-    }
+    if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0)
+        return hapi_error_set(err, rc, "out of memory");
     return 0;
-fail:
-    hapi_fs_destroy(fs);
+}
+
+/* Builds the layers from the bottom; on a failure hapi_fs_destroy() undoes what was built. */
+int hapi_fs_init(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
+{
+    int rc;
+
+    memset(fs, 0, sizeof(*fs));
+    pthread_mutex_init(&fs->handles_lock, NULL);
+    fs->handles.next = fs->handles.prev = &fs->handles;
+    fs->opt = opt;
+    fs->src = opt->remote ? &featsrc_remote : &featsrc_local;
+    /* The model file as loaded, for .hapifs/model, even if the path is replaced later. */
+    fs->model_fd = opt->remote ? -1 : open(opt->model, O_RDONLY | O_CLOEXEC);
+    fs->started_ns = hapi_now_ns();
+    fs->started_realtime = time(NULL);
+    if (opt->remote)
+        rc = init_remote(fs, opt, err);
+    else if ((rc = init_lower(fs, opt, err)) == 0 && (rc = init_nodes(fs, opt, err)) == 0 &&
+             (rc = init_serving(fs, opt, err)) == 0)
+        rc = init_control(fs, opt, err);
+    if (rc < 0)
+        hapi_fs_destroy(fs);
     return rc;
 }
 

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -48,7 +49,7 @@ void hapi_log(int level, const char *fmt, ...)
 {
     static const char *const names[] = { "error", "warning", "info", "debug" };
     static const int priorities[] = { LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG };
-    char line[1024];
+    char line[PATH_MAX + HAPI_ERROR_MESSAGE_MAX]; /* a path and a whole hapi_error message */
     va_list ap;
 
     if (level == HAPI_LOG_DEBUG && !log_debug)

@@ -1,21 +1,5 @@
 /* nodes.c — node ids and the node table: what each id the kernel holds names, its references, timeouts and watches. */
 #include "fs-int.h"
-#include "background.h"
-#include "cache.h"
-#include "ctl.h"
-#include "extractor.h"
-#include "hapi.h"
-#include "log.h"
-#include "options.h"
-#include "pack.h"
-#include "remote.h"
-#include "serve.h"
-#include "shared.h"
-#include "source.h"
-#include "tune.h"
-#include "uring.h"
-#include "view.h"
-#include "watch.h"
 
 #include <fuse_lowlevel.h>
 

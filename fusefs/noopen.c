@@ -1,21 +1,5 @@
 /* noopen.c — the read path without opens (no_open): a read names its node, whose kind and bytes its lookup fixed. */
 #include "fs-int.h"
-#include "background.h"
-#include "cache.h"
-#include "ctl.h"
-#include "extractor.h"
-#include "hapi.h"
-#include "log.h"
-#include "options.h"
-#include "pack.h"
-#include "remote.h"
-#include "serve.h"
-#include "shared.h"
-#include "source.h"
-#include "tune.h"
-#include "uring.h"
-#include "view.h"
-#include "watch.h"
 
 #include <fuse_lowlevel.h>
 
@@ -255,30 +239,106 @@ hapi_ctl_text *node_text(hapi_fs *fs, uint64_t id, uint64_t *serial)
     return text;
 }
 
+/* A read of a control file with no handle: .hapifs/model's bytes, or the node's text. */
+static void read_ctl_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t off)
+{
+    int i = ctl_file_index(ino);
+    if (i >= 0 && strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) == 0) {
+        if (fs->model_fd < 0)
+            fuse_reply_err(req, ENOENT);
+        else
+            reply_fd(req, fs->model_fd, size, off);
+        return;
+    }
+    uint64_t version;
+    hapi_ctl_text *t = node_text(fs, ino, &version);
+    if (!t) {
+        fuse_reply_err(req, ENOENT);
+        return;
+    }
+    reply_text(req, t, size, off);
+    hapi_ctl_text_put(t);
+}
+
 /*
- * A read with no handle (no_open): what node ino is, as the lookup that made it fixed it.
- * Over 100 lines on purpose: one case per node kind, each what op_open() and its read
- * would do together for that kind, kept side by side so that the two stay alike.
+ * A .feat read with no handle, as op_open() and read_feat() would serve it (h: the node's
+ * kind, path and identity). Returns 0 once replied, or < 0 unreplied (the caller replies).
+ */
+static int read_feat_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, struct open_file *h,
+                          const struct node_content *c, size_t size, off_t off)
+{
+    int rc;
+    /*
+     * the view of the node's split: its own (kept since its lookup, so a file read
+     * after a split change is still computed at its split), the current one, or one
+     * made for the cache alone
+     */
+    h->view = node_view(fs, ino);
+    if (!h->view)
+        h->view = hapi_views_peek(fs->views);
+    if (h->view && h->view->split != c->split) {
+        hapi_view_put(h->view);
+        h->view = NULL;
+    }
+    if (!h->view && (rc = hapi_view_new(fs->views, c->split, &h->view, NULL)) < 0)
+        return rc;
+    /*
+     * The image changed after the kernel looked the .feat up (watch.c had not seen it
+     * yet, or the file was found before and read after): its old features if they are
+     * cached; else the new ones if this read is the whole file (the kernel reads a
+     * .feat in one request; same split, same size), so that no page of one version
+     * meets one of another; else ESTALE (ENOENT if it was deleted).
+     */
+    hapi_source_id now;
+    if (((rc = hapi_source_identity(fs->source, h->path, &now)) < 0 ||
+         memcmp(&now, &c->id, sizeof(now)) != 0) &&
+        !hapi_serve_cached(fs->serve, h->view, h->path, &c->id)) {
+        if (rc == 0 && off == 0 && size >= (size_t)c->attr.st_size) {
+            h->id = now;
+        } else {
+            hapi_view_put(h->view);
+            return rc < 0 ? rc : -ESTALE;
+        }
+    }
+    read_feat(req, fs, h, size, off);
+    hapi_view_put(h->view);
+    return 0;
+}
+
+/*
+ * A pack read with no handle: the node's pack, or for another user a snapshot of now whose
+ * check must be the node's. Returns 0 once replied, or < 0 unreplied (the caller replies).
+ */
+static int read_pack_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, struct open_file *h,
+                          const struct node_content *c, size_t size, off_t off)
+{
+    hapi_cred cred;
+    const hapi_cred *who;
+    struct node_pack *np = NULL;
+    int rc;
+    if ((who = req_who(req, &cred))) {
+        if ((rc = pack_open_keyed(fs, h->path, who, c->pack_key, &h->pack)) < 0)
+            return rc;
+        read_pack(req, h, size, off);
+        hapi_pack_close(h->pack);
+        return 0;
+    }
+    if ((rc = node_pack_get(fs, ino, h->path, c->pack_key, &np)) < 0)
+        return rc;
+    h->pack = np->pack;
+    read_pack(req, h, size, off);
+    node_pack_put(np);
+    return 0;
+}
+
+/*
+ * A read with no handle (no_open): what node ino is, as the lookup that made it fixed it;
+ * each kind served as op_open() and its read would serve it together.
  */
 void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t off)
 {
     if (ino & CTL_BASE) {
-        int i = ctl_file_index(ino);
-        if (i >= 0 && strcmp(hapi_ctl_files[i], HAPI_CTL_MODEL) == 0) {
-            if (fs->model_fd < 0)
-                fuse_reply_err(req, ENOENT);
-            else
-                reply_fd(req, fs->model_fd, size, off);
-            return;
-        }
-        uint64_t version;
-        hapi_ctl_text *t = node_text(fs, ino, &version);
-        if (!t) {
-            fuse_reply_err(req, ENOENT);
-            return;
-        }
-        reply_text(req, t, size, off);
-        hapi_ctl_text_put(t);
+        read_ctl_node(req, fs, ino, size, off);
         return;
     }
     struct node_content c;
@@ -289,68 +349,14 @@ void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t o
         return;
     }
     struct open_file h = { .kind = kind, .fd = -1, .path = path, .id = c.id };
-    hapi_cred cred;
-    const hapi_cred *who;
     uint64_t serial;
-    struct node_pack *np = NULL;
     switch (kind) {
     case HAPI_NODE_FEAT:
-        /*
-         * the view of the node's split: its own (kept since its lookup, so a file read
-         * after a split change is still computed at its split), the current one, or one
-         * made for the cache alone
-         */
-        h.view = node_view(fs, ino);
-        if (!h.view)
-            h.view = hapi_views_peek(fs->views);
-        if (h.view && h.view->split != c.split) {
-            hapi_view_put(h.view);
-            h.view = NULL;
-        }
-        if (!h.view) {
-            hapi_error err = { 0 };
-            if ((rc = hapi_view_new(fs->views, c.split, &h.view, &err)) < 0)
-                break;
-        }
-        /*
-         * The image changed after the kernel looked the .feat up (watch.c had not seen it
-         * yet, or the file was found before and read after): its old features if they are
-         * cached; else the new ones if this read is the whole file (the kernel reads a
-         * .feat in one request; same split, same size), so that no page of one version
-         * meets one of another; else ESTALE (ENOENT if it was deleted).
-         */
-        hapi_source_id now;
-        if (((rc = hapi_source_identity(fs->source, path, &now)) < 0 ||
-             memcmp(&now, &c.id, sizeof(now)) != 0) &&
-            !hapi_serve_cached(fs->serve, h.view, path, &c.id)) {
-            if (rc == 0 && off == 0 && size >= (size_t)c.attr.st_size) {
-                h.id = now;
-            } else {
-                hapi_view_put(h.view);
-                rc = rc < 0 ? rc : -ESTALE;
-                break;
-            }
-        }
-        read_feat(req, fs, &h, size, off);
-        hapi_view_put(h.view);
-        free(path);
-        return;
+        rc = read_feat_node(req, fs, ino, &h, &c, size, off);
+        break;
     case HAPI_NODE_PACK:
-        if ((who = req_who(req, &cred))) {
-            /* another user: a snapshot of now with its check, which must be the node's */
-            if ((rc = pack_open_keyed(fs, path, who, c.pack_key, &h.pack)) < 0)
-                break;
-            read_pack(req, &h, size, off);
-            hapi_pack_close(h.pack);
-        } else {
-            if ((rc = node_pack_get(fs, ino, path, c.pack_key, &np)) < 0)
-                break;
-            h.pack = np->pack;
-            read_pack(req, &h, size, off);
-            node_pack_put(np);
-        }
-        free(path);
-        return;
+        rc = read_pack_node(req, fs, ino, &h, &c, size, off);
+        break;
     case HAPI_NODE_PACK_INDEX: {
         hapi_ctl_text *t = node_text(fs, ino, &serial);
         if (!t) {
@@ -359,8 +365,8 @@ void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t o
         }
         reply_text(req, t, size, off);
         hapi_ctl_text_put(t);
-        free(path);
-        return;
+        rc = 0;
+        break;
     }
     case HAPI_NODE_FILE:
         if ((rc = hapi_source_open_beneath(fs->source, path, O_RDONLY)) < 0)
@@ -369,12 +375,13 @@ void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t o
             hapi_serve_note_passthrough(fs->serve, size);
         reply_fd(req, rc, size, off);
         close(rc);
-        free(path);
-        return;
+        rc = 0;
+        break;
     default:
         rc = -EISDIR;
         break;
     }
     free(path);
-    fuse_reply_err(req, hapi_fs_errno(rc));
+    if (rc < 0)
+        fuse_reply_err(req, hapi_fs_errno(rc));
 }

@@ -1,21 +1,5 @@
 /* notify.c — telling the kernel what changed: forgetting names and inodes, epoch notices, the notice watchdog, split changes, the watch batches. */
 #include "fs-int.h"
-#include "background.h"
-#include "cache.h"
-#include "ctl.h"
-#include "extractor.h"
-#include "hapi.h"
-#include "log.h"
-#include "options.h"
-#include "pack.h"
-#include "remote.h"
-#include "serve.h"
-#include "shared.h"
-#include "source.h"
-#include "tune.h"
-#include "uring.h"
-#include "view.h"
-#include "watch.h"
 
 #include <fuse_lowlevel.h>
 

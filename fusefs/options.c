@@ -183,6 +183,49 @@ static int option_proc(void *data, const char *arg, int key, struct fuse_args *o
     }
 }
 
+#define HELP_COLUMN 25 /* where an option's text starts */
+#define HELP_WIDTH 92  /* where its lines end */
+
+/* One option's lines of --help: "    HEAD  TEXT", TEXT's words wrapped under HELP_COLUMN. */
+static void print_help_option(const char *head, const char *text)
+{
+    int col = printf("    %s  ", head);
+    for (; col < HELP_COLUMN; col++)
+        putchar(' ');
+    for (const char *w = text; *w;) {
+        size_t n = strcspn(w, " ");
+        if (w != text && col + 1 + (int)n > HELP_WIDTH) {
+            col = printf("\n%*s", HELP_COLUMN, "") - 1;
+        } else if (w != text) {
+            putchar(' ');
+            col++;
+        }
+        col += printf("%.*s", (int)n, w);
+        w += n;
+        w += strspn(w, " ");
+    }
+    putchar('\n');
+}
+
+/*
+ * The policy's inputs that are mount options, from their table (policy/inputs.c): each one's
+ * value, meaning, range, unit and default as the table has them, so that --help, README.md's
+ * table (tests/test_examples.py compares them) and the parser cannot drift.
+ */
+static void print_policy_inputs(void)
+{
+    size_t n;
+    const hapi_policy_input_spec *specs = hapi_policy_input_specs(&n);
+    for (size_t i = 0; i < n; i++) {
+        char head[64], text[512];
+        if (!specs[i].mount_option)
+            continue;
+        snprintf(head, sizeof(head), "%s=%s", specs[i].name, specs[i].value);
+        hapi_policy_input_help(&specs[i], text, sizeof(text));
+        print_help_option(head, text);
+    }
+}
+
 void hapi_fs_usage(const char *prog)
 {
     printf("usage: %s SOURCE MOUNTPOINT -o model=PATH[,OPTIONS] [-f] [-d]\n"
@@ -196,8 +239,9 @@ void hapi_fs_usage(const char *prog)
            "\n"
            "options:\n"
            "    model=PATH           staged model archive (hapifs-export-model); required\n"
-           "    split=auto|N|NAME    run stages [0, N) or through stage NAME (default auto: the policy\n"
-           "                         picks it from the profile, the link and the cache)\n"
+           "    split=auto|N|NAME    run stages [0, N), N in 1..the frozen stages (freeze=), or\n"
+           "                         through stage NAME (default auto: the policy picks it from\n"
+           "                         the profile, the policy inputs below and the cache)\n"
            "    freeze=N|NAME        stages before this are frozen (default: from the model)\n"
            "    dtype=fp16|fp32      feature type (default fp16)\n"
            "    preprocess=exact|fast  torchvision-exact decode, or DCT-scaled decode (default exact)\n"
@@ -208,28 +252,18 @@ void hapi_fs_usage(const char *prog)
            "    cache_reset=0|1      replace a corrupt or foreign cache instead of failing\n"
            "    threads=N            FUSE worker threads (default 32)\n"
            "    torch_threads=N      libtorch intra-op threads (default: cores)\n"
-           "    batch=auto|N         storage-side batch, N in 1..4096 (default auto: the fastest\n"
+           "    batch=auto|N         storage-side batch, N in 1..%d (default auto: the fastest\n"
            "                         per sample measured that fits mem)\n"
            "    batch_wait=MS        how long a partial batch waits for more reads (default 5)\n"
            "    decode_threads=N     JPEG/PNG decode threads (default 1)\n"
            "    mem=SIZE             storage-side memory budget: weights, inference, images in\n"
-           "                         flight (default 1G)\n"
+           "                         flight; a size above 0, e.g. 512M or 2G (default 1G)\n"
            "    node=PATH|none       the file the mounts of this node share their budget and\n"
            "                         cores through (default /run/hapifs/node)\n"
            "    node_mem=SIZE        the budget of all mounts of the node together (default:\n"
            "                         the node file's, first set to half the RAM)\n"
            "    node_cores=N         cores the node's inferences share (default: the node\n"
            "                         file's, first set to the online CPUs)\n"
-           "    link=RATE            link to the compute tier, e.g. 1Gbit, 100Mbit, 125MB/s\n"
-           "                         (default 1Gbit)\n"
-           "    rtt=TIME             the link's round-trip time, e.g. 1ms, 200us (default 0: the\n"
-           "                         policy counts bytes alone)\n"
-           "    transport=file|pack  how the compute tier reads: one .feat at a time through a\n"
-           "                         network filesystem (default), or packs through hapifs -o remote\n"
-           "    client_speed=X       compute tier's speed relative to this node (default 1)\n"
-           "    compute_file_ms=MS   the compute tier's training loop per file beside the stages\n"
-           "                         (examples/probe-speed.py measures it; default 1.5)\n"
-           "    epochs=N             epochs a job is expected to read (default 5)\n"
            "    profile=redo         measure the model again instead of using the stored profile\n"
            "    warm=0|1             compute the whole tree in the background at mount\n"
            "    prefetch=dir|off     a miss queues the rest of its directory below every read\n"
@@ -254,6 +288,11 @@ void hapi_fs_usage(const char *prog)
            "    -d                   debug output (implies -f)\n"
            "    -h, -V               help, version\n"
            "\n"
+           "policy inputs (storage side): what the policy assumes of the link and the compute\n"
+           "tier; hapifs-ctl set-* changes them on a live mount, .hapifs/policy shows their use:\n",
+           prog, prog, HAPI_BATCH_MAX);
+    print_policy_inputs();
+    printf("\n"
            "remote options (a compute-side mount; cache=, cache_size=, cache_reset=, threads=, uring=,\n"
            "log= and the FUSE options apply too):\n"
            "    remote               SOURCE[:SOURCE...] are storage mounts seen through a network\n"
@@ -261,8 +300,7 @@ void hapi_fs_usage(const char *prog)
            "    refresh=SECONDS      a directory's index (names, identities, namespace) is read\n"
            "                         again after this long: the bound on serving features of a\n"
            "                         changed image or an old split (default 30, 0 = every use)\n"
-           "    fetch_threads=N      packs fetched at once (default 4)\n",
-           prog, prog);
+           "    fetch_threads=N      packs fetched at once (default 4)\n");
 }
 
 int hapi_fs_parse_size(const char *text, uint64_t *out)
@@ -325,6 +363,35 @@ static int parse_int(const char *text, long lo, long hi, long *out)
     if (errno || end == text || *end || v < lo || v > hi)
         return HAPI_EINVAL;
     *out = v;
+    return 0;
+}
+
+/*
+ * An integer option in [lo, hi] into *out; NULL text keeps *out (the default). The refusal
+ * names the range, and its unit when one is given: "batch_wait=x: expected 0..10000 (ms)".
+ */
+static int parse_int_option(const char *option, const char *text, long lo, long hi,
+                            const char *unit, int *out, hapi_error *err)
+{
+    long v;
+    if (!text)
+        return 0;
+    if (parse_int(text, lo, hi, &v) < 0)
+        return hapi_error_set(err, HAPI_EINVAL, "%s=%s: expected %ld..%ld%s%s%s", option, text,
+                              lo, hi, unit ? " (" : "", unit ? unit : "", unit ? ")" : "");
+    *out = (int)v;
+    return 0;
+}
+
+/* A 0|1 option into *out; NULL text keeps *out (the default). */
+static int parse_flag(const char *option, const char *text, int *out, hapi_error *err)
+{
+    long v;
+    if (!text)
+        return 0;
+    if (parse_int(text, 0, 1, &v) < 0)
+        return hapi_error_set(err, HAPI_EINVAL, "%s=%s: expected 0 or 1", option, text);
+    *out = (int)v;
     return 0;
 }
 
@@ -634,7 +701,6 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
         if (storage_only[i][1])
             return hapi_error_set(err, HAPI_EINVAL, "%s= is an option of the storage side's "
                                   "mount, not of a remote one", storage_only[i][0]);
-    long v;
     int rc;
     o->remote = 1;
     char *list = strdup(raw->nonopt[0]), *save = NULL;
@@ -675,52 +741,28 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
             strcat(o->source, ":");
         strcat(o->source, o->roots[i]);
     }
-    o->refresh_ms = 30000;
-    if (raw->refresh) {
-        if (parse_int(raw->refresh, 0, 86400, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "refresh=%s: expected 0..86400 (seconds)",
-                                  raw->refresh);
-        o->refresh_ms = (int)v * 1000;
-    }
+    int refresh_s = 30;
+    if ((rc = parse_int_option("refresh", raw->refresh, 0, 86400, "seconds", &refresh_s,
+                               err)) < 0)
+        return rc;
+    o->refresh_ms = refresh_s * 1000;
     o->fetch_threads = 4;
-    if (raw->fetch_threads) {
-        if (parse_int(raw->fetch_threads, 1, 256, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "fetch_threads=%s: expected 1..256",
-                                  raw->fetch_threads);
-        o->fetch_threads = (int)v;
-    }
+    if ((rc = parse_int_option("fetch_threads", raw->fetch_threads, 1, 256, NULL,
+                               &o->fetch_threads, err)) < 0)
+        return rc;
     o->device = strdup("cpu");
     if (!o->device)
         return hapi_error_set(err, -ENOMEM, "out of memory");
     return validate_common(raw, o, err);
 }
 
-static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+/*
+ * The model and how it runs: model= (an existing regular file), split=, freeze=, device=,
+ * dtype=, preprocess=, precision=, prefetch=, and that bf16 runs on the CPU alone.
+ */
+static int validate_model(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
 {
-    long v;
     int rc;
-
-    if (raw->bad_option)
-        return hapi_error_set(err, HAPI_EINVAL, "unknown option or argument '%s'", raw->bad_option);
-    if (raw->nonopts < 2)
-        return hapi_error_set(err, HAPI_EINVAL, "usage: hapifs SOURCE MOUNTPOINT -o model=PATH[,...]");
-    char dead[PATH_MAX];
-    if (!raw->fake && is_dead_mount(raw->nonopt[1], dead)) { /* mount -f: nothing to mount */
-        /* detached right before the mount: its directory cannot be looked at until then */
-        if (!(o->mountpoint = strdup(dead)))
-            return hapi_error_set(err, -ENOMEM, "out of memory");
-        o->dead_mount = 1;
-    } else if ((rc = resolve_dir("mount point", raw->nonopt[1], &o->mountpoint, err)) < 0) {
-        return rc;
-    }
-    if (raw->remote)
-        return validate_remote(raw, o, err);
-    if (raw->refresh || raw->fetch_threads)
-        return hapi_error_set(err, HAPI_EINVAL, "%s= is an option of a remote mount (-o remote)",
-                              raw->refresh ? "refresh" : "fetch_threads");
-    if ((rc = resolve_dir("source", raw->nonopt[0], &o->source, err)) < 0)
-        return rc;
-
     if (!raw->model)
         return hapi_error_set(err, HAPI_EINVAL, "option model=PATH is required");
     o->model = realpath(raw->model, NULL);
@@ -761,40 +803,39 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
     if (o->precision == HAPI_PRECISION_BF16 && strcmp(o->device, "cpu") != 0)
         return hapi_error_set(err, HAPI_EINVAL, "precision=bf16 runs on the CPU only, not %s",
                               o->device);
+    return 0;
+}
 
+/*
+ * What the storage side spends: torch_threads=, batch=, batch_wait=, decode_threads=, mem=,
+ * and the node's shared budget (node=, node_mem=, node_cores=).
+ */
+static int validate_resources(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    long v;
+    int rc;
     o->torch_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (o->torch_threads < 1)
         o->torch_threads = 1;
-    if (raw->torch_threads) {
-        if (parse_int(raw->torch_threads, 1, 1024, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "torch_threads=%s: expected 1..1024",
-                                  raw->torch_threads);
-        o->torch_threads = (int)v;
-    }
+    if ((rc = parse_int_option("torch_threads", raw->torch_threads, 1, 1024, NULL,
+                               &o->torch_threads, err)) < 0)
+        return rc;
     o->batch = 0; /* auto: the policy sizes it */
-    if (raw->batch) {
-        if (strcmp(raw->batch, "auto") == 0)
-            o->batch = 0;
-        else if (parse_int(raw->batch, 1, HAPI_BATCH_MAX, &v) < 0)
+    if (raw->batch && strcmp(raw->batch, "auto") != 0) {
+        if (parse_int(raw->batch, 1, HAPI_BATCH_MAX, &v) < 0)
             return hapi_error_set(err, HAPI_EINVAL, "batch=%s: expected auto or 1..%d",
                                   raw->batch, HAPI_BATCH_MAX);
-        else
-            o->batch = (int)v;
+        o->batch = (int)v;
     }
-    o->batch_wait_us = 5000;
-    if (raw->batch_wait) {
-        if (parse_int(raw->batch_wait, 0, 10000, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "batch_wait=%s: expected 0..10000 (ms)",
-                                  raw->batch_wait);
-        o->batch_wait_us = (int)v * 1000;
-    }
+    int batch_wait_ms = 5;
+    if ((rc = parse_int_option("batch_wait", raw->batch_wait, 0, 10000, "ms", &batch_wait_ms,
+                               err)) < 0)
+        return rc;
+    o->batch_wait_us = batch_wait_ms * 1000;
     o->decode_threads = 1;
-    if (raw->decode_threads) {
-        if (parse_int(raw->decode_threads, 1, 256, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "decode_threads=%s: expected 1..256",
-                                  raw->decode_threads);
-        o->decode_threads = (int)v;
-    }
+    if ((rc = parse_int_option("decode_threads", raw->decode_threads, 1, 256, NULL,
+                               &o->decode_threads, err)) < 0)
+        return rc;
     o->mem_budget = 1ull << 30;
     if (raw->mem && (hapi_fs_parse_size(raw->mem, &o->mem_budget) < 0 || o->mem_budget == 0))
         return hapi_error_set(err, HAPI_EINVAL, "mem=%s: expected a size, e.g. 2G", raw->mem);
@@ -813,13 +854,13 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
                           o->node_mem == 0))
         return hapi_error_set(err, HAPI_EINVAL, "node_mem=%s: expected a size, e.g. 8G",
                               raw->node_mem);
-    if (raw->node_cores) {
-        if (parse_int(raw->node_cores, 1, 4096, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "node_cores=%s: expected 1..4096",
-                                  raw->node_cores);
-        o->node_cores = (int)v;
-    }
-    /* The policy's inputs: parsed and checked by its table (policy/inputs.c), as ctl does. */
+    return parse_int_option("node_cores", raw->node_cores, 1, 4096, NULL, &o->node_cores, err);
+}
+
+/* The policy's inputs (link=, rtt=, ...): parsed and checked by its table, as ctl does. */
+static int validate_policy_inputs(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    int rc;
     o->link_bps = HAPI_POLICY_LINK_DEFAULT;
     o->transport = HAPI_TRANSPORT_FILE;
     o->client_speed = 1.0;
@@ -849,34 +890,62 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
             return hapi_error_set(err, HAPI_EINVAL, "profile=%s: expected redo", raw->profile);
         o->profile_redo = 1;
     }
-    if (raw->warm) {
-        if (parse_int(raw->warm, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "warm=%s: expected 0 or 1", raw->warm);
-        o->warm = (int)v;
-    }
-    if (raw->show_raw) {
-        if (parse_int(raw->show_raw, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "show_raw=%s: expected 0 or 1", raw->show_raw);
-        o->show_raw = (int)v;
-    }
+    return 0;
+}
+
+/* What the mount shows and how the kernel reads it: warm=, show_raw=, watch=, no_open=,
+   max_pixels=. */
+static int validate_serving(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    int rc;
     o->watch = 1;
-    if (raw->watch) {
-        if (parse_int(raw->watch, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "watch=%s: expected 0 or 1", raw->watch);
-        o->watch = (int)v;
-    }
     o->no_open = 1;
-    if (raw->no_open) {
-        if (parse_int(raw->no_open, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "no_open=%s: expected 0 or 1", raw->no_open);
-        o->no_open = (int)v;
-    }
+    if ((rc = parse_flag("warm", raw->warm, &o->warm, err)) < 0 ||
+        (rc = parse_flag("show_raw", raw->show_raw, &o->show_raw, err)) < 0 ||
+        (rc = parse_flag("watch", raw->watch, &o->watch, err)) < 0 ||
+        (rc = parse_flag("no_open", raw->no_open, &o->no_open, err)) < 0)
+        return rc;
     o->max_pixels = HAPI_DEFAULT_MAX_PIXELS;
     if (raw->max_pixels && (hapi_fs_parse_size(raw->max_pixels, &o->max_pixels) < 0 ||
                             o->max_pixels == 0))
         return hapi_error_set(err, HAPI_EINVAL, "max_pixels=%s: expected a positive number",
                               raw->max_pixels);
+    return 0;
+}
 
+/*
+ * The options as written into o, checked in this order: the command line's words, the mount
+ * point (a dead mount of ours is taken as it is), then a remote mount's options or a storage
+ * mount's source, model, resources, policy inputs and serving, then what both kinds take.
+ */
+static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err)
+{
+    int rc;
+
+    if (raw->bad_option)
+        return hapi_error_set(err, HAPI_EINVAL, "unknown option or argument '%s'", raw->bad_option);
+    if (raw->nonopts < 2)
+        return hapi_error_set(err, HAPI_EINVAL, "usage: hapifs SOURCE MOUNTPOINT -o model=PATH[,...]");
+    char dead[PATH_MAX];
+    if (!raw->fake && is_dead_mount(raw->nonopt[1], dead)) { /* mount -f: nothing to mount */
+        /* detached right before the mount: its directory cannot be looked at until then */
+        if (!(o->mountpoint = strdup(dead)))
+            return hapi_error_set(err, -ENOMEM, "out of memory");
+        o->dead_mount = 1;
+    } else if ((rc = resolve_dir("mount point", raw->nonopt[1], &o->mountpoint, err)) < 0) {
+        return rc;
+    }
+    if (raw->remote)
+        return validate_remote(raw, o, err);
+    if (raw->refresh || raw->fetch_threads)
+        return hapi_error_set(err, HAPI_EINVAL, "%s= is an option of a remote mount (-o remote)",
+                              raw->refresh ? "refresh" : "fetch_threads");
+    if ((rc = resolve_dir("source", raw->nonopt[0], &o->source, err)) < 0 ||
+        (rc = validate_model(raw, o, err)) < 0 ||
+        (rc = validate_resources(raw, o, err)) < 0 ||
+        (rc = validate_policy_inputs(raw, o, err)) < 0 ||
+        (rc = validate_serving(raw, o, err)) < 0)
+        return rc;
     return validate_common(raw, o, err);
 }
 
@@ -886,23 +955,11 @@ static int validate_common(struct raw_options *raw, hapi_fs_options *o, hapi_err
     int rc;
     long v;
     o->threads = 32;
-    if (raw->threads) {
-        if (parse_int(raw->threads, 1, 1024, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "threads=%s: expected 1..1024", raw->threads);
-        o->threads = (int)v;
-    }
     o->uring = 1;
-    if (raw->uring) {
-        if (parse_int(raw->uring, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "uring=%s: expected 0 or 1", raw->uring);
-        o->uring = (int)v;
-    }
-    if (raw->cache_reset) {
-        if (parse_int(raw->cache_reset, 0, 1, &v) < 0)
-            return hapi_error_set(err, HAPI_EINVAL, "cache_reset=%s: expected 0 or 1",
-                                  raw->cache_reset);
-        o->cache_reset = (int)v;
-    }
+    if ((rc = parse_int_option("threads", raw->threads, 1, 1024, NULL, &o->threads, err)) < 0 ||
+        (rc = parse_flag("uring", raw->uring, &o->uring, err)) < 0 ||
+        (rc = parse_flag("cache_reset", raw->cache_reset, &o->cache_reset, err)) < 0)
+        return rc;
     const char *cache = raw->cache ? raw->cache : HAPI_DEFAULT_CACHE_DIR;
     if ((rc = prepare_cache_dir(cache, &o->cache_dir, err)) < 0)
         return rc;

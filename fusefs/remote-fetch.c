@@ -437,7 +437,7 @@ void *hapi_remote__fetch_thread(void *arg)
             if (rc == -ESTALE || rc == HAPI_ECORRUPT) {
                 /* refused, never cached; its directory is read again at the next use */
                 hapi_remote__index_expire(r, x->src, x->dir);
-                char msg[800];
+                char msg[PATH_MAX + HAPI_ERROR_MESSAGE_MAX]; /* paths and a whole message */
                 snprintf(msg, sizeof(msg), "source %s: %s refused: %s", r->sources[x->src].path,
                          pack ? pack : x->dir, err.message);
                 hapi_error_ring_add(r->cfg.errors, pack ? pack : x->dir, rc, msg);

@@ -174,7 +174,7 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
             (*out)->gid = ist.st_gid;
             (*out)->mode = ist.st_mode & 0444;
         } else {
-            char msg[600];
+            char msg[PATH_MAX + HAPI_ERROR_MESSAGE_MAX]; /* paths and a whole message */
             snprintf(msg, sizeof(msg), "source %s: %s: index refused: %s", s->path, path,
                      err.message);
             hapi_error_ring_add(r->cfg.errors, path, rc, msg);

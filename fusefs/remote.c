@@ -349,7 +349,7 @@ int hapi_remote_read_pack_index(hapi_remote *r, const char *path, int fd, char *
     if (rc == 0 && !dir)
         rc = -ENOMEM;
     if (rc == 0 && (rc = hapi_remote_index_check(*text, *len, dir, &err)) < 0) {
-        char msg[600];
+        char msg[PATH_MAX + HAPI_ERROR_MESSAGE_MAX]; /* words, a path, a whole message */
         snprintf(msg, sizeof(msg), "the index read through its source is not whole (the source "
                  "is down or restarting): %s", err.message);
         hapi_error_ring_add(r->cfg.errors, path, -EIO, msg);

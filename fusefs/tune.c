@@ -33,7 +33,7 @@ struct hapi_tune {
     pthread_t thread;            /* measures, counts, chooses at mount */
     int running;
     int state;                   /* 0 measuring, 1 ready, < 0 failed (code) */
-    char error[256];
+    char error[HAPI_ERROR_MESSAGE_MAX];
     int reused;                  /* the profile was read from the cache directory */
     hapi_profile profile;
     hapi_policy_input in;        /* without profile, cached[], samples: filled per use */

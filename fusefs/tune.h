@@ -94,7 +94,7 @@ typedef struct hapi_tune_status {
     int epochs, transport;
     uint64_t split_changes;
     int state;                 /* 0 measuring, 1 ready, < 0 failed (code) */
-    char error[256];           /* why, when failed */
+    char error[HAPI_ERROR_MESSAGE_MAX]; /* why, when failed */
     int reused;                /* the profile was read from the cache directory */
     double decode_ms, source_bytes;
     int decode_samples;

@@ -17,51 +17,63 @@
  * input has one range and one message wherever it is given. The limits are
  * what a user could mean; a value past them is a typo or a wrong unit, and
  * the policy's estimates would mean nothing there. Each range's two ends, as
- * written in .range, parse to .min and .max (tests/test-policy.c checks it),
- * and README.md, hapifs(8) and hapifs-ctl(1) state the same ranges.
+ * written in .range, parse to .min and .max, and each .fallback to the
+ * default the policy takes (tests/test-policy.c checks both). hapifs --help
+ * prints the mount options' lines from this table (hapi_policy_input_help);
+ * README.md, hapifs(8) and hapifs-ctl(1) state the same ranges
+ * (tests/test_examples.py compares README's with --help).
  */
 static const hapi_policy_input_spec specs[] = {
     { .name = "link", .kind = HAPI_INPUT_RATE, .unit = "bit/s", .mount_option = 1,
+      .value = "RATE", .fallback = "1Gbit",
       .meaning = "the link's rate to the compute tier",
       .min = 1e3, .max = 1e13, .range = "1kbit/s..10Tbit/s",
       .why = "below 1 kbit/s one feature file takes minutes to cross; 10 Tbit/s is beyond any "
              "NIC (Ethernet's fastest is 800 Gbit/s): room to say the link costs nothing" },
     { .name = "rtt", .kind = HAPI_INPUT_TIME, .unit = "s", .mount_option = 1,
+      .value = "TIME", .fallback = "0",
       .meaning = "the link's round-trip time",
       .min = 0, .max = 10, .range = "0..10s",
       .why = "0: bytes alone (one rack); a geostationary satellite hop is 0.6 s, and a network "
              "filesystem whose every request waits 10 s is not one a job reads through" },
     { .name = "transport", .kind = HAPI_INPUT_ENUM, .unit = "", .mount_option = 1,
+      .value = "file|pack", .fallback = "file",
       .meaning = "how the compute tier reads: file (one .feat at a time) or pack (-o remote)",
       .words = "file|pack", .range = "file|pack",
       .why = "the transports the policy costs (enum hapi_policy_transport)" },
-    { .name = "client_speed", .kind = HAPI_INPUT_FLOAT, .unit = "x", .mount_option = 1,
+    { .name = "client_speed", .kind = HAPI_INPUT_FLOAT, .unit = "times", .mount_option = 1,
+      .value = "X", .fallback = "1",
       .meaning = "the compute tier's speed relative to this node",
       .min = 0.001, .max = 10000, .range = "0.001..10000",
       .why = "a GPU against one storage core is ~1000x; past 10000x (or below 1/1000) every "
              "stage on one tier costs nothing next to the other's, so larger factors change "
              "no choice and are typos" },
     { .name = "compute_file_ms", .kind = HAPI_INPUT_FLOAT, .unit = "ms", .mount_option = 1,
+      .value = "MS", .fallback = "1.5",
       .meaning = "the compute tier's training loop per file beside the stages it runs",
       .min = 0, .max = 1000, .range = "0..1000", .words = "default",
       .why = "measured 1.3-1.8 ms (HAPI_POLICY_COMPUTE_FILE_MS); a second a file is a loop "
              "no feature split speeds up, or ms taken for us" },
     { .name = "epochs", .kind = HAPI_INPUT_INT, .unit = "epochs", .mount_option = 1,
+      .value = "N", .fallback = "5",
       .meaning = "epochs a job is expected to read",
       .min = 1, .max = 100000, .range = "1..100000",
       .why = "a job reads at least one; the choice stops changing after a few hundred (later "
              "epochs dominate the total), 100000 leaves room without overflowing a count" },
     { .name = "compute_cache", .kind = HAPI_INPUT_SIZE, .unit = "bytes",
+      .value = "SIZE", .fallback = "0",
       .meaning = "bytes of .feat files the compute tier keeps between epochs (its page cache)",
       .min = 0, .max = 1125899906842624.0, .range = "0..1024T",
       .why = "0: nothing kept; a petabyte is more than any compute node's memory: room to say "
              "it keeps everything" },
     { .name = "readers", .kind = HAPI_INPUT_INT, .unit = "readers",
+      .value = "N", .fallback = "8",
       .meaning = "concurrent per-file readers on the compute tier",
       .min = 1, .max = 1024, .range = "1..1024",
       .why = "at least one; 1024 is threads='s most FUSE workers: more readers than workers "
              "queue, they are not served at once" },
     { .name = "compute_stages", .kind = HAPI_INPUT_MS_LIST, .unit = "ms",
+      .value = "MS,...", .fallback = "none",
       .meaning = "the compute tier's ms per sample of each frozen stage from the first",
       .min = 0, .max = 60000, .range = "0..60000", .words = "none",
       .why = "a minute a sample for one stage is a model nobody trains on that tier; at most "
@@ -83,6 +95,17 @@ const hapi_policy_input_spec *hapi_policy_input_find(const char *name)
         if (strcmp(specs[i].name, name) == 0)
             return &specs[i];
     return NULL;
+}
+
+int hapi_policy_input_help(const hapi_policy_input_spec *s, char *buf, size_t size)
+{
+    if (s->kind == HAPI_INPUT_ENUM)
+        return snprintf(buf, size, "%s (default %s)", s->meaning, s->fallback);
+    size_t len = strlen(s->range);
+    int unitless = len && isdigit((unsigned char)s->range[len - 1]);
+    return snprintf(buf, size, "%s: %s%s%s%s%s (default %s)", s->meaning, s->range,
+                    unitless ? " " : "", unitless ? s->unit : "", s->words ? ", or " : "",
+                    s->words ? s->words : "", s->fallback);
 }
 
 /* -------------------------------------------------------------- the parsers */

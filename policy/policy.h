@@ -348,7 +348,7 @@ enum hapi_policy_input_kind {
 typedef struct hapi_policy_input_spec {
     const char *name;    /* the mount option name= and the control command "name VALUE" */
     const char *meaning; /* what it tells the policy */
-    const char *unit;    /* of the parsed value: "bit/s", "s", "bytes", "ms", "x", ... */
+    const char *unit;    /* of the parsed value: "bit/s", "s", "bytes", "ms", "times", ... */
     int kind;            /* enum hapi_policy_input_kind */
     double min, max;     /* the range in unit, both included (ENUM: none) */
     const char *range;   /* the same range as users write it ("1kbit/s..10Tbit/s"); its two
@@ -357,6 +357,9 @@ typedef struct hapi_policy_input_spec {
                             of a value ("default", "none"), or NULL */
     const char *why;     /* why these limits */
     int mount_option;    /* 1: also a mount option (-o name=VALUE) */
+    const char *value;   /* a value in a usage line: "RATE", "N", "file|pack" */
+    const char *fallback; /* what the policy takes when the input is not given, as users
+                            write it ("1Gbit", "file", "none"); it parses to that default */
 } hapi_policy_input_spec;
 
 /* A value parsed and checked against its spec. */
@@ -374,6 +377,14 @@ const hapi_policy_input_spec *hapi_policy_input_specs(size_t *count);
 
 /* The spec of the input called name, or NULL: not an input of the table. */
 const hapi_policy_input_spec *hapi_policy_input_find(const char *name);
+
+/*
+ * The help text of an input, from its row of the table: "MEANING: RANGE[ UNIT][, or WORD]
+ * (default FALLBACK)", the unit shown where the range does not end in one ("0..1000 ms",
+ * "1..100000 epochs"); an ENUM, whose words are its value: "MEANING (default FALLBACK)". Writes at most size bytes, NUL included, into
+ * buf; returns the length of the whole text, as snprintf does. Thread-safe.
+ */
+int hapi_policy_input_help(const hapi_policy_input_spec *s, char *buf, size_t size);
 
 /*
  * Parses text as the input called name and checks it against the table's range. Fills *out

@@ -436,7 +436,7 @@ struct shared {
     atomic_long churn_hits;
     atomic_int writer_done;
     int writer_rc;
-    char writer_msg[256];
+    char writer_msg[HAPI_ERROR_MESSAGE_MAX];
 };
 
 static size_t value_size(int i) { return i % 3 == 0 ? 8192 : i % 3 == 1 ? 4096 : 700; }

@@ -14,6 +14,7 @@
 #include "hapi.h"
 #include "log.h"
 #include "options.h"
+#include "policy.h"
 #include "shared.h"
 #include "source.h"
 #include "warmup.h"
@@ -67,6 +68,19 @@ START_TEST(test_options_defaults)
     ck_assert_int_eq(o.show_raw, 0);
     ck_assert_int_gt(o.cache_size, 0);
     ck_assert_str_eq(o.cache_dir, cache);
+    /* the policy's inputs not given are their table's fallbacks, which --help states */
+    const struct { const char *name; double got; } inputs[] = {
+        { "link", o.link_bps }, { "rtt", o.rtt_s }, { "transport", o.transport },
+        { "client_speed", o.client_speed }, { "epochs", o.epochs },
+    };
+    for (size_t i = 0; i < sizeof(inputs) / sizeof(*inputs); i++) {
+        hapi_policy_input_value v;
+        ck_assert_int_eq(hapi_policy_input_parse(inputs[i].name,
+                                                 hapi_policy_input_find(inputs[i].name)->fallback,
+                                                 &v, &err), 0);
+        ck_assert_double_eq(inputs[i].got, v.number);
+    }
+    ck_assert_double_eq(o.compute_file_ms, -1); /* "default": the policy's, the fallback */
     /* the cache directory was created */
     struct stat st;
     ck_assert_int_eq(stat(cache, &st), 0);

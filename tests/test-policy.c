@@ -767,6 +767,62 @@ START_TEST(inputs_boundaries)
 }
 END_TEST
 
+/* Each input's fallback parses to the default the policy takes, and its help line (what
+   hapifs --help prints) states its range, unit and fallback as the table has them. */
+START_TEST(inputs_fallbacks_and_help)
+{
+    static const struct { const char *name; double number; } defaults[] = {
+        { "link", HAPI_POLICY_LINK_DEFAULT }, { "rtt", 0 },
+        { "transport", HAPI_TRANSPORT_FILE }, { "client_speed", 1 },
+        { "compute_file_ms", HAPI_POLICY_COMPUTE_FILE_MS },
+        { "epochs", HAPI_POLICY_EPOCHS_DEFAULT }, { "compute_cache", 0 },
+        { "readers", HAPI_POLICY_READERS_DEFAULT },
+    };
+    size_t n;
+    const hapi_policy_input_spec *specs = hapi_policy_input_specs(&n);
+    hapi_policy_input_value v;
+    hapi_error err;
+    for (size_t i = 0; i < n; i++) {
+        const hapi_policy_input_spec *s = &specs[i];
+        ck_assert_msg(s->value && *s->value && s->fallback && *s->fallback, "%s", s->name);
+        ck_assert_msg(hapi_policy_input_parse(s->name, s->fallback, &v, &err) == 0, "%s: %s",
+                      s->name, err.message);
+        if (strcmp(s->name, "compute_stages") == 0) {
+            ck_assert(v.is_word && v.count == 0); /* none: every stage at client_speed */
+            continue;
+        }
+        size_t k = 0;
+        while (k < sizeof(defaults) / sizeof(*defaults) && strcmp(defaults[k].name, s->name))
+            k++;
+        ck_assert_msg(k < sizeof(defaults) / sizeof(*defaults), "%s: no default known", s->name);
+        ck_assert_double_eq(v.number, defaults[k].number);
+        char help[512];
+        int len = hapi_policy_input_help(s, help, sizeof(help));
+        ck_assert_int_eq(len, (int)strlen(help));
+        ck_assert_msg(strstr(help, s->meaning) == help, "%s", help);
+        if (s->kind != HAPI_INPUT_ENUM)
+            ck_assert_msg(strstr(help, s->range), "%s", help);
+    }
+    char help[512];
+    ck_assert_int_gt(hapi_policy_input_help(hapi_policy_input_find("epochs"), help,
+                                            sizeof(help)), 0);
+    ck_assert_str_eq(help, "epochs a job is expected to read: 1..100000 epochs (default 5)");
+    hapi_policy_input_help(hapi_policy_input_find("link"), help, sizeof(help));
+    ck_assert_str_eq(help, "the link's rate to the compute tier: 1kbit/s..10Tbit/s (default 1Gbit)");
+    hapi_policy_input_help(hapi_policy_input_find("compute_file_ms"), help, sizeof(help));
+    ck_assert_ptr_nonnull(strstr(help, ": 0..1000 ms, or default (default 1.5)"));
+    hapi_policy_input_help(hapi_policy_input_find("client_speed"), help, sizeof(help));
+    ck_assert_ptr_nonnull(strstr(help, ": 0.001..10000 times (default 1)"));
+    hapi_policy_input_help(hapi_policy_input_find("transport"), help, sizeof(help));
+    ck_assert_ptr_nonnull(strstr(help, "(-o remote) (default file)"));
+    /* cut to the buffer, the whole length returned */
+    int whole = hapi_policy_input_help(hapi_policy_input_find("link"), help, 8);
+    ck_assert_str_eq(help, "the lin");
+    ck_assert_int_eq(whole, (int)strlen("the link's rate to the compute tier: "
+                                        "1kbit/s..10Tbit/s (default 1Gbit)"));
+}
+END_TEST
+
 /* The messages users see, the same from a mount option, ctl and hapifs-ctl. */
 START_TEST(inputs_messages)
 {
@@ -954,6 +1010,7 @@ int main(void)
     TCase *ti = tcase_create("inputs");
     tcase_add_test(ti, inputs_boundaries);
     tcase_add_test(ti, inputs_messages);
+    tcase_add_test(ti, inputs_fallbacks_and_help);
     suite_add_tcase(s, ti);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

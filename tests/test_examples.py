@@ -113,3 +113,41 @@ def test_the_readme_lists_every_option_and_command():
     line = next(l for l in readme.splitlines() if l.startswith("`hapifs-ctl [--json]"))
     listed = set(re.findall(r"([a-z][a-z-]*)", line))
     assert not commands - listed, sorted(commands - listed)
+
+
+def policy_input_lines(help_text):
+    """{name: (value, text)} of --help's policy inputs, the lines their table
+    (policy/inputs.c) prints, each one's wrapped text joined."""
+    section = help_text.split("\npolicy inputs", 1)[1].split("\n\n", 1)[0]
+    lines, name = {}, None
+    for line in section.splitlines():
+        m = re.match(r"^ {4}([a-z_]+)=(\S+) {2,}(.*)", line)
+        if m:
+            name = m.group(1)
+            lines[name] = (m.group(2), m.group(3))
+        elif name and line.startswith(" " * 25):
+            lines[name] = (lines[name][0], lines[name][1] + " " + line.strip())
+    return lines
+
+
+def test_the_policy_inputs_state_the_same_range_and_default_everywhere():
+    """--help prints the policy inputs from their table; README.md's option table and hapifs(8)
+    state each one's range and default as the table does."""
+    need_hapifs()
+    help_text = subprocess.run([str(HAPIFS), "--help"], capture_output=True, text=True).stdout
+    inputs = policy_input_lines(help_text)
+    assert {"link", "rtt", "transport", "client_speed", "compute_file_ms", "epochs"} <= set(
+        inputs), inputs
+    readme = (SOURCE_ROOT / "README.md").read_text().splitlines()
+    page = (SOURCE_ROOT / "tools" / "hapifs.8.scd").read_text().replace("\\_", "_")
+    for name, (value, text) in inputs.items():
+        fallback = re.search(r"\(default (\S+)\)$", text).group(1)
+        ranges = re.findall(r"(\S+\.\.[^\s,]+)", text)
+        row = next(l for l in readme if l.startswith(f"| `{name}="))
+        assert row.startswith(f"| `{name}={value.replace('|', chr(92) + '|')}` |"), (row, value)
+        assert f"default `{fallback}`" in row, (name, fallback, row)
+        block = page.split(f"\n*{name}=*", 1)[1].split("\n*", 1)[0]
+        assert f"Default: *{fallback}*" in block, (name, fallback, block)
+        for r in ranges:  # none for file|pack, whose words are its value
+            assert f"`{r}`" in row, (name, r, row)
+            assert f"*{r}*" in block, (name, r, block)

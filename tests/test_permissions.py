@@ -47,15 +47,22 @@ def reads(user, path):
     return as_user(user, f"cat '{path}' > /dev/null")
 
 
-@pytest.fixture
-def shared(mounter):
-    """shared(**opts) -> (source, Mount): a tree with private corners, mounted with allow_other."""
+def users_top(prefix):
+    """The second users made, and a new directory under /tmp every user can search (the
+    caller removes it); skips a test where users cannot be made."""
     need_hapifs()
     if shutil.which("useradd") is None or shutil.which("su") is None:
         pytest.skip("needs useradd and su")
     ensure_users()
-    top = Path(tempfile.mkdtemp(prefix="hapifs-perm-", dir="/tmp"))
+    top = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chmod(top, 0o755)
+    return top
+
+
+@pytest.fixture
+def shared(mounter):
+    """shared(**opts) -> (source, Mount): a tree with private corners, mounted with allow_other."""
+    top = users_top("hapifs-perm-")
 
     def make(models, **opts):
         src = top / "src"

@@ -6,6 +6,8 @@ The restart is what examples/hapifs-feat.service makes systemd do (Restart=on-fa
 """
 import errno
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import HAPIFS, Mount, is_mounted, need_hapifs, wait_gone
+from test_permissions import USER, as_user, users_top
 from test_throughput import make_tree
 
 
@@ -158,3 +161,39 @@ def test_mount_again_over_a_mount_nobody_answers(tmp_path, models):
         if pid:
             wait_gone(pid)
     assert not is_mounted(m.path)
+
+
+def test_a_dead_mount_it_cannot_detach_is_named_whole_at_a_long_path(models):
+    """A mount over a dead mount that it may not detach says so, naming the mount point whole:
+    the message once stopped at 255 bytes, mid-path. Made here at 3,000 characters of nested
+    directories: root's mount there dies, and a user who may not detach it mounts again."""
+    top = users_top("hapifs-long-")
+    mnt = top.joinpath(*[f"{i:02d}" + "d" * 248 for i in range(12)])
+    mnt.mkdir(parents=True)
+    assert len(str(mnt)) > 3000
+    try:
+        src, cache, user_cache = top / "src", top / "cache", top / "user-cache"
+        make_tree(src, classes=1, per_class=2, size=(40, 56), seed=8)
+        model = top / "model.pt"
+        shutil.copy(models(), model)
+        user_cache.mkdir()
+        shutil.chown(user_cache, USER)
+        m = Mount(src, mnt, {"model": str(model), "cache": str(cache), "prefetch": "off",
+                             "node": "none", "allow_other": None})
+        os.kill(m.pid, signal.SIGKILL)
+        assert wait_gone(m.pid)
+        assert dead(mnt)
+        cmd = " ".join(shlex.quote(a) for a in [
+            str(HAPIFS), str(src), str(mnt), "-o",
+            f"model={model},cache={user_cache},prefetch=off,node=none"])
+        r = as_user(USER, cmd)
+        assert r.returncode != 0, r.stderr
+        whole = (f"hapifs: {mnt} is a hapifs mount whose daemon died, and it cannot be "
+                 f"detached: Operation not permitted")
+        assert whole in r.stderr.splitlines(), r.stderr[-600:]
+    finally:
+        for _ in range(3):
+            if is_mounted(mnt):
+                subprocess.run(["umount", "-l", str(mnt)], check=False)
+        shutil.rmtree(top, ignore_errors=True)
+    assert not is_mounted(mnt)

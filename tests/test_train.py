@@ -4,7 +4,6 @@ At the pooling split the features go straight into the head; at an earlier split
 runs the frozen stages [split, freeze) itself (its trunk), from the archive it is given or
 finds, and must learn as well.
 """
-import importlib.util
 import json
 import re
 import shutil
@@ -14,17 +13,14 @@ import time
 import numpy as np
 import pytest
 
-from conftest import PYTHON, SOURCE_ROOT
+from conftest import PYTHON, SOURCE_ROOT, load_tool
 
 TRAIN = SOURCE_ROOT / "examples" / "train.py"
 
 
 def load_train():
     """examples/train.py as a module (it is a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("hapifs_example_train", TRAIN)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("examples/train.py")
 
 
 def settled_config(m, timeout=120):
