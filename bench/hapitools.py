@@ -9,7 +9,9 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 TOP = Path(__file__).resolve().parent.parent
@@ -69,6 +71,33 @@ def is_mounted(path):
     path = resolved(path)
     with open("/proc/self/mounts") as f:
         return any(line.split()[1] == path for line in f)
+
+
+def pid_alive(pid):
+    """Whether process pid runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def unmount(mnt, pid, timeout=30):
+    """fusermount3 -u and wait for the daemon to exit. True if both happened cleanly; else the
+    mount is detached and the daemon (ours: pid is the one daemon_pid found) killed, and False."""
+    clean = True
+    if is_mounted(mnt):
+        r = subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, text=True)
+        clean = r.returncode == 0
+    end = time.monotonic() + timeout
+    while pid and pid_alive(pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    if pid and pid_alive(pid):
+        clean = False
+        os.kill(pid, 9)
+    if is_mounted(mnt):
+        clean = False
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+    return clean
 
 
 def ctl_json(mnt, name):

@@ -246,7 +246,7 @@ void hapi_fs_usage(const char *prog)
            "    dtype=fp16|fp32      feature type (default fp16)\n"
            "    preprocess=exact|fast  torchvision-exact decode, or DCT-scaled decode (default exact)\n"
            "    precision=fp32|bf16  arithmetic of the model: fp32 (default), or bfloat16 on the CPU,\n"
-           "                         ~4x faster on CPUs with AMX or AVX512-BF16 (cosine 0.9999)\n"
+           "                         ~4x faster on CPUs with AMX or AVX512-BF16 (cosine 0.9998)\n"
            "    cache=DIR            feature cache directory (default " HAPI_DEFAULT_CACHE_DIR ")\n"
            "    cache_size=SIZE      bound on the cache, e.g. 20G (default: 1/4 of free space)\n"
            "    cache_reset=0|1      replace a corrupt or foreign cache instead of failing\n"

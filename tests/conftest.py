@@ -145,19 +145,23 @@ def make_image_kinds(root, seed=0):
     return made
 
 
-def reference_features(archive, image_path, split, meta=None):
-    """torchvision + PIL preprocessing, then the staged model's stages [0, split), in fp32."""
-    import torch
+def reference_input(meta, image_path):
+    """The image as torchvision + PIL preprocess it with an archive's metadata: (1, 3, H, W)."""
     import torchvision.transforms as T
     from PIL import Image
-    extra = {"hapifs.json": ""}
-    model = torch.jit.load(str(archive), map_location="cpu", _extra_files=extra)
-    meta = json.loads(extra["hapifs.json"])
     interpolation = T.InterpolationMode(meta.get("interpolation", "bilinear"))
     tf = T.Compose([T.Resize(meta["resize_size"], interpolation),
                     T.CenterCrop(meta["input_size"]), T.ToTensor(),
                     T.Normalize(meta["mean"], meta["std"])])
-    x = tf(Image.open(image_path).convert("RGB")).unsqueeze(0)
+    return tf(Image.open(image_path).convert("RGB")).unsqueeze(0)
+
+
+def reference_features(archive, image_path, split, meta=None):
+    """torchvision + PIL preprocessing, then the staged model's stages [0, split), in fp32."""
+    import torch
+    extra = {"hapifs.json": ""}
+    model = torch.jit.load(str(archive), map_location="cpu", _extra_files=extra)
+    x = reference_input(json.loads(extra["hapifs.json"]), image_path)
     with torch.no_grad():
         for i, (_, stage) in enumerate(model.named_children()):
             if i >= split:

@@ -1,10 +1,12 @@
-"""bench/check-model: every stage of an archive against eager torchvision."""
+"""bench/check-model: every stage of an archive against eager torchvision, in Python and
+through a real mount in fp32 and bf16."""
 import json
 import subprocess
 
+import pytest
 import torch
 
-from conftest import EXPORTER, PYTHON, SOURCE_ROOT
+from conftest import EXPORTER, HAPIFS, PYTHON, SOURCE_ROOT, need_hapifs
 
 CHECK = SOURCE_ROOT / "bench" / "check-model"
 
@@ -43,3 +45,47 @@ def test_an_archive_that_is_not_its_model_fails(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     r = run(bad, "--images", "2")
     assert r.returncode == 1 and "cosine below 0.99999 at stem" in r.stdout, r.stdout
+
+
+def table(stdout):
+    """The per-stage lines of check-model's table: {stage: {column: value}}, the columns named
+    cosine, rel, fp32_cos, fp32_abs, bf16_cos, bf16_abs, ref (those there are)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("  ")]
+    head = lines[0]
+    for words, name in (("max rel err", "rel"), ("max |ref|", "ref"), ("fp32 cos", "fp32_cos"),
+                        ("fp32 abs err", "fp32_abs"), ("bf16 cos", "bf16_cos"),
+                        ("bf16 abs err", "bf16_abs")):
+        head = head.replace(words, name)
+    numeric = head.split()[2:]  # after stage and shape, whose "(64, 8, 8)" has blanks
+    return {line.split()[0]: dict(zip(numeric, map(float, line.split()[-len(numeric):])))
+            for line in lines[1:]}
+
+
+@pytest.mark.parametrize("arch,size", [("resnet18", 32), ("efficientnet_b0", 64)])
+def test_mounted_features_match_eager_in_fp32_and_bf16(tmp_path, arch, size):
+    """Every stage read through a mount (the daemon's own decode, bilinear or bicubic resize,
+    libtorch) against eager torchvision: fp32 within cosine 0.99999, bf16 within 0.999 and
+    really computed in bf16 (an error well above fp32's)."""
+    need_hapifs()
+    r = run(arch, "--input-size", size, "--images", "2", "--mount", "--hapifs", HAPIFS,
+            "--keep", tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    extra = {"hapifs.json": ""}
+    torch.jit.load(str(tmp_path / f"{arch}-{size}.pt"), _extra_files=extra)
+    rows = table(r.stdout)
+    assert list(rows) == json.loads(extra["hapifs.json"])["stages"]
+    for stage, row in rows.items():
+        assert row["fp32_cos"] >= 0.99999 and row["bf16_cos"] >= 0.999, (stage, row)
+        assert row["fp32_abs"] <= 1e-4 * row["ref"], (stage, row)
+        assert row["bf16_abs"] > 10 * row["fp32_abs"], (stage, row)
+    assert "mounted in fp32" in r.stdout and "1 ok, 0 failed" in r.stdout
+
+
+def test_a_mounted_stage_below_its_bound_fails_the_model():
+    """bf16 cannot reach a bound fp32 reaches: the model fails, naming the stages."""
+    need_hapifs()
+    r = run("resnet18", "--input-size", "32", "--images", "1", "--mount", "--hapifs", HAPIFS,
+            "--precision", "bf16", "--min-cosine-bf16", "0.9999999")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "FAILED: cosine below 0.99999 (bf16: 0.9999999) at stem (bf16)" in r.stdout, r.stdout
+    assert "0 ok, 1 failed" in r.stdout

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BUILD_ROOT, HAPIFS
+from conftest import BUILD_ROOT, EXPORTER, HAPIFS, PYTHON
 from test_throughput import make_tree
 
 CTL = BUILD_ROOT / "tools" / "hapifs-ctl"
@@ -57,6 +57,11 @@ def test_status_and_stats_after_reads(tree, mounter, models):
     # what the features are of: random weights say so; the archive's resize filter
     assert config["model"]["weights"] == "random:seed=0"
     assert config["preprocess"]["interpolation"] == "bilinear"
+    assert lines["model"] == f"model      resnet18, fp32 arithmetic  {config['model']['path']}"
+    assert lines["weights"] == \
+        "weights    random (seed 0): the features describe no trained model"
+    assert lines["preprocess"] == ("preprocess exact: bilinear resize 73, crop 64, "
+                                   "mean [0.485, 0.456, 0.406], std [0.229, 0.224, 0.225]")
     index = config["split"]["index"]
     assert f"index {index}: stages [0, {index}) of {len(config['model']['stages'])}" in lines["split"]
     assert f"through '{config['split']['stage']}'" in lines["split"]
@@ -77,6 +82,35 @@ def test_status_and_stats_after_reads(tree, mounter, models):
 
     r = ctl("--json", "config", m.path)
     assert r.returncode == 0 and json.loads(r.stdout)["source"] == str(src)
+
+
+def test_status_names_the_weights_and_the_preprocessing(tree, mounter, tmp_path):
+    """An archive of a weights file, named by its torchvision enum, resized bicubic, in bf16:
+    status says each, as .hapifs/config has them."""
+    import torch
+    import torchvision
+    src, _ = tree
+    weights = tmp_path / "r18-finetuned.pth"
+    torch.manual_seed(3)
+    torch.save({"state_dict": torchvision.models.resnet18().state_dict()}, weights)
+    archive = tmp_path / "r18.pt"
+    r = subprocess.run([PYTHON, str(EXPORTER), "resnet18", "-o", str(archive), "-q",
+                        "--input-size", "32", "--weights", str(weights), "--weights-enum",
+                        "ResNet18_Weights.IMAGENET1K_V1", "--interpolation", "bicubic",
+                        "--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    m = mounter(src, model=archive, precision="bf16")
+    r = ctl("status", m.path)
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()}
+    model = m.ctl("config")["model"]
+    assert (model["weights"], model["weights_enum"]) == \
+        ("file:r18-finetuned.pth", "ResNet18_Weights.IMAGENET1K_V1")
+    assert lines["model"] == f"model      resnet18, bf16 arithmetic  {archive}"
+    assert lines["weights"] == "weights    r18-finetuned.pth (ResNet18_Weights.IMAGENET1K_V1)"
+    assert lines["preprocess"] == ("preprocess exact: bicubic resize 37, crop 32, "
+                                   "mean [0.5, 0.5, 0.5], std [0.25, 0.25, 0.25]")
 
 
 def test_errors_show_the_corrupt_image(tree, mounter, models):

@@ -1,11 +1,13 @@
-"""Archives of the wider zoo served by a real mount, against torchvision + PIL with the
-weights' own preprocessing (bicubic for EfficientNet), at several splits."""
+"""Archives of the wider zoo and of a user's own module served by a real mount, against
+torchvision + PIL with the weights' own preprocessing (bicubic for EfficientNet), at several
+splits."""
+import json
 import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import EXPORTER, PYTHON, make_image_kinds, reference_features
+from conftest import EXPORTER, PYTHON, make_image_kinds, reference_features, reference_input
 
 # arch, the splits read (by name)
 ZOO = [
@@ -41,4 +43,87 @@ def test_mounted_zoo_features(tmp_path, tree, mounter, arch, splits):
             cos = g @ w / (np.linalg.norm(g) * np.linalg.norm(w))
             rel = np.abs(g - w).max() / np.abs(w).max()
             assert cos >= 0.99999 and rel <= 1e-3, (arch, split, p, cos, rel)
+        m.unmount()
+
+
+TINY_MODULE = '''
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    """Channel counts that are not multiples of 16 behind Hardswish, ReLU6 and Hardsigmoid:
+    libtorch 1.13's oneDNN rewrite of those activations gets such channels wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 24, 3, stride=2, padding=1), nn.BatchNorm2d(24),
+                                  nn.Hardswish())
+        self.block = nn.Sequential(nn.Conv2d(24, 40, 3, stride=2, padding=1), nn.ReLU6())
+        self.gate = nn.Sequential(nn.Conv2d(40, 40, 1), nn.Hardsigmoid())
+        self.head = nn.Linear(40, 10)
+
+    def forward(self, x):
+        x = self.block(self.stem(x))
+        x = x * self.gate(x)
+        return self.head(x.mean((2, 3)))
+
+
+def make():
+    return Tiny()
+'''
+
+
+def test_a_users_module_is_served_as_its_eager_forward(tmp_path, tree, mounter):
+    """A module of the user's (FILE.py:FUNCTION, cut by --stages, its weights from a file)
+    served by a real mount in fp32 and bf16: every stage equals the module's own eager
+    computation on the image as torchvision + PIL preprocess it."""
+    import importlib.util
+    import torch
+    src, made = tree
+    (tmp_path / "tiny.py").write_text(TINY_MODULE)
+    spec = importlib.util.spec_from_file_location("tiny", tmp_path / "tiny.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    torch.manual_seed(5)
+    model = tiny.make().eval()
+    bn = model.stem[1]
+    bn.running_mean.uniform_(-0.5, 0.5)
+    bn.running_var.uniform_(0.5, 2.0)
+    torch.save(model.state_dict(), tmp_path / "tiny.pth")
+    archive = tmp_path / "tiny.pt"
+    r = subprocess.run([PYTHON, str(EXPORTER), "--module", f"{tmp_path / 'tiny.py'}:make",
+                        "--stages", "stem,block,gated=mul", "--weights", str(tmp_path / "tiny.pth"),
+                        "--input-size", "32", "-o", str(archive), "-q"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    extra = {"hapifs.json": ""}
+    torch.jit.load(str(archive), _extra_files=extra)
+    meta = json.loads(extra["hapifs.json"])
+    assert meta["arch"] == "module:tiny.py:make"
+    assert meta["stages"] == ["stem", "block", "gated", "head"]
+
+    def eager(x):
+        with torch.no_grad():
+            s = model.stem(x)
+            b = model.block(s)
+            g = b * model.gate(b)
+            return {"stem": s, "block": b, "gated": g, "head": model.head(g.mean((2, 3)))}
+    want = {p: {k: v[0].numpy() for k, v in eager(reference_input(meta, src / p)).items()}
+            for p in made}
+    for precision, bound in (("fp32", 0.99999), ("bf16", 0.999)):
+        m = mounter(src, model=archive, split="stem", freeze=4, dtype="fp32",
+                    precision=precision, cache=str(tmp_path / precision))
+        m.ctl("config")  # the first split is served: ctl takes commands
+        for stage in meta["stages"]:
+            (m.path / ".hapifs" / "ctl").write_text(f"split {stage}\n")
+            for p in made:
+                got = np.load(m.path / (p + ".feat"))
+                ref = want[p][stage]
+                assert got.shape == ref.shape, (precision, stage, p)
+                g, w = got.ravel().astype(np.float64), ref.ravel().astype(np.float64)
+                cos = g @ w / (np.linalg.norm(g) * np.linalg.norm(w))
+                err = np.abs(g - w).max() / np.abs(w).max()
+                assert cos >= bound and err <= (1e-4 if precision == "fp32" else 3e-2), \
+                    (precision, stage, p, cos, err)
         m.unmount()

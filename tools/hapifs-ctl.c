@@ -20,7 +20,8 @@ static const char usage_text[] =
     "usage: hapifs-ctl [--json] COMMAND [ARGS] [MOUNTPOINT]\n"
     "\n"
     "commands:\n"
-    "    status             one screen: model, split, features, cache, reads, warm-up\n"
+    "    status             one screen: model, weights, preprocessing, split, features,\n"
+    "                       cache, reads, warm-up\n"
     "    stats              the mount's counters (feat, batcher, warm, prefetch, cache)\n"
     "    config             the mount's configuration\n"
     "    errors             the recent errors\n"
@@ -117,14 +118,16 @@ static json_t *load(const char *mnt, const char *name)
     return j;
 }
 
-/* The value at a dotted path such as "cache.namespace.entries", or NULL. Borrowed. */
+/* The value at a dotted path such as "cache.namespace.entries" or "preprocess.mean.0" (an
+ * array's element by its index), or NULL. Borrowed. */
 static json_t *get(json_t *o, const char *path)
 {
     char key[64];
     while (o && *path) {
         size_t n = strcspn(path, ".");
         snprintf(key, sizeof(key), "%.*s", (int)n, path);
-        o = json_object_get(o, key);
+        o = json_is_array(o) ? json_array_get(o, strtoul(key, NULL, 10))
+                             : json_object_get(o, key);
         path += n + (path[n] == '.');
     }
     return o;
@@ -227,6 +230,35 @@ static void print_warm_line(json_t *w)
     putchar('\n');
 }
 
+/*
+ * The status lines of what the features are of: the architecture and its arithmetic, the
+ * weights (random ones say so, as the exporter warned) and the preprocessing the archive names.
+ * A field an older daemon or archive lacks prints as "?".
+ */
+static void print_model(json_t *config)
+{
+    printf("%-10s %s, %s arithmetic  %s\n", "model", str(config, "model.arch"),
+           str(config, "model.precision"), str(config, "model.path"));
+    const char *weights = json_string_value(get(config, "model.weights"));
+    const char *named = json_string_value(get(config, "model.weights_enum"));
+    printf("%-10s ", "weights");
+    if (!weights)
+        fputs("?", stdout);
+    else if (strncmp(weights, "random:seed=", 12) == 0)
+        printf("random (seed %s): the features describe no trained model", weights + 12);
+    else
+        fputs(strncmp(weights, "file:", 5) == 0 ? weights + 5 : weights, stdout);
+    if (named)
+        printf(" (%s)", named);
+    printf("\n%-10s %s: %s resize %.0f, crop %.0f, mean [%.3g, %.3g, %.3g], std [%.3g, %.3g, "
+           "%.3g]\n", "preprocess", str(config, "preprocess.mode"),
+           str(config, "preprocess.interpolation"), num(config, "preprocess.resize"),
+           num(config, "preprocess.crop"), num(config, "preprocess.mean.0"),
+           num(config, "preprocess.mean.1"), num(config, "preprocess.mean.2"),
+           num(config, "preprocess.std.0"), num(config, "preprocess.std.1"),
+           num(config, "preprocess.std.2"));
+}
+
 static int cmd_status(const char *mnt)
 {
     json_t *config = load(mnt, "config"), *stats = config ? load(mnt, "stats") : NULL;
@@ -246,7 +278,7 @@ static int cmd_status(const char *mnt)
     printf("%-10s %s (hapifs %s, up %s)\n", "mount", mnt, str(config, "version"),
            human_time(num(stats, "uptime_s"), t, sizeof(t)));
     printf("%-10s %s\n", "source", str(config, "source"));
-    printf("%-10s %s  %s\n", "model", str(config, "model.arch"), str(config, "model.path"));
+    print_model(config);
     printf("%-10s index %.0f: stages [0, %.0f) of %zu, through '%s', output %s\n", "split",
            num(config, "split.index"), num(config, "split.index"),
            json_array_size(get(config, "model.stages")), str(config, "split.stage"),
