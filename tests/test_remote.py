@@ -565,6 +565,9 @@ def test_pack_files_read_through_a_remote_mount_whole(tmp_path, storage, mounter
     # the directory grows: the next reads see the new pack whole, not the size sshfs kept
     shutil.copy(src / paths[0], src / d / "zzz.jpg")
     wait_until(lambda: "zzz.jpg" in (st.path / d / INDEX).read_text())
+    # an index is made at each open, the pack's name is renewed when the storage daemon sees
+    # the change (watch=1): until then an open finds the snapshot before it
+    wait_until(lambda: np.load(st.path / d / PACK).shape[0] == 5)
     assert os.stat(view / d / PACK).st_size == pack_size
     assert len(json.loads((r.path / d / INDEX).read_bytes())["entries"]) == 5
     assert np.load(r.path / d / PACK).shape[0] == 5
