@@ -201,27 +201,20 @@ int hapi_profile_sweep_again(int sweeps, int lowered, double elapsed_s, double s
     return sweeps < 2 || elapsed_s + sweep_s <= HAPI_PROFILE_BUDGET_S;
 }
 
-int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *device,
-                         int threads, uint64_t max_batch_bytes, atomic_int *stop,
-                         hapi_profile *out, hapi_error *err)
-{
-    /*
-     * Each batch is timed over at least REPS whole runs and WINDOW_NS of wall time (at most
-     * MAX_REPS runs), and a stage's figure is its mean. A node under a CPU quota (a
-     * throttled tier: CFS hands out its quota per 10-100 ms period) runs a short stage at
-     * full speed and stalls wherever the quota runs out: a median of a few runs would miss
-     * the stalls, a mean over several periods counts them where they fall.
-     */
-    enum { REPS = 3, MAX_REPS = 40 };
-    const uint64_t WINDOW_NS = 100000000;
-    static const int wanted[] = { 1, 4, 16 };
-    uint64_t t0 = hapi_now_ns();
-    int n = hapi_model_num_stages(m), rc;
+/*
+ * Each batch is timed over at least REPS whole runs and WINDOW_NS of wall time (at most
+ * MAX_REPS runs), and a stage's figure is its mean. A node under a CPU quota (a
+ * throttled tier: CFS hands out its quota per 10-100 ms period) runs a short stage at
+ * full speed and stalls wherever the quota runs out: a median of a few runs would miss
+ * the stalls, a mean over several periods counts them where they fall.
+ */
+enum { REPS = 3, MAX_REPS = 40 };
+static const uint64_t WINDOW_NS = 100000000;
 
-    memset(out, 0, sizeof(*out));
-    if (n < 1 || n > HAPI_PROFILE_MAX_STAGES)
-        return hapi_error_set(err, HAPI_EINVAL, "profile: %d stages (at most %d)", n,
-                              HAPI_PROFILE_MAX_STAGES);
+/* The node's side of a profile: device, threads, the CPUs it may use and its quota. */
+static void describe_node(hapi_profile *out, const uint8_t digest[16], const char *device,
+                          int threads)
+{
     out->version = HAPI_PROFILE_VERSION;
     hapi_hex(digest, 16, out->model_digest);
     snprintf(out->device, sizeof(out->device), "%s", device && *device ? device : "cpu");
@@ -232,10 +225,14 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
                      ? CPU_COUNT(&allowed) : sysconf(_SC_NPROCESSORS_ONLN);
     out->cores = cores > 0 ? (int)cores : 1;
     out->cpu_quota = hapi_cpu_quota("/proc/self/cgroup", "/sys/fs/cgroup");
-    out->nstages = n;
+}
 
-    uint64_t widest = 0; /* the largest activation of one sample, fp32 */
-    for (int i = 0; i < n; i++) {
+/* Copies each stage's name, shape and parameters into `out`; returns the largest activation of
+   one sample in bytes, fp32. */
+static uint64_t describe_stages(hapi_model *m, hapi_profile *out)
+{
+    uint64_t widest = 0;
+    for (int i = 0; i < out->nstages; i++) {
         hapi_stage_info info;
         hapi_model_stage(m, i, &info);
         hapi_profile_stage *s = &out->stage[i];
@@ -250,22 +247,52 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
         if (s->out_elems * 4 > widest)
             widest = s->out_elems * 4;
     }
+    return widest;
+}
+
+/* The batches to measure: 1, 4 and 16, each past the first only if it fits max_batch_bytes. */
+static void choose_batches(hapi_profile *out, uint64_t widest, uint64_t max_batch_bytes)
+{
+    static const int wanted[] = { 1, 4, 16 };
     for (size_t k = 0; k < sizeof(wanted) / sizeof(*wanted); k++) {
         /* a batch is run whole: its widest activation (and a copy) must fit the cap */
         if (k > 0 && max_batch_bytes && (uint64_t)wanted[k] * widest * 2 > max_batch_bytes)
             break;
         out->batches[out->nbatches++] = wanted[k];
     }
+}
 
-    uint64_t *ns = calloc((size_t)n, sizeof(uint64_t)); /* per stage, summed over the runs */
-    uint64_t *one = calloc((size_t)n, sizeof(uint64_t));
-    uint64_t *cpu = calloc((size_t)n, sizeof(uint64_t)); /* CPU time of one run, per stage */
-    if (!ns || !one || !cpu) {
-        free(ns);
-        free(one);
-        free(cpu);
+/*
+ * What the sweeps share: the model, the stop flag, when the profile began, how a stage is
+ * timed, and the per-stage buffers hapi_model_measure() fills. timing_init() allocates the
+ * buffers; timing_free() frees them, also those of a failed timing_init().
+ */
+struct timing {
+    hapi_model *m;
+    atomic_int *stop;
+    uint64_t t0;   /* when the profile began */
+    int n;         /* stages */
+    int throttled; /* time each stage's CPU over the quota rather than its wall time */
+    uint64_t *ns;  /* per stage, summed over the runs */
+    uint64_t *one; /* wall time of one run, per stage */
+    uint64_t *cpu; /* CPU time of one run, per stage */
+    struct cpu_probe probe;
+};
+
+static void timing_free(struct timing *t)
+{
+    free(t->ns);
+    free(t->one);
+    free(t->cpu);
+}
+
+static int timing_init(struct timing *t, const hapi_profile *out, int threads, hapi_error *err)
+{
+    t->ns = calloc((size_t)t->n, sizeof(uint64_t));
+    t->one = calloc((size_t)t->n, sizeof(uint64_t));
+    t->cpu = calloc((size_t)t->n, sizeof(uint64_t));
+    if (!t->ns || !t->one || !t->cpu)
         return hapi_error_set(err, -ENOMEM, "profile: out of memory");
-    }
     /*
      * Under a CFS quota of fewer CPUs than the torch threads, wall time is the wrong measure:
      * the quota's stalls land on whichever stage runs when it is spent (measured: one stage
@@ -273,107 +300,183 @@ int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *de
      * sweeps keeps the stages they missed. There each stage's CPU time is timed instead and
      * divided by the quota: what the stage takes when the node is busy, as in an epoch.
      */
-    int throttled = out->cpu_quota > 0 && out->cpu_quota < (threads > 0 ? threads : 1);
-    struct cpu_probe probe = { .process = threads > 1, .ns = cpu };
-    out->runtime_bytes = resident_bytes();
-    /*
-     * Sweeps over every batch until the figures settle. A mount's first second is busy
-     * beside the profile (measured: the first sweep at batch 1 3-4x too slow after a
-     * daemonised start, the first two 2x in bench/hapifs-cluster while its ssh and sshfs
-     * start), so each stage keeps the least of its sweeps' means, and sweeping ends once a
-     * sweep lowers no batch's sum over the stages by more than SETTLED, after
-     * HAPI_PROFILE_MAX_SWEEPS, or (from the second sweep on) when another would not fit
-     * HAPI_PROFILE_BUDGET_S: hapi_profile_sweep_again().
-     */
+    t->throttled = out->cpu_quota > 0 && out->cpu_quota < (threads > 0 ? threads : 1);
+    t->probe = (struct cpu_probe){ .process = threads > 1, .ns = t->cpu };
+    return 0;
+}
+
+/*
+ * A slow model (ViT-B/16 takes seconds per image on a small CPU) would keep .feat waiting for
+ * minutes: larger batches are measured only while the whole profile stays within its time
+ * budget. Whether measuring `batch` keeps it there, judged from batch 1's figures.
+ */
+static int batch_fits_budget(const struct timing *t, const hapi_profile *out, int batch)
+{
+    double per_sample_s = hapi_profile_ms(out, 0, t->n, 1) / 1e3;
+    double elapsed_s = (double)(hapi_now_ns() - t->t0) / 1e9;
+    return !(elapsed_s + fmax(per_sample_s * batch * (REPS + 2), 1e-9 * (double)WINDOW_NS) >
+             HAPI_PROFILE_BUDGET_S);
+}
+
+/* Runs `batch` `warmups` times untimed, then enough times to time it, summing each stage's
+   time into t->ns; returns the number of timed runs, or a negative code. */
+static int time_batch(struct timing *t, int batch, int warmups, hapi_error *err)
+{
+    int rc;
+    /* TorchScript's executor specialises on the first runs of a shape: warm it up */
+    for (int w = 0; w < warmups; w++)
+        if ((rc = measure_once(t->m, batch, NULL, NULL, t->one, t->stop, err)) < 0)
+            return rc;
+    memset(t->ns, 0, (size_t)t->n * sizeof(uint64_t));
+    uint64_t start = hapi_now_ns();
+    int runs = 0;
+    while (runs < MAX_REPS && (runs < REPS || hapi_now_ns() - start < WINDOW_NS)) {
+        if ((rc = measure_once(t->m, batch, t->throttled ? cpu_hook : NULL, &t->probe, t->one,
+                               t->stop, err)) < 0)
+            return rc;
+        for (int i = 0; i < t->n; i++)
+            t->ns[i] += t->throttled ? t->cpu[i] : t->one[i];
+        runs++;
+    }
+    return runs;
+}
+
+/* Turns the timed runs of batch k into each stage's ms per sample, keeping the least of the
+   sweeps in `out`; returns this sweep's sum over the stages. */
+static double keep_least_means(const struct timing *t, hapi_profile *out, int sweep, int k,
+                               int runs)
+{
+    int batch = out->batches[k];
+    double sum = 0;
+    for (int i = 0; i < t->n; i++) {
+        double ms = (double)t->ns[i] / runs / 1e6 / batch;
+        if (t->throttled)
+            ms /= out->cpu_quota;
+        if (sweep == 0 || ms < out->stage[i].ms[k])
+            out->stage[i].ms[k] = ms;
+        sum += ms;
+    }
+    return sum;
+}
+
+/* One sweep over every batch (the first one drops the batches the budget has no room for);
+   returns 1 if it lowered some batch's sum by more than SETTLED, else 0, or a negative code. */
+static int sweep_once(struct timing *t, hapi_profile *out, int sweep, double *prev_sum,
+                      hapi_error *err)
+{
+    int lowered = 0;
+    for (int k = 0; k < out->nbatches; k++) {
+        int batch = out->batches[k];
+        if (sweep == 0 && k > 0 && !batch_fits_budget(t, out, batch)) {
+            out->nbatches = k;
+            break;
+        }
+        int runs = time_batch(t, batch, sweep == 0 && k == 0 ? 2 : 1, err);
+        if (runs < 0)
+            return runs;
+        double sum = keep_least_means(t, out, sweep, k, runs);
+        if (sweep == 0 || sum < prev_sum[k] * (1 - SETTLED))
+            lowered = 1;
+        if (sweep == 0 || sum < prev_sum[k])
+            prev_sum[k] = sum;
+    }
+    return lowered;
+}
+
+/*
+ * Sweeps over every batch until the figures settle. A mount's first second is busy
+ * beside the profile (measured: the first sweep at batch 1 3-4x too slow after a
+ * daemonised start, the first two 2x in bench/hapifs-cluster while its ssh and sshfs
+ * start), so each stage keeps the least of its sweeps' means, and sweeping ends once a
+ * sweep lowers no batch's sum over the stages by more than SETTLED, after
+ * HAPI_PROFILE_MAX_SWEEPS, or (from the second sweep on) when another would not fit
+ * HAPI_PROFILE_BUDGET_S: hapi_profile_sweep_again().
+ */
+static int sweep_until_settled(struct timing *t, hapi_profile *out, hapi_error *err)
+{
     double prev_sum[HAPI_PROFILE_MAX_BATCHES] = { 0 };
     for (int sweep = 0;; sweep++) {
         uint64_t sweep_t0 = hapi_now_ns();
-        int lowered = 0;
-        for (int k = 0; k < out->nbatches; k++) {
-            int batch = out->batches[k];
-            if (sweep == 0 && k > 0) {
-                /*
-                 * A slow model (ViT-B/16 takes seconds per image on a small CPU) would keep
-                 * .feat waiting for minutes: larger batches are measured only while the
-                 * whole profile stays within its time budget.
-                 */
-                double per_sample_s = hapi_profile_ms(out, 0, n, 1) / 1e3;
-                double elapsed_s = (double)(hapi_now_ns() - t0) / 1e9;
-                if (elapsed_s + fmax(per_sample_s * batch * (REPS + 2),
-                                     1e-9 * (double)WINDOW_NS) > HAPI_PROFILE_BUDGET_S) {
-                    out->nbatches = k;
-                    break;
-                }
-            }
-            /* TorchScript's executor specialises on the first runs of a shape: warm it up */
-            for (int w = 0; w < (sweep == 0 && k == 0 ? 2 : 1); w++)
-                if ((rc = measure_once(m, batch, NULL, NULL, one, stop, err)) < 0)
-                    goto out;
-            memset(ns, 0, (size_t)n * sizeof(uint64_t));
-            uint64_t start = hapi_now_ns();
-            int runs = 0;
-            while (runs < MAX_REPS && (runs < REPS || hapi_now_ns() - start < WINDOW_NS)) {
-                if ((rc = measure_once(m, batch, throttled ? cpu_hook : NULL, &probe, one, stop,
-                                       err)) < 0)
-                    goto out;
-                for (int i = 0; i < n; i++)
-                    ns[i] += throttled ? cpu[i] : one[i];
-                runs++;
-            }
-            double sum = 0;
-            for (int i = 0; i < n; i++) {
-                double ms = (double)ns[i] / runs / 1e6 / batch;
-                if (throttled)
-                    ms /= out->cpu_quota;
-                if (sweep == 0 || ms < out->stage[i].ms[k])
-                    out->stage[i].ms[k] = ms;
-                sum += ms;
-            }
-            if (sweep == 0 || sum < prev_sum[k] * (1 - SETTLED))
-                lowered = 1;
-            if (sweep == 0 || sum < prev_sum[k])
-                prev_sum[k] = sum;
-        }
+        int lowered = sweep_once(t, out, sweep, prev_sum, err);
+        if (lowered < 0)
+            return lowered;
         out->sweeps = sweep + 1;
         double sweep_s = (double)(hapi_now_ns() - sweep_t0) / 1e9;
-        double elapsed_s = (double)(hapi_now_ns() - t0) / 1e9;
+        double elapsed_s = (double)(hapi_now_ns() - t->t0) / 1e9;
         if (!hapi_profile_sweep_again(out->sweeps, lowered, elapsed_s, sweep_s))
             break;
     }
+    return 0;
+}
 
-    /* Memory: each stage's peak at the smallest and the largest batch gives fixed + per sample. */
-    struct mem_probe lo = { .ok = 1 }, hi = { .ok = 1 };
-    int b_lo = out->batches[0], b_hi = out->batches[out->nbatches - 1];
-    if ((rc = measure_once(m, b_lo, mem_hook, &lo, one, stop, err)) < 0)
-        goto out;
-    if (b_hi > b_lo && (rc = measure_once(m, b_hi, mem_hook, &hi, one, stop, err)) < 0)
-        goto out;
-    out->mem_measured = lo.ok && (b_hi == b_lo || hi.ok);
-    for (int i = 0; i < n; i++) {
+/* Each stage's fixed and per-sample memory from its peaks at batches b_lo and b_hi. */
+static void fit_memory(hapi_profile *out, const struct mem_probe *lo, const struct mem_probe *hi,
+                       int b_lo, int b_hi)
+{
+    for (int i = 0; i < out->nstages; i++) {
         hapi_profile_stage *s = &out->stage[i];
         if (out->mem_measured && b_hi > b_lo) {
-            double slope = (hi.peak[i] - lo.peak[i]) / (double)(b_hi - b_lo);
+            double slope = (hi->peak[i] - lo->peak[i]) / (double)(b_hi - b_lo);
             /* a sample needs at least its own output */
             if (slope < (double)s->out_elems * 4)
                 slope = (double)s->out_elems * 4;
-            double fixed = lo.peak[i] - slope * b_lo;
+            double fixed = lo->peak[i] - slope * b_lo;
             s->mem_per_sample = slope;
             s->mem_fixed = fixed > 0 ? fixed : 0;
         } else {
             /* the output, an input-sized temporary and the allocator's slack */
             s->mem_per_sample = (double)s->out_elems * 4 * 3;
-            s->mem_fixed = out->mem_measured ? lo.peak[i] - s->mem_per_sample : 0;
+            s->mem_fixed = out->mem_measured ? lo->peak[i] - s->mem_per_sample : 0;
             if (s->mem_fixed < 0)
                 s->mem_fixed = 0;
         }
     }
+}
+
+/* Memory: each stage's peak at the smallest and the largest batch gives fixed + per sample. */
+static int measure_memory(struct timing *t, hapi_profile *out, hapi_error *err)
+{
+    struct mem_probe lo = { .ok = 1 }, hi = { .ok = 1 };
+    int b_lo = out->batches[0], b_hi = out->batches[out->nbatches - 1];
+    int rc;
+    if ((rc = measure_once(t->m, b_lo, mem_hook, &lo, t->one, t->stop, err)) < 0)
+        return rc;
+    if (b_hi > b_lo && (rc = measure_once(t->m, b_hi, mem_hook, &hi, t->one, t->stop, err)) < 0)
+        return rc;
+    out->mem_measured = lo.ok && (b_hi == b_lo || hi.ok);
+    fit_memory(out, &lo, &hi, b_lo, b_hi);
+    return 0;
+}
+
+int hapi_profile_measure(hapi_model *m, const uint8_t digest[16], const char *device,
+                         int threads, uint64_t max_batch_bytes, atomic_int *stop,
+                         hapi_profile *out, hapi_error *err)
+{
+    uint64_t t0 = hapi_now_ns();
+    int n = hapi_model_num_stages(m), rc;
+
+    memset(out, 0, sizeof(*out));
+    if (n < 1 || n > HAPI_PROFILE_MAX_STAGES)
+        return hapi_error_set(err, HAPI_EINVAL, "profile: %d stages (at most %d)", n,
+                              HAPI_PROFILE_MAX_STAGES);
+    describe_node(out, digest, device, threads);
+    out->nstages = n;
+    uint64_t widest = describe_stages(m, out);
+    choose_batches(out, widest, max_batch_bytes);
+
+    struct timing t = { .m = m, .stop = stop, .t0 = t0, .n = n };
+    if ((rc = timing_init(&t, out, threads, err)) < 0)
+        goto out;
+    out->runtime_bytes = resident_bytes();
+    if ((rc = sweep_until_settled(&t, out, err)) < 0)
+        goto out;
+    if ((rc = measure_memory(&t, out, err)) < 0)
+        goto out;
     out->seconds = (double)(hapi_now_ns() - t0) / 1e9;
     out->measured_at = (int64_t)time(NULL);
     rc = 0;
 out:
-    free(ns);
-    free(one);
-    free(cpu);
+    timing_free(&t);
     return rc;
 }
 
