@@ -614,15 +614,10 @@ static int crop_shift(int size, int crop)
     return half;
 }
 
-int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
-                          float *out, hapi_error *err)
+/* Whether `img` can be preprocessed with `pp` into `out`: 0, or HAPI_EINVAL saying why not. */
+static int preprocess_check(const hapi_image *img, const hapi_preprocess *pp, const float *out,
+                            hapi_error *err)
 {
-    axis_coeffs hx = {0}, vy = {0};
-    uint8_t *hbuf = NULL, *vrow = NULL;
-    int32_t *acc = NULL;
-    float table[3][256];
-    int ret = 0;
-
     if (!img || !img->pixels || img->width <= 0 || img->height <= 0)
         return hapi_error_set(err, HAPI_EINVAL, "empty image");
     /* The crop bound keeps index arithmetic (shift + crop) far from int overflow. */
@@ -634,8 +629,45 @@ int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
             return hapi_error_set(err, HAPI_EINVAL, "bad normalisation for channel %d", c);
     if (!hapi_interpolation_name(pp->interpolation))
         return hapi_error_set(err, HAPI_EINVAL, "unknown interpolation %d", pp->interpolation);
-    const resample_filter *filter = &filters[pp->interpolation];
+    return 0;
+}
 
+/*
+ * One resize and centre crop, computed only where the crop falls: its place in the resized
+ * image, each pass's weights and the rows between the passes. resize_plan_free() frees what
+ * vertical_weights(), horizontal_pass() and vertical_buffers() allocate into it.
+ */
+typedef struct resize_plan {
+    int in_w, in_h;         /* the source */
+    int out_w, out_h;       /* the resized image, before the crop */
+    int crop;
+    int shift_x, shift_y;   /* crop index i reads resized index i + shift (crop_shift) */
+    int cx0, cx1, cy0, cy1; /* the resized columns [cx0, cx1) and rows [cy0, cy1) in the crop */
+    int need_h, need_v;     /* whether each axis changes size */
+    axis_coeffs hx, vy;     /* owned: the weights of each pass */
+    uint8_t *hbuf;          /* owned: the horizontal pass's rows, when it runs */
+    const uint8_t *hbase;   /* the rows the vertical pass reads: hbuf's or the source's */
+    size_t hstride;         /* bytes from one of those rows to the next */
+    int hrow0;              /* the source row that hbase's first row stands for */
+    size_t rowlen;          /* bytes of one resized row inside the crop */
+    int32_t *acc;           /* owned: the vertical pass's accumulator row */
+    uint8_t *vrow;          /* owned: the vertical pass's output row */
+} resize_plan;
+
+static void resize_plan_free(resize_plan *r)
+{
+    free(r->acc);
+    free(r->vrow);
+    free(r->hbuf);
+    axis_free(&r->hx);
+    axis_free(&r->vy);
+}
+
+/* Sizes and the crop's window for `img` under `pp`; HAPI_EINVAL if the resized image would be
+   too large. */
+static int resize_plan_init(resize_plan *r, const hapi_image *img, const hapi_preprocess *pp,
+                            hapi_error *err)
+{
     const int in_w = img->width, in_h = img->height, crop = pp->crop;
     /* torchvision: short side -> resize, long side int(resize * long / short). */
     int64_t out_w, out_h;
@@ -649,79 +681,138 @@ int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
     if (out_w > INT_MAX / 4 || out_h > INT_MAX / 4 || out_w < 1 || out_h < 1)
         return hapi_error_set(err, HAPI_EINVAL, "resized image would be %lldx%lld",
                               (long long)out_w, (long long)out_h);
+    r->in_w = in_w;
+    r->in_h = in_h;
+    r->out_w = (int)out_w;
+    r->out_h = (int)out_h;
+    r->crop = crop;
 
     /* Only the resized rows/columns inside the crop are computed: each output pixel is independent. */
-    const int shift_x = crop_shift((int)out_w, crop), shift_y = crop_shift((int)out_h, crop);
-    const int cx0 = shift_x < 0 ? 0 : shift_x;
-    const int cx1 = shift_x + crop > out_w ? (int)out_w : shift_x + crop;
-    const int cy0 = shift_y < 0 ? 0 : shift_y;
-    const int cy1 = shift_y + crop > out_h ? (int)out_h : shift_y + crop;
-    const int need_h = out_w != in_w, need_v = out_h != in_h;
+    r->shift_x = crop_shift(r->out_w, crop);
+    r->shift_y = crop_shift(r->out_h, crop);
+    r->cx0 = r->shift_x < 0 ? 0 : r->shift_x;
+    r->cx1 = r->shift_x + crop > r->out_w ? r->out_w : r->shift_x + crop;
+    r->cy0 = r->shift_y < 0 ? 0 : r->shift_y;
+    r->cy1 = r->shift_y + crop > r->out_h ? r->out_h : r->shift_y + crop;
+    r->need_h = r->out_w != in_w;
+    r->need_v = r->out_h != in_h;
+    r->rowlen = (size_t)(r->cx1 - r->cx0) * 3;
+    return 0;
+}
 
-    /* The rows of the source that the vertical pass will read. */
-    int ry0 = cy0, ry1 = cy1;
-    if (need_v) {
-        ret = axis_init(&vy, filter, in_h, (int)out_h, cy0, cy1);
-        if (ret < 0)
-            goto nomem;
-        ry0 = vy.start[0];
-        ry1 = vy.start[cy1 - cy0 - 1] + vy.count[cy1 - cy0 - 1];
+/* The vertical pass's weights, and the rows of the source it will read, [ry0, ry1);
+   0 or -ENOMEM. */
+static int vertical_weights(resize_plan *r, const resample_filter *filter, int *ry0, int *ry1)
+{
+    *ry0 = r->cy0;
+    *ry1 = r->cy1;
+    if (!r->need_v)
+        return 0;
+    int ret = axis_init(&r->vy, filter, r->in_h, r->out_h, r->cy0, r->cy1);
+    if (ret < 0)
+        return ret;
+    *ry0 = r->vy.start[0];
+    *ry1 = r->vy.start[r->cy1 - r->cy0 - 1] + r->vy.count[r->cy1 - r->cy0 - 1];
+    return 0;
+}
+
+/*
+ * Horizontal pass into an 8-bit image, rounded and clamped as Pillow
+ * does. The three channels accumulate together, as in Pillow.
+ * Without one, the vertical pass reads the source's own rows. 0 or -ENOMEM.
+ */
+static int horizontal_pass(resize_plan *r, const hapi_image *img, const resample_filter *filter,
+                           int ry0, int ry1)
+{
+    const int wcols = r->cx1 - r->cx0;
+    if (!r->need_h) {
+        r->hbase = img->pixels + (size_t)r->cx0 * 3;
+        r->hstride = (size_t)r->in_w * 3;
+        r->hrow0 = 0;
+        return 0;
     }
-
-    /*
-     * Horizontal pass into an 8-bit image, rounded and clamped as Pillow
-     * does. The three channels accumulate together, as in Pillow.
-     */
-    const int wcols = cx1 - cx0;
-    const uint8_t *hbase;
-    size_t hstride;
-    int hrow0;
-    if (need_h) {
-        ret = axis_init(&hx, filter, in_w, (int)out_w, cx0, cx1);
-        if (ret < 0)
-            goto nomem;
-        hbuf = malloc((size_t)(ry1 - ry0) * (size_t)wcols * 3);
-        if (!hbuf)
-            goto nomem;
-        for (int y = ry0; y < ry1; y++) {
-            const uint8_t *src = img->pixels + (size_t)y * (size_t)in_w * 3;
-            uint8_t *dst = hbuf + (size_t)(y - ry0) * (size_t)wcols * 3;
-            for (int i = 0; i < wcols; i++) {
-                const int32_t *k = hx.k + (size_t)i * (size_t)hx.ksize;
-                const uint8_t *p = src + (size_t)hx.start[i] * 3;
-                int32_t s0 = 1 << (PRECISION_BITS - 1), s1 = s0, s2 = s0;
-                for (int j = 0; j < hx.count[i]; j++, p += 3) {
-                    s0 += p[0] * k[j];
-                    s1 += p[1] * k[j];
-                    s2 += p[2] * k[j];
-                }
-                dst[i * 3 + 0] = clip8_fixed(s0);
-                dst[i * 3 + 1] = clip8_fixed(s1);
-                dst[i * 3 + 2] = clip8_fixed(s2);
+    int ret = axis_init(&r->hx, filter, r->in_w, r->out_w, r->cx0, r->cx1);
+    if (ret < 0)
+        return ret;
+    r->hbuf = malloc((size_t)(ry1 - ry0) * (size_t)wcols * 3);
+    if (!r->hbuf)
+        return -ENOMEM;
+    const axis_coeffs *hx = &r->hx;
+    for (int y = ry0; y < ry1; y++) {
+        const uint8_t *src = img->pixels + (size_t)y * (size_t)r->in_w * 3;
+        uint8_t *dst = r->hbuf + (size_t)(y - ry0) * (size_t)wcols * 3;
+        for (int i = 0; i < wcols; i++) {
+            const int32_t *k = hx->k + (size_t)i * (size_t)hx->ksize;
+            const uint8_t *p = src + (size_t)hx->start[i] * 3;
+            int32_t s0 = 1 << (PRECISION_BITS - 1), s1 = s0, s2 = s0;
+            for (int j = 0; j < hx->count[i]; j++, p += 3) {
+                s0 += p[0] * k[j];
+                s1 += p[1] * k[j];
+                s2 += p[2] * k[j];
             }
+            dst[i * 3 + 0] = clip8_fixed(s0);
+            dst[i * 3 + 1] = clip8_fixed(s1);
+            dst[i * 3 + 2] = clip8_fixed(s2);
         }
-        hbase = hbuf;
-        hstride = (size_t)wcols * 3;
-        hrow0 = ry0;
-    } else {
-        hbase = img->pixels + (size_t)cx0 * 3;
-        hstride = (size_t)in_w * 3;
-        hrow0 = 0;
     }
+    r->hbase = r->hbuf;
+    r->hstride = (size_t)wcols * 3;
+    r->hrow0 = ry0;
+    return 0;
+}
 
-    /*
-     * The vertical pass goes a whole row at a time: for each tap, one
-     * weighted source row is added into an accumulator row. The integer sums
-     * are the same as Pillow's per-pixel loop, in an order the compiler can
-     * vectorise.
-     */
-    const size_t rowlen = (size_t)wcols * 3;
-    if (need_v) {
-        acc = malloc(sizeof(int32_t) * rowlen);
-        vrow = malloc(rowlen);
-        if (!acc || !vrow)
-            goto nomem;
+/*
+ * The vertical pass goes a whole row at a time: for each tap, one
+ * weighted source row is added into an accumulator row. The integer sums
+ * are the same as Pillow's per-pixel loop, in an order the compiler can
+ * vectorise. Its two rows, when there is a vertical pass; 0 or -ENOMEM.
+ */
+static int vertical_buffers(resize_plan *r)
+{
+    if (!r->need_v)
+        return 0;
+    r->acc = malloc(sizeof(int32_t) * r->rowlen);
+    r->vrow = malloc(r->rowlen);
+    return r->acc && r->vrow ? 0 : -ENOMEM;
+}
+
+/*
+ * Resized row y inside the crop's columns (rowlen bytes), or NULL when y is outside the crop's
+ * rows. The vertical pass's row lives until the next call. The loops run on local copies of the
+ * plan's fields: a byte store may alias the plan, and would keep them from being vectorised.
+ */
+static const uint8_t *resized_row(const resize_plan *r, int y)
+{
+    const uint8_t *hbase = r->hbase;
+    const size_t hstride = r->hstride, rowlen = r->rowlen;
+    const int hrow0 = r->hrow0;
+    int32_t *acc = r->acc;
+    uint8_t *vrow = r->vrow;
+
+    if (y < r->cy0 || y >= r->cy1)
+        return NULL;
+    if (!r->need_v)
+        return hbase + (size_t)(y - hrow0) * hstride;
+    const int i = y - r->cy0;
+    const int32_t *k = r->vy.k + (size_t)i * (size_t)r->vy.ksize;
+    for (size_t t = 0; t < rowlen; t++)
+        acc[t] = 1 << (PRECISION_BITS - 1);
+    for (int j = 0; j < r->vy.count[i]; j++) {
+        const uint8_t *src = hbase + (size_t)(r->vy.start[i] + j - hrow0) * hstride;
+        const int32_t kj = k[j];
+        for (size_t t = 0; t < rowlen; t++)
+            acc[t] += src[t] * kj;
     }
+    for (size_t t = 0; t < rowlen; t++)
+        vrow[t] = clip8_fixed(acc[t]);
+    return vrow;
+}
+
+/* The crop, normalised, into `out` as three planes of crop x crop floats. */
+static void write_crop(const resize_plan *r, const hapi_preprocess *pp, float *out)
+{
+    const int crop = r->crop, shift_x = r->shift_x, cx0 = r->cx0, cx1 = r->cx1;
+    float table[3][256];
 
     /* ToTensor (p / 255.0f) then Normalize ((x - mean) / std) as a per-channel table: same floats. */
     for (int c = 0; c < 3; c++)
@@ -730,30 +821,10 @@ int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
 
     const size_t plane = (size_t)crop * (size_t)crop;
     for (int oy = 0; oy < crop; oy++) {
-        const int y = oy + shift_y;
         float *o[3] = {out + (size_t)oy * crop, out + plane + (size_t)oy * crop,
                        out + 2 * plane + (size_t)oy * crop};
-        const uint8_t *row = NULL;
+        const uint8_t *row = resized_row(r, oy + r->shift_y);
 
-        if (y >= cy0 && y < cy1) {
-            if (need_v) {
-                const int i = y - cy0;
-                const int32_t *k = vy.k + (size_t)i * (size_t)vy.ksize;
-                for (size_t t = 0; t < rowlen; t++)
-                    acc[t] = 1 << (PRECISION_BITS - 1);
-                for (int j = 0; j < vy.count[i]; j++) {
-                    const uint8_t *src = hbase + (size_t)(vy.start[i] + j - hrow0) * hstride;
-                    const int32_t kj = k[j];
-                    for (size_t t = 0; t < rowlen; t++)
-                        acc[t] += src[t] * kj;
-                }
-                for (size_t t = 0; t < rowlen; t++)
-                    vrow[t] = clip8_fixed(acc[t]);
-                row = vrow;
-            } else {
-                row = hbase + (size_t)(y - hrow0) * hstride;
-            }
-        }
         /* torchvision pads with fill=0: outside the image a pixel is 0 before ToTensor. */
         for (int ox = 0; ox < crop; ox++) {
             const int x = ox + shift_x;
@@ -769,17 +840,28 @@ int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
             }
         }
     }
-    ret = 0;
-    goto out;
+}
 
-nomem:
-    ret = hapi_error_set(err, -ENOMEM, "no memory to resize a %dx%d image", in_w, in_h);
+int hapi_image_preprocess(const hapi_image *img, const hapi_preprocess *pp,
+                          float *out, hapi_error *err)
+{
+    resize_plan r = {0};
+    int ry0, ry1, ret;
+
+    if ((ret = preprocess_check(img, pp, out, err)) < 0)
+        return ret;
+    const resample_filter *filter = &filters[pp->interpolation];
+    if ((ret = resize_plan_init(&r, img, pp, err)) < 0)
+        return ret;
+    if (vertical_weights(&r, filter, &ry0, &ry1) < 0 ||
+        horizontal_pass(&r, img, filter, ry0, ry1) < 0 || vertical_buffers(&r) < 0) {
+        ret = hapi_error_set(err, -ENOMEM, "no memory to resize a %dx%d image", r.in_w, r.in_h);
+        goto out;
+    }
+    write_crop(&r, pp, out);
+    ret = 0;
 out:
-    free(acc);
-    free(vrow);
-    free(hbuf);
-    axis_free(&hx);
-    axis_free(&vy);
+    resize_plan_free(&r);
     return ret;
 }
 
