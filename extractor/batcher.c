@@ -411,15 +411,170 @@ static int run_batch(hapi_batcher *b, float *input, int n, void *output, hapi_er
     return rc;
 }
 
+/*
+ * The inference thread's buffers for `cap` samples: the batch's jobs and results, its input
+ * tensors and its output features. batch_buffers_init() allocates them; one it could not
+ * allocate is NULL, and every batch then fails with -ENOMEM (batch_compute). The thread owns
+ * them and frees them with batch_buffers_free().
+ */
+struct batch_buffers {
+    int cap;
+    struct job **jobs;
+    hapi_batch_result *results;
+    float *input;
+    char *output;
+};
+
+static void batch_buffers_init(const hapi_batcher *b, struct batch_buffers *bb)
+{
+    bb->cap = b->cfg.batch;
+    bb->jobs = calloc((size_t)bb->cap, sizeof(*bb->jobs));
+    bb->results = calloc((size_t)bb->cap, sizeof(*bb->results));
+    bb->input = malloc((size_t)bb->cap * b->tensor_floats * sizeof(float));
+    bb->output = malloc((size_t)bb->cap * b->sample_bytes);
+}
+
+static void batch_buffers_free(struct batch_buffers *bb)
+{
+    free(bb->jobs);
+    free(bb->results);
+    free(bb->input);
+    free(bb->output);
+}
+
+/* hapi_batcher_set_batch() raised the batch: grow the buffers first. What cannot grow keeps its
+   size, and cap with it. */
+static void batch_buffers_grow(const hapi_batcher *b, struct batch_buffers *bb)
+{
+    struct job **nj = realloc(bb->jobs, (size_t)b->batch * sizeof(*bb->jobs));
+    bb->jobs = nj ? nj : bb->jobs;
+    hapi_batch_result *nr = realloc(bb->results, (size_t)b->batch * sizeof(*bb->results));
+    bb->results = nr ? nr : bb->results;
+    float *ni = realloc(bb->input, (size_t)b->batch * b->tensor_floats * sizeof(float));
+    bb->input = ni ? ni : bb->input;
+    char *no = realloc(bb->output, (size_t)b->batch * b->sample_bytes);
+    bb->output = no ? no : bb->output;
+    if (nj && nr && ni && no)
+        bb->cap = b->batch;
+}
+
+/*
+ * Run when the batch is full, when nothing more is coming (no sample
+ * queued or decoding), or when the oldest ready sample has waited
+ * max_wait: a lone reader is not held back for company that never comes.
+ * Under the lock, with nready samples ready (at least one): returns 0 when the batch should run
+ * now, or waits for more (at most until that deadline) and returns 1.
+ */
+static int batch_wait_for_more(hapi_batcher *b, size_t nready)
+{
+    int full = nready >= (size_t)b->batch;
+    int nothing_coming = queued_total(b) == 0 && b->decoding == 0;
+    if (full || nothing_coming)
+        return 0;
+    uint64_t oldest = UINT64_MAX;
+    for (int p = 0; p < HAPI_PRIORITY_COUNT; p++)
+        if (b->ready[p].head && b->ready[p].head->ready_ns < oldest)
+            oldest = b->ready[p].head->ready_ns;
+    uint64_t deadline = oldest + (uint64_t)b->cfg.max_wait_us * 1000;
+    uint64_t now = hapi_now_ns();
+    if (now >= deadline)
+        return 0;
+    struct timespec ts;
+    hapi_deadline_after_ns(&ts, deadline - now);
+    pthread_cond_timedwait(&b->ready_cond, &b->lock, &ts);
+    return 1;
+}
+
+/* Under the lock: moves up to a batch of ready jobs into bb->jobs, highest priority first, and
+   marks them RUNNING. Returns how many. */
+static int batch_take(hapi_batcher *b, struct batch_buffers *bb)
+{
+    int n = 0;
+    int take = b->batch < bb->cap ? b->batch : bb->cap;
+    for (int p = 0; p < HAPI_PRIORITY_COUNT && n < take; p++) {
+        struct job *j;
+        while (n < take && (j = list_pop(&b->ready[p])) != NULL) {
+            j->state = JOB_RUNNING;
+            bb->jobs[n++] = j;
+        }
+    }
+    return n;
+}
+
+/* Copies the n jobs' tensors into the batch's input and frees them, giving back their memory. */
+static void batch_gather(hapi_batcher *b, struct batch_buffers *bb, int n)
+{
+    struct job **jobs = bb->jobs;
+    for (int i = 0; i < n; i++) {
+        memcpy(bb->input + (size_t)i * b->tensor_floats, jobs[i]->tensor,
+               b->tensor_floats * sizeof(float));
+        free(jobs[i]->tensor);
+        jobs[i]->tensor = NULL;
+    }
+    pthread_mutex_lock(&b->lock);
+    for (int i = 0; i < n; i++)
+        mem_add(b, jobs[i], -(int64_t)(b->tensor_floats * sizeof(float)));
+    pthread_mutex_unlock(&b->lock);
+    for (int i = 0; i < n; i++)
+        node_give(b, jobs[i], jobs[i]->node_mem);
+}
+
+/*
+ * Outside the lock: runs the n taken jobs through the model into bb->output. *threads_now is
+ * the thread's torch threads, 0 until the node has set them; *t0 is when the run began.
+ * Returns 0, -ENOMEM (a buffer is missing), -ECANCELED (stopping) or the model's code.
+ */
+static int batch_compute(hapi_batcher *b, struct batch_buffers *bb, int n, int *threads_now,
+                         uint64_t *t0, hapi_error *err)
+{
+    int rc = (!bb->jobs || !bb->results || !bb->input || !bb->output)
+                 ? hapi_error_set(err, -ENOMEM, "out of memory for a batch")
+                 : 0;
+    *t0 = hapi_now_ns();
+    if (rc < 0)
+        return rc;
+    batch_gather(b, bb, n);
+    /* the node's cores, divided among the mounts busy computing */
+    int tokens = hapi_node_cores_take(b->cfg.node, b->cfg.node_cores, 0, &b->node_stop);
+    if (tokens > 0 && tokens != *threads_now) {
+        hapi_model_set_threads(tokens); /* as many threads as cores granted */
+        *threads_now = tokens;
+    }
+    *t0 = hapi_now_ns();
+    rc = tokens < 0 ? hapi_error_set(err, -ECANCELED, "shutting down")
+                    : run_batch(b, bb->input, n, bb->output, err);
+    hapi_node_cores_give(b->cfg.node, tokens);
+    return rc;
+}
+
+/* Each job's result of a batch that returned rc: its own copy of its features, or the error.
+   The features belong to the job (freed with it). */
+static void batch_fill_results(hapi_batcher *b, struct batch_buffers *bb, int n, int rc,
+                               const hapi_error *err)
+{
+    for (int i = 0; i < n; i++) {
+        struct job *j = bb->jobs[i];
+        int code = rc;
+        if (code == 0) {
+            j->features = malloc(b->sample_bytes);
+            if (j->features)
+                memcpy(j->features, bb->output + (size_t)i * b->sample_bytes, b->sample_bytes);
+            else
+                code = -ENOMEM;
+        }
+        bb->results[i] = (hapi_batch_result){ j->key, j->tag, j->features, code,
+                                              code < 0 ? (rc < 0 ? err->message : "out of memory")
+                                                       : NULL,
+                                              j->priority, j->origin, { 0 } };
+    }
+}
+
 static void *inference_main(void *arg)
 {
     hapi_batcher *b = arg;
     pthread_setname_np(pthread_self(), "hapifs-infer");
-    int cap = b->cfg.batch;
-    struct job **jobs = calloc((size_t)cap, sizeof(*jobs));
-    hapi_batch_result *results = calloc((size_t)cap, sizeof(*results));
-    float *input = malloc((size_t)cap * b->tensor_floats * sizeof(float));
-    char *output = malloc((size_t)cap * b->sample_bytes);
+    struct batch_buffers bb;
+    batch_buffers_init(b, &bb);
     int threads_now = 0; /* this thread's inference threads, once the node has set them */
 
     pthread_mutex_lock(&b->lock);
@@ -429,110 +584,29 @@ static void *inference_main(void *arg)
             pthread_cond_wait(&b->ready_cond, &b->lock);
             continue;
         }
-        /*
-         * Run when the batch is full, when nothing more is coming (no sample
-         * queued or decoding), or when the oldest ready sample has waited
-         * max_wait: a lone reader is not held back for company that never comes.
-         */
-        int full = nready >= (size_t)b->batch;
-        int nothing_coming = queued_total(b) == 0 && b->decoding == 0;
-        if (!full && !nothing_coming) {
-            uint64_t oldest = UINT64_MAX;
-            for (int p = 0; p < HAPI_PRIORITY_COUNT; p++)
-                if (b->ready[p].head && b->ready[p].head->ready_ns < oldest)
-                    oldest = b->ready[p].head->ready_ns;
-            uint64_t deadline = oldest + (uint64_t)b->cfg.max_wait_us * 1000;
-            uint64_t now = hapi_now_ns();
-            if (now < deadline) {
-                struct timespec ts;
-                hapi_deadline_after_ns(&ts, deadline - now);
-                pthread_cond_timedwait(&b->ready_cond, &b->lock, &ts);
-                continue;
-            }
-        }
-        if (b->batch > cap) {
-            /* hapi_batcher_set_batch() raised the batch: grow the buffers first. */
-            struct job **nj = realloc(jobs, (size_t)b->batch * sizeof(*jobs));
-            jobs = nj ? nj : jobs;
-            hapi_batch_result *nr = realloc(results, (size_t)b->batch * sizeof(*results));
-            results = nr ? nr : results;
-            float *ni = realloc(input, (size_t)b->batch * b->tensor_floats * sizeof(float));
-            input = ni ? ni : input;
-            char *no = realloc(output, (size_t)b->batch * b->sample_bytes);
-            output = no ? no : output;
-            if (nj && nr && ni && no)
-                cap = b->batch;
-        }
-        int n = 0;
-        int take = b->batch < cap ? b->batch : cap;
-        for (int p = 0; p < HAPI_PRIORITY_COUNT && n < take; p++) {
-            struct job *j;
-            while (n < take && (j = list_pop(&b->ready[p])) != NULL) {
-                j->state = JOB_RUNNING;
-                jobs[n++] = j;
-            }
-        }
+        if (batch_wait_for_more(b, nready))
+            continue;
+        if (b->batch > bb.cap)
+            batch_buffers_grow(b, &bb);
+        int n = batch_take(b, &bb);
         pthread_mutex_unlock(&b->lock);
 
         hapi_error err = { 0 };
-        int rc = (!jobs || !results || !input || !output)
-                     ? hapi_error_set(&err, -ENOMEM, "out of memory for a batch")
-                     : 0;
-        uint64_t t0 = hapi_now_ns();
-        if (rc == 0) {
-            for (int i = 0; i < n; i++) {
-                memcpy(input + (size_t)i * b->tensor_floats, jobs[i]->tensor,
-                       b->tensor_floats * sizeof(float));
-                free(jobs[i]->tensor);
-                jobs[i]->tensor = NULL;
-            }
-            pthread_mutex_lock(&b->lock);
-            for (int i = 0; i < n; i++)
-                mem_add(b, jobs[i], -(int64_t)(b->tensor_floats * sizeof(float)));
-            pthread_mutex_unlock(&b->lock);
-            for (int i = 0; i < n; i++)
-                node_give(b, jobs[i], jobs[i]->node_mem);
-            /* the node's cores, divided among the mounts busy computing */
-            int tokens = hapi_node_cores_take(b->cfg.node, b->cfg.node_cores, 0, &b->node_stop);
-            if (tokens > 0 && tokens != threads_now) {
-                hapi_model_set_threads(tokens); /* as many threads as cores granted */
-                threads_now = tokens;
-            }
-            t0 = hapi_now_ns();
-            rc = tokens < 0 ? hapi_error_set(&err, -ECANCELED, "shutting down")
-                            : run_batch(b, input, n, output, &err);
-            hapi_node_cores_give(b->cfg.node, tokens);
-        }
+        uint64_t t0;
+        int rc = batch_compute(b, &bb, n, &threads_now, &t0, &err);
         uint64_t t1 = hapi_now_ns();
-        for (int i = 0; i < n; i++) {
-            struct job *j = jobs[i];
-            int code = rc;
-            if (code == 0) {
-                j->features = malloc(b->sample_bytes);
-                if (j->features)
-                    memcpy(j->features, output + (size_t)i * b->sample_bytes, b->sample_bytes);
-                else
-                    code = -ENOMEM;
-            }
-            results[i] = (hapi_batch_result){ j->key, j->tag, j->features, code,
-                                              code < 0 ? (rc < 0 ? err.message : "out of memory")
-                                                       : NULL,
-                                              j->priority, j->origin, { 0 } };
-        }
-        deliver(b, jobs, results, (size_t)n);
-        b->cfg.sink(b->cfg.ctx, results, (size_t)n);
+        batch_fill_results(b, &bb, n, rc, &err);
+        deliver(b, bb.jobs, bb.results, (size_t)n);
+        b->cfg.sink(b->cfg.ctx, bb.results, (size_t)n);
 
         pthread_mutex_lock(&b->lock);
         b->stats.batches++;
         b->stats.inference_ns += t1 - t0;
         for (int i = 0; i < n; i++)
-            finish(b, jobs[i], results[i].code, results[i].message);
+            finish(b, bb.jobs[i], bb.results[i].code, bb.results[i].message);
     }
     pthread_mutex_unlock(&b->lock);
-    free(jobs);
-    free(results);
-    free(input);
-    free(output);
+    batch_buffers_free(&bb);
     return NULL;
 }
 
