@@ -432,6 +432,8 @@ static void batch_buffers_init(const hapi_batcher *b, struct batch_buffers *bb)
     bb->results = calloc((size_t)bb->cap, sizeof(*bb->results));
     bb->input = malloc((size_t)bb->cap * b->tensor_floats * sizeof(float));
     bb->output = malloc((size_t)bb->cap * b->sample_bytes);
+    if (!bb->jobs || !bb->results)
+        bb->cap = 0; /* nothing can be taken until they exist (batch_buffers_grow) */
 }
 
 static void batch_buffers_free(struct batch_buffers *bb)
@@ -590,6 +592,12 @@ static void *inference_main(void *arg)
             batch_buffers_grow(b, &bb);
         int n = batch_take(b, &bb);
         pthread_mutex_unlock(&b->lock);
+        if (n == 0) {
+            /* no memory for a batch's arrays: the samples wait, none is lost; try again soon */
+            nanosleep(&(struct timespec){ .tv_nsec = 10 * 1000 * 1000 }, NULL);
+            pthread_mutex_lock(&b->lock);
+            continue;
+        }
 
         hapi_error err = { 0 };
         uint64_t t0;
