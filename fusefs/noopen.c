@@ -239,6 +239,18 @@ hapi_ctl_text *node_text(hapi_fs *fs, uint64_t id, uint64_t *serial)
     return text;
 }
 
+/* Replies with what made node ino shows (node_text()). Returns 0, or -ENOENT unreplied. */
+static int reply_node_text(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t off)
+{
+    uint64_t serial;
+    hapi_ctl_text *t = node_text(fs, ino, &serial);
+    if (!t)
+        return -ENOENT;
+    reply_text(req, t, size, off);
+    hapi_ctl_text_put(t);
+    return 0;
+}
+
 /* A read of a control file with no handle: .hapifs/model's bytes, or the node's text. */
 static void read_ctl_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t off)
 {
@@ -250,14 +262,8 @@ static void read_ctl_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t si
             reply_fd(req, fs->model_fd, size, off);
         return;
     }
-    uint64_t version;
-    hapi_ctl_text *t = node_text(fs, ino, &version);
-    if (!t) {
+    if (reply_node_text(req, fs, ino, size, off) < 0)
         fuse_reply_err(req, ENOENT);
-        return;
-    }
-    reply_text(req, t, size, off);
-    hapi_ctl_text_put(t);
 }
 
 /*
@@ -349,7 +355,6 @@ void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t o
         return;
     }
     struct open_file h = { .kind = kind, .fd = -1, .path = path, .id = c.id };
-    uint64_t serial;
     switch (kind) {
     case HAPI_NODE_FEAT:
         rc = read_feat_node(req, fs, ino, &h, &c, size, off);
@@ -357,17 +362,9 @@ void read_node(fuse_req_t req, hapi_fs *fs, fuse_ino_t ino, size_t size, off_t o
     case HAPI_NODE_PACK:
         rc = read_pack_node(req, fs, ino, &h, &c, size, off);
         break;
-    case HAPI_NODE_PACK_INDEX: {
-        hapi_ctl_text *t = node_text(fs, ino, &serial);
-        if (!t) {
-            rc = -ENOENT;
-            break;
-        }
-        reply_text(req, t, size, off);
-        hapi_ctl_text_put(t);
-        rc = 0;
+    case HAPI_NODE_PACK_INDEX:
+        rc = reply_node_text(req, fs, ino, size, off);
         break;
-    }
     case HAPI_NODE_FILE:
         if ((rc = hapi_source_open_beneath(fs->source, path, O_RDONLY)) < 0)
             break;
