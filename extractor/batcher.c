@@ -413,9 +413,10 @@ static int run_batch(hapi_batcher *b, float *input, int n, void *output, hapi_er
 
 /*
  * The inference thread's buffers for `cap` samples: the batch's jobs and results, its input
- * tensors and its output features. batch_buffers_init() allocates them; one it could not
- * allocate is NULL, and every batch then fails with -ENOMEM (batch_compute). The thread owns
- * them and frees them with batch_buffers_free().
+ * tensors and its output features. batch_buffers_init() allocates them. Without the jobs'
+ * or the results' array cap is 0 and no sample is taken until batch_buffers_grow() gets
+ * them; without the input or the output every batch fails with -ENOMEM (batch_compute).
+ * The thread owns them and frees them with batch_buffers_free().
  */
 struct batch_buffers {
     int cap;
@@ -529,9 +530,9 @@ static void batch_gather(hapi_batcher *b, struct batch_buffers *bb, int n)
 static int batch_compute(hapi_batcher *b, struct batch_buffers *bb, int n, int *threads_now,
                          uint64_t *t0, hapi_error *err)
 {
-    int rc = (!bb->jobs || !bb->results || !bb->input || !bb->output)
-                 ? hapi_error_set(err, -ENOMEM, "out of memory for a batch")
-                 : 0;
+    /* the jobs and results exist: batch_take() took n of them */
+    int rc = !bb->input || !bb->output ? hapi_error_set(err, -ENOMEM, "out of memory for a batch")
+                                       : 0;
     *t0 = hapi_now_ns();
     if (rc < 0)
         return rc;
