@@ -381,8 +381,9 @@ const hapi_policy_input_spec *hapi_policy_input_find(const char *name);
 /*
  * The help text of an input, from its row of the table: "MEANING: RANGE[ UNIT][, or WORD]
  * (default FALLBACK)", the unit shown where the range does not end in one ("0..1000 ms",
- * "1..100000 epochs"); an ENUM, whose words are its value: "MEANING (default FALLBACK)". Writes at most size bytes, NUL included, into
- * buf; returns the length of the whole text, as snprintf does. Thread-safe.
+ * "1..100000 epochs"); an ENUM, whose words are its value: "MEANING (default FALLBACK)".
+ * Writes at most size bytes, NUL included, into buf; returns the length of the whole text,
+ * as snprintf does. Thread-safe.
  */
 int hapi_policy_input_help(const hapi_policy_input_spec *s, char *buf, size_t size);
 
