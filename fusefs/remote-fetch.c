@@ -329,7 +329,7 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
     if (!path)
         return hapi_error_set(err, -ENOMEM, "out of memory");
     /* Around the page cache too: a pack rewritten in place keeps its size (see index_load()). */
-    fd = hapi_remote__source_open_direct(r, x->src, path);
+    fd = hapi_remote__source_open_direct(r, x->src, path, NULL);
     if (fd < 0) {
         rc = hapi_error_set(err, fd, "cannot open the pack: %s", hapi_strerror(fd));
         goto out;

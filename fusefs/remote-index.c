@@ -160,7 +160,8 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
      * their page cache for O_DIRECT; where it is refused, read normally.
      */
     struct stat ist = { .st_uid = getuid(), .st_gid = getgid(), .st_mode = 0444 };
-    int fd = hapi_remote__source_open_direct(r, src, path);
+    uint64_t gen = 0;
+    int fd = hapi_remote__source_open_direct(r, src, path, &gen);
     if (fd >= 0)
         hapi_remote__refresh_size(fd); /* an index that grew past a cached size reads whole */
     if (fd >= 0 && fstat(fd, &ist) < 0)
@@ -182,7 +183,7 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
         }
     } else if (rc != -ENOENT && rc != -ENOTDIR) {
         hapi_remote__source_failed(r, src, path, rc, "cannot read the index");
-    } else if (!hapi_remote__serving(r, src)) {
+    } else if (!hapi_remote__serving(r, src, gen)) {
         /*
          * No index because no storage mount is there now (its daemon
          * restarting): a failure, kept FAILED_INDEX_RETRY_NS, not a directory
@@ -214,7 +215,7 @@ int hapi_remote__index_unchanged(hapi_remote *r, int src, const char *dir,
         free(path);
         return 0;
     }
-    ssize_t n = hapi_remote__source_read_head(r, src, path, head, INDEX_HEAD);
+    ssize_t n = hapi_remote__source_read_head(r, src, path, head, INDEX_HEAD, NULL);
     if (n >= 0) {
         char version[17];
         head[n] = '\0';

@@ -65,6 +65,7 @@ struct root {
     hapi_source *source;
     dev_t dev;                    /* what the source's path named when opened */
     ino_t ino;
+    uint64_t gen;                 /* which of the source's roots, from 1: see hapi_remote__serving() */
 };
 
 struct remote_source {
@@ -91,8 +92,9 @@ struct remote_source {
             rows_failed, fetch_failures, file_reads;
     } stats;
     char last_error[512];         /* under lock */
-    /* when it last showed its .hapifs/config: see hapi_remote__serving() */
-    atomic_uint_fast64_t serving_ns;
+    uint64_t root_gen;            /* under lock: the last root's gen */
+    /* under lock: when it last showed its .hapifs/config, through which root (see hapi_remote__serving()) */
+    uint64_t serving_ns, serving_gen;
     atomic_uint_fast64_t root_since_ns; /* when an open root was last replaced (0: never) */
 };
 
@@ -191,20 +193,22 @@ struct hapi_remote {
     struct spill *spills;         /* oldest first */
     size_t spill_bytes;
     atomic_uint_fast64_t spill_retry_ns; /* when a spilled row was last offered the cache */
+    char *hold_miss;              /* test hook HAPIFS_TEST_HOLD_MISS, read once: see hapi_remote__serving() */
 };
 
 /* remote-source.c */
 void hapi_remote__root_put(struct root *rt);
 void hapi_remote__source_failed(hapi_remote *r, int src, const char *path, int rc,
                                 const char *what);
-int hapi_remote__source_open(hapi_remote *r, int src, const char *path, int flags);
+int hapi_remote__source_open(hapi_remote *r, int src, const char *path, int flags, uint64_t *gen);
 void hapi_remote__refresh_size(int fd);
-int hapi_remote__source_stat(hapi_remote *r, int src, const char *path, struct stat *st);
-int hapi_remote__source_open_direct(hapi_remote *r, int src, const char *path);
+int hapi_remote__source_stat(hapi_remote *r, int src, const char *path, struct stat *st,
+                             uint64_t *gen);
+int hapi_remote__source_open_direct(hapi_remote *r, int src, const char *path, uint64_t *gen);
 int hapi_remote__read_text(int fd, size_t max, char **text, size_t *len);
 ssize_t hapi_remote__source_read_head(hapi_remote *r, int src, const char *path, char *buf,
-                                      size_t len);
-int hapi_remote__serving(hapi_remote *r, int src);
+                                      size_t len, uint64_t *gen);
+int hapi_remote__serving(hapi_remote *r, int src, uint64_t gen);
 int hapi_remote__missing_or_down(hapi_remote *r);
 int hapi_remote__source_check(hapi_remote *r, int src, hapi_error *err);
 int hapi_remote__source_usable(hapi_remote *r, int src);

@@ -6,9 +6,11 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define SERVING_CHECK_NS (200ull * 1000 * 1000) /* a source seen serving is believed for 0.2 s */
@@ -56,7 +58,7 @@ static struct root *root_get(hapi_remote *r, int src, int *rc)
          * by a storage restart at the end of a run and opened 60 s later
          * by the next reader made that reader's missing names EIO.)
          */
-        atomic_store(&s->serving_ns, 0);
+        s->serving_ns = 0;
         if (old)
             atomic_store(&s->root_since_ns, hapi_now_ns());
         *rc = hapi_source_open(s->path, &so, &err);
@@ -68,6 +70,7 @@ static struct root *root_get(hapi_remote *r, int src, int *rc)
             struct stat st;
             atomic_init(&rt->refs, 1);
             rt->source = so;
+            rt->gen = ++s->root_gen;
             if (fstat(hapi_source_root_fd(so), &st) == 0) {
                 rt->dev = st.st_dev;
                 rt->ino = st.st_ino;
@@ -117,15 +120,21 @@ void hapi_remote__source_failed(hapi_remote *r, int src, const char *path, int r
 /*
  * Calls hapi_source_open_beneath on src's root; a transport error drops the
  * root and tries once more on a fresh one (the network filesystem may have
- * been mounted again). Returns an fd or -errno.
+ * been mounted again). Returns an fd or -errno; *gen (if not NULL) is the gen
+ * of the root it was opened or missed on (0: none could be opened), which
+ * hapi_remote__serving() takes to judge a miss.
  */
-int hapi_remote__source_open(hapi_remote *r, int src, const char *path, int flags)
+int hapi_remote__source_open(hapi_remote *r, int src, const char *path, int flags, uint64_t *gen)
 {
     int rc = 0;
+    if (gen)
+        *gen = 0;
     for (int attempt = 0; attempt < 2; attempt++) {
         struct root *rt = root_get(r, src, &rc);
         if (!rt)
             return rc;
+        if (gen)
+            *gen = rt->gen;
         rc = hapi_source_open_beneath(rt->source, path, flags);
         hapi_remote__root_put(rt);
         if (rc >= 0 || !is_transport_error(rc))
@@ -152,9 +161,10 @@ void hapi_remote__refresh_size(int fd)
     (void)statx(fd, "", AT_EMPTY_PATH | AT_STATX_FORCE_SYNC, STATX_SIZE, &stx);
 }
 
-int hapi_remote__source_stat(hapi_remote *r, int src, const char *path, struct stat *st)
+int hapi_remote__source_stat(hapi_remote *r, int src, const char *path, struct stat *st,
+                             uint64_t *gen)
 {
-    int fd = hapi_remote__source_open(r, src, path, O_PATH);
+    int fd = hapi_remote__source_open(r, src, path, O_PATH, gen);
     if (fd < 0)
         return fd;
     int rc = fstat(fd, st) < 0 ? -errno : 0;
@@ -167,10 +177,10 @@ int hapi_remote__source_stat(hapi_remote *r, int src, const char *path, struct s
  * filesystem's may hold what the file was), or plainly where the filesystem
  * refuses O_DIRECT at the open (tmpfs). Read it with hapi_remote_pread_all().
  */
-int hapi_remote__source_open_direct(hapi_remote *r, int src, const char *path)
+int hapi_remote__source_open_direct(hapi_remote *r, int src, const char *path, uint64_t *gen)
 {
-    int fd = hapi_remote__source_open(r, src, path, O_RDONLY | O_DIRECT);
-    return fd == -EINVAL ? hapi_remote__source_open(r, src, path, O_RDONLY) : fd;
+    int fd = hapi_remote__source_open(r, src, path, O_RDONLY | O_DIRECT, gen);
+    return fd == -EINVAL ? hapi_remote__source_open(r, src, path, O_RDONLY, gen) : fd;
 }
 
 /*
@@ -246,7 +256,8 @@ int hapi_remote__read_text(int fd, size_t max, char **text, size_t *len)
 static int source_read_text(hapi_remote *r, int src, const char *path, size_t max, char **text,
                             size_t *len)
 {
-    return hapi_remote__read_text(hapi_remote__source_open(r, src, path, O_RDONLY), max, text, len);
+    return hapi_remote__read_text(hapi_remote__source_open(r, src, path, O_RDONLY, NULL), max, text,
+                                  len);
 }
 
 /*
@@ -256,9 +267,9 @@ static int source_read_text(hapi_remote *r, int src, const char *path, size_t ma
  * or -errno.
  */
 ssize_t hapi_remote__source_read_head(hapi_remote *r, int src, const char *path, char *buf,
-                                      size_t len)
+                                      size_t len, uint64_t *gen)
 {
-    int fd = hapi_remote__source_open_direct(r, src, path);
+    int fd = hapi_remote__source_open_direct(r, src, path, gen);
     if (fd < 0)
         return fd;
     ssize_t n = hapi_remote_pread_all(fd, buf, len, 0);
@@ -277,36 +288,68 @@ ssize_t hapi_remote__source_read_head(hapi_remote *r, int src, const char *path,
  * its mountpoint in view, empty (or, through sshfs, with attributes cached
  * from before): every name in it is missing then, and a reader must hear that
  * the source is down (EIO), not that its files are gone (ENOENT).
+ *
+ * gen is the root a name was missed on (hapi_remote__source_open()'s *gen):
+ * the answer is then of that root only, so that a miss in the directory
+ * beneath a mount is never judged by a check of the mount that came over it
+ * since. (A reader held up between its miss and the check read existing
+ * images as ENOENT in the two-tier soak, at the end of sshfs remounts.) 0:
+ * a miss in an index read before, of whichever root.
  */
-int hapi_remote__serving(hapi_remote *r, int src)
+int hapi_remote__serving(hapi_remote *r, int src, uint64_t gen)
 {
     struct remote_source *s = &r->sources[src];
-    uint64_t now = hapi_now_ns(), seen = atomic_load(&s->serving_ns);
     /*
-     * A root reopened less than SERVING_CHECK_NS ago (a network filesystem
-     * mounted again over the empty directory): a name missing from what a
-     * reader found may have been missing from the directory beneath, and
-     * the check would speak for the new mount. Down, for so long.
+     * Test hook: while the file HAPIFS_TEST_HOLD_MISS names exists, a miss
+     * waits here before it is judged, as a reader held up on a busy node;
+     * the file's name with ".held" appended is made when one waits.
+     */
+    if (r->hold_miss && access(r->hold_miss, F_OK) == 0) {
+        char held[PATH_MAX];
+        snprintf(held, sizeof(held), "%s.held", r->hold_miss);
+        int fd = open(held, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+        if (fd >= 0)
+            close(fd);
+        while (access(r->hold_miss, F_OK) == 0)
+            nanosleep(&(struct timespec){ .tv_nsec = 10000000L }, NULL);
+    }
+    uint64_t now = hapi_now_ns();
+    /*
+     * A miss of no known root, and a root reopened less than
+     * SERVING_CHECK_NS ago (a network filesystem mounted again over the
+     * empty directory): the name may have been missing from the directory
+     * beneath, and the check would speak for the new mount. Down, for so long.
      */
     uint64_t since = atomic_load(&s->root_since_ns);
-    if (since && now - since < SERVING_CHECK_NS)
+    if (!gen && since && now - since < SERVING_CHECK_NS)
         return 0;
-    if (seen && now - seen < SERVING_CHECK_NS)
+    pthread_mutex_lock(&s->lock);
+    int known = s->serving_ns && now - s->serving_ns < SERVING_CHECK_NS &&
+                (!gen || gen == s->serving_gen);
+    pthread_mutex_unlock(&s->lock);
+    if (known)
         return 1;
     char buf[4096] __attribute__((aligned(4096)));
-    int up = hapi_remote__source_read_head(r, src, ".hapifs/config", buf, sizeof(buf)) > 0;
+    uint64_t on = 0;
+    int up = hapi_remote__source_read_head(r, src, ".hapifs/config", buf, sizeof(buf), &on) > 0;
     since = atomic_load(&s->root_since_ns); /* the read may have reopened it */
-    if (up && since && hapi_now_ns() - since < SERVING_CHECK_NS)
+    if (up && !gen && since && hapi_now_ns() - since < SERVING_CHECK_NS)
         return 0;
-    atomic_store(&s->serving_ns, up ? now : 0);
-    return up;
+    pthread_mutex_lock(&s->lock);
+    s->serving_ns = up ? now : 0;
+    s->serving_gen = on;
+    pthread_mutex_unlock(&s->lock);
+    return up && (!gen || on == gen);
 }
 
-/* -ENOENT if every source that is not refused is serving, else -EIO: see hapi_remote__serving(). */
+/*
+ * For a name no source's index lists: -ENOENT if every source that is not
+ * refused is serving, else -EIO. See hapi_remote__serving().
+ */
 int hapi_remote__missing_or_down(hapi_remote *r)
 {
     for (size_t i = 0; i < r->nsources; i++)
-        if (!atomic_load(&r->sources[i].refused) && !hapi_remote__serving(r, (int)i))
+        if (!atomic_load(&r->sources[i].refused) && !hapi_remote__serving(r, (int)i, 0))
             return -EIO;
     return -ENOENT;
 }

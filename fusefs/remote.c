@@ -115,12 +115,20 @@ int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *s
         free(dir);
         return rc;
     }
-    /* Directories and other files: the first source that has it, as it shows it. */
+    /*
+     * Directories and other files: the first source that has it, as it shows
+     * it. Missing everywhere: so only if every source that is not refused
+     * is a storage mount now, where it was missed (see hapi_remote__serving()).
+     */
     for (size_t i = 0; i < r->nsources; i++) {
-        if (!hapi_remote__source_usable(r, (int)i))
-            continue; /* one down: hapi_remote__missing_or_down() below */
+        if (!hapi_remote__source_usable(r, (int)i)) {
+            if (!atomic_load(&r->sources[i].refused))
+                why = -EIO; /* down: it may have it */
+            continue;
+        }
         struct stat s;
-        rc = hapi_remote__source_stat(r, (int)i, path, &s);
+        uint64_t gen = 0;
+        rc = hapi_remote__source_stat(r, (int)i, path, &s, &gen);
         if (rc == 0 && (S_ISDIR(s.st_mode) || S_ISREG(s.st_mode))) {
             *kind = S_ISDIR(s.st_mode) ? HAPI_REMOTE_DIR : HAPI_REMOTE_FILE;
             *st = s;
@@ -131,10 +139,12 @@ int hapi_remote_stat(hapi_remote *r, const char *path, int *kind, struct stat *s
         if (rc < 0 && rc != -ENOENT && rc != -ENOTDIR) {
             hapi_remote__source_failed(r, (int)i, path, rc, "cannot stat");
             why = rc;
+        } else if (rc < 0 && !hapi_remote__serving(r, (int)i, gen)) {
+            why = -EIO;
         }
     }
     free(dir);
-    return why == -ENOENT || why == -ENOTDIR ? hapi_remote__missing_or_down(r) : -EIO;
+    return why == -ENOENT || why == -ENOTDIR ? -ENOENT : -EIO;
 }
 
 /* The names seen while listing, to merge the sources' listings: a hash set. */
@@ -193,9 +203,9 @@ static void seen_free(struct seen *s)
  */
 static int list_source(hapi_remote *r, int src, const char *dir, struct seen *seen,
                        int (*fn)(void *arg, const char *name, int kind, const struct stat *st),
-                       void *arg)
+                       void *arg, uint64_t *gen)
 {
-    int fd = hapi_remote__source_open(r, src, dir, O_RDONLY | O_DIRECTORY);
+    int fd = hapi_remote__source_open(r, src, dir, O_RDONLY | O_DIRECTORY, gen);
     if (fd < 0)
         return fd == -ENOTDIR ? -ENOENT : fd;
     DIR *d = fdopendir(fd);
@@ -238,7 +248,7 @@ static int list_source(hapi_remote *r, int src, const char *dir, struct seen *se
                 rc = -ENOMEM;
                 break;
             }
-            int src_rc = hapi_remote__source_stat(r, src, child, &st);
+            int src_rc = hapi_remote__source_stat(r, src, child, &st, NULL);
             free(child);
             if (src_rc < 0 || !(S_ISDIR(st.st_mode) || S_ISREG(st.st_mode)))
                 continue;
@@ -268,7 +278,8 @@ int hapi_remote_list(hapi_remote *r, const char *dir,
                 failure = -EIO; /* down: it may have dir */
             continue;
         }
-        int src_rc = list_source(r, (int)i, dir, &seen, fn, arg);
+        uint64_t gen = 0;
+        int src_rc = list_source(r, (int)i, dir, &seen, fn, arg, &gen);
         if (src_rc >= 0) {
             found = 1;
         } else if (src_rc == -ENOMEM) {
@@ -276,6 +287,8 @@ int hapi_remote_list(hapi_remote *r, const char *dir,
         } else if (src_rc != -ENOENT) {
             hapi_remote__source_failed(r, (int)i, dir, src_rc, "cannot list");
             failure = src_rc;
+        } else if (!hapi_remote__serving(r, (int)i, gen)) {
+            failure = -EIO; /* missed where a storage mount is not now: see hapi_remote__serving() */
         }
     }
     seen_free(&seen);
@@ -293,7 +306,8 @@ int hapi_remote_open_file(hapi_remote *r, const char *path)
                 why = -EIO;
             continue;
         }
-        int fd = hapi_remote__source_open_direct(r, (int)i, path);
+        uint64_t gen = 0;
+        int fd = hapi_remote__source_open_direct(r, (int)i, path, &gen);
         if (fd >= 0) {
             hapi_remote__refresh_size(fd);
             atomic_fetch_add(&r->sources[i].stats.file_reads, 1);
@@ -302,13 +316,11 @@ int hapi_remote_open_file(hapi_remote *r, const char *path)
         if (fd != -ENOENT && fd != -ENOTDIR) {
             hapi_remote__source_failed(r, (int)i, path, fd, "cannot open");
             why = -EIO;
+        } else if (!hapi_remote__serving(r, (int)i, gen)) {
+            why = -EIO; /* missed where a storage mount is not now: see hapi_remote__serving() */
         }
     }
-    /*
-     * missing everywhere: so only if every source is a storage mount now (see
-     * hapi_remote__serving())
-     */
-    return why == -ENOENT ? hapi_remote__missing_or_down(r) : why;
+    return why;
 }
 
 int hapi_remote_pack_file_size(hapi_remote *r, const char *path, int fd, uint64_t *size)
@@ -377,7 +389,7 @@ int hapi_remote_open_storage_file(hapi_remote *r, const char *name)
     for (size_t i = 0; i < r->nsources; i++) {
         if (!hapi_remote__source_usable(r, (int)i))
             continue;
-        if ((rc = hapi_remote__source_open(r, (int)i, path, O_RDONLY)) >= 0)
+        if ((rc = hapi_remote__source_open(r, (int)i, path, O_RDONLY, NULL)) >= 0)
             return rc;
         hapi_remote__source_failed(r, (int)i, path, rc, "cannot open");
     }
@@ -406,7 +418,8 @@ int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_erro
     };
     r->warm = hapi_warmup_new(&warm_ops, r);
     r->sources = calloc(cfg->nroots, sizeof(*r->sources));
-    if (!r->sources || !r->warm) {
+    const char *hold = getenv("HAPIFS_TEST_HOLD_MISS");
+    if (!r->sources || !r->warm || (hold && *hold && !(r->hold_miss = strdup(hold)))) {
         hapi_warmup_free(r->warm);
         free(r->sources);
         free(r);
@@ -510,6 +523,7 @@ void hapi_remote_close(hapi_remote *r)
     pthread_mutex_destroy(&r->spill_lock);
     pthread_mutex_destroy(&r->fetch_lock);
     pthread_cond_destroy(&r->queue_cond);
+    free(r->hold_miss);
     free(r);
 }
 
