@@ -228,6 +228,19 @@ const char *hapi_model_blas(void);
 int hapi_model_run(hapi_model *m, int split, const float *input, int batch,
                    int dtype, void *output, size_t output_size, hapi_error *err) HAPI_NOEXCEPT;
 
+/*
+ * Runs stages [from, to) (0 <= from < to <= num_stages) on batch samples of
+ * what stage from - 1 outputs, in its probed shape (from = 0: the probed
+ * input shape), given as in_dtype (HAPI_DTYPE_FP32, or FP16 as a mount
+ * stores them), batch-major, contiguous; writes stage to - 1's output as
+ * hapi_model_run() does. A feature of split s run through [s, to) equals
+ * hapi_model_run(to) on its image but for the rounding of the feature's dtype
+ * (fp16) and of the model's precision. Same rules and codes as hapi_model_run().
+ */
+int hapi_model_run_range(hapi_model *m, int from, int to, const void *input, int in_dtype,
+                         int batch, int dtype, void *output, size_t output_size,
+                         hapi_error *err) HAPI_NOEXCEPT;
+
 /* Called by hapi_model_measure() just before (after = 0) and after (1) stage runs. */
 typedef void (*hapi_model_hook_fn)(void *ctx, int stage, int after);
 

@@ -122,14 +122,17 @@ extern "C" void hapi_model_set_threads(int n)
         omp_set_num_threads(n); // the calling thread's own count: at::parallel_for and oneDNN read it
 }
 
-// A batch as the first stage takes it: on the model's device, in its precision. A bf16 model
-// gets channels-last input, the layout oneDNN's bf16 convolutions run in without reorders.
+// A batch as a stage takes it: on the model's device, in its precision. A bf16 model gets
+// channels-last maps, the layout oneDNN's bf16 convolutions run in without reorders (other
+// shapes, a ViT's tokens, as they are).
 torch::Tensor model_input(const hapi_model *m, torch::Tensor x)
 {
     if (!m->device.is_cpu())
         x = x.to(m->device);
-    if (m->precision != torch::kFloat)
-        x = x.to(m->precision).contiguous(at::MemoryFormat::ChannelsLast);
+    if (x.scalar_type() != m->precision)
+        x = x.to(m->precision);
+    if (m->precision != torch::kFloat && x.dim() == 4)
+        x = x.contiguous(at::MemoryFormat::ChannelsLast);
     return x;
 }
 
@@ -313,31 +316,40 @@ int model_probe(hapi_model *m, int channels, int height, int width, hapi_error *
     return 0;
 }
 
-int model_run(hapi_model *m, int split, const float *input, int batch, int dtype, void *output,
-              size_t output_size, hapi_error *err)
+int model_run_range(hapi_model *m, int from, int to, const void *input, int in_dtype, int batch,
+                    int dtype, void *output, size_t output_size, hapi_error *err)
 {
     if (!m->probed)
         return hapi_error_set(err, HAPI_EINVAL, "model run before hapi_model_probe()");
-    if (split < 1 || split > (int)m->stages.size())
-        return hapi_error_set(err, HAPI_EINVAL, "split %d out of range 1..%d", split,
-                              (int)m->stages.size());
+    int n = (int)m->stages.size();
+    if (from < 0 || to <= from || to > n)
+        return hapi_error_set(err, HAPI_EINVAL, "stages [%d, %d) out of range: 0 <= from < to <= %d",
+                              from, to, n);
     if (batch < 1 || !input || !output)
         return hapi_error_set(err, HAPI_EINVAL, "bad batch (%d) or null buffer", batch);
-    if (dtype != HAPI_DTYPE_FP32 && dtype != HAPI_DTYPE_FP16)
-        return hapi_error_set(err, HAPI_EINVAL, "unknown dtype %d", dtype);
-    const hapi_stage_info &last = m->info[split - 1];
+    if ((dtype != HAPI_DTYPE_FP32 && dtype != HAPI_DTYPE_FP16) ||
+        (in_dtype != HAPI_DTYPE_FP32 && in_dtype != HAPI_DTYPE_FP16))
+        return hapi_error_set(err, HAPI_EINVAL, "unknown dtype %d or %d", dtype, in_dtype);
+    const hapi_stage_info &last = m->info[to - 1];
     size_t elem = dtype == HAPI_DTYPE_FP16 ? 2 : 4;
     size_t need = (size_t)batch * (size_t)sample_elements(last) * elem;
     if (output_size < need)
         return hapi_error_set(err, HAPI_EINVAL, "output buffer of %zu bytes, %zu needed",
                               output_size, need);
+    std::vector<int64_t> in_sizes{batch};
+    if (from == 0) {
+        in_sizes.insert(in_sizes.end(), {m->channels, m->height, m->width});
+    } else {
+        const hapi_stage_info &before = m->info[from - 1];
+        in_sizes.insert(in_sizes.end(), before.shape, before.shape + before.ndim);
+    }
 
     c10::InferenceMode guard;
     // The caller's buffer is wrapped, not copied; staged models never write to their input.
-    torch::Tensor x = model_input(m, torch::from_blob(const_cast<float *>(input),
-                                                      {batch, m->channels, m->height, m->width},
-                                                      torch::kFloat));
-    for (int i = 0; i < split; i++) {
+    torch::Tensor x = model_input(
+        m, torch::from_blob(const_cast<void *>(input), in_sizes,
+                            in_dtype == HAPI_DTYPE_FP16 ? torch::kHalf : torch::kFloat));
+    for (int i = from; i < to; i++) {
         try {
             x = m->stages[i].forward({x}).toTensor();
         } catch (const c10::Error &e) {
@@ -467,10 +479,22 @@ int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info) noex
 int hapi_model_run(hapi_model *m, int split, const float *input, int batch, int dtype,
                    void *output, size_t output_size, hapi_error *err) noexcept
 {
+    if (m && (split < 1 || split > (int)m->stages.size()))
+        return hapi_error_set(err, HAPI_EINVAL, "split %d out of range 1..%d", split,
+                              (int)m->stages.size());
+    return hapi_model_run_range(m, 0, split, input, HAPI_DTYPE_FP32, batch, dtype, output,
+                                output_size, err);
+}
+
+int hapi_model_run_range(hapi_model *m, int from, int to, const void *input, int in_dtype,
+                         int batch, int dtype, void *output, size_t output_size,
+                         hapi_error *err) noexcept
+{
     if (!m)
         return hapi_error_set(err, HAPI_EINVAL, "run: null model");
     try {
-        return model_run(m, split, input, batch, dtype, output, output_size, err);
+        return model_run_range(m, from, to, input, in_dtype, batch, dtype, output, output_size,
+                               err);
     }
     HAPI_MODEL_CATCH("run")
 }

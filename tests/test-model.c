@@ -428,6 +428,92 @@ START_TEST(test_bf16_close_to_reference)
 }
 END_TEST
 
+/* Output of stages [from, to) on batch samples of in (in_dtype), as fp32; caller frees. */
+static float *run_range_fp32(hapi_model *m, int from, int to, const void *in, int in_dtype,
+                             int batch)
+{
+    hapi_error err = {0};
+    size_t n = (size_t)batch * stage_elements(m, to);
+    float *out = malloc(n * sizeof(float));
+    ck_assert_ptr_nonnull(out);
+    int rc = hapi_model_run_range(m, from, to, in, in_dtype, batch, HAPI_DTYPE_FP32, out,
+                                  n * sizeof(float), &err);
+    ck_assert_msg(rc == 0, "run [%d, %d) batch %d: %d %s", from, to, batch, rc, err.message);
+    return out;
+}
+
+/*
+ * A feature of split s run through [s, to) is what [0, to) gives in one go: equal from fp32
+ * features, within fp16's rounding from fp16 ones; for maps (ResNet), tokens (ViT) and bf16.
+ */
+START_TEST(test_run_range_finishes_a_split)
+{
+    static const struct {
+        const char *path;
+        int size, input, to, precision;
+    } models[] = {
+        {r18_path, 64, R18_INPUT, 6, HAPI_PRECISION_FP32},
+        {vit_path, 32, VIT_INPUT, 14, HAPI_PRECISION_FP32},
+        {r18_path, 64, R18_INPUT, 6, HAPI_PRECISION_BF16},
+    };
+    for (size_t k = 0; k < sizeof(models) / sizeof(models[0]); k++) {
+        hapi_error err = {0};
+        hapi_model *m = NULL;
+        hapi_model_options opt = {.threads = 2, .precision = models[k].precision};
+        int rc = hapi_model_load(models[k].path, &opt, &m, &err);
+        ck_assert_msg(rc == 0, "load: %d %s", rc, err.message);
+        ck_assert_int_eq(hapi_model_probe(m, 3, models[k].size, models[k].size, &err), 0);
+        int to = models[k].to, bf16 = models[k].precision == HAPI_PRECISION_BF16;
+        float *in = det_input((size_t)2 * models[k].input);
+        float *whole = run_fp32(m, to, in, 2);
+        size_t n = 2 * stage_elements(m, to);
+        /* [0, to) from the image itself */
+        float *same = run_range_fp32(m, 0, to, in, HAPI_DTYPE_FP32, 2);
+        ck_assert_msg(max_rel_diff(same, whole, n) <= 1e-6, "[0, %d) differs", to);
+        free(same);
+        for (int s = 1; s < to; s++) {
+            size_t fn = 2 * stage_elements(m, s);
+            float *feat = run_fp32(m, s, in, 2);
+            float *rest = run_range_fp32(m, s, to, feat, HAPI_DTYPE_FP32, 2);
+            double cos = cosine(rest, whole, n);
+            if (bf16) /* each run rounds to bf16 where the stages meet, as one run does */
+                ck_assert_msg(cos >= 0.9999, "bf16 [%d, %d): cosine %.7f", s, to, cos);
+            else
+                ck_assert_msg(max_rel_diff(rest, whole, n) <= 1e-5, "fp32 [%d, %d) differs", s,
+                              to);
+            uint16_t *half = malloc(fn * sizeof(uint16_t));
+            ck_assert_ptr_nonnull(half);
+            ck_assert_int_eq(hapi_model_run(m, s, in, 2, HAPI_DTYPE_FP16, half, fn * 2, &err), 0);
+            float *from_half = run_range_fp32(m, s, to, half, HAPI_DTYPE_FP16, 2);
+            double hcos = cosine(from_half, whole, n);
+            ck_assert_msg(hcos >= 0.9999, "fp16 feature [%d, %d): cosine %.7f", s, to, hcos);
+            if (getenv("HAPI_TEST_VERBOSE"))
+                fprintf(stderr, "%s%s [%d, %d): cosine %.9f, from fp16 %.9f\n",
+                        models[k].path == vit_path ? "vit" : "r18", bf16 ? " bf16" : "", s, to,
+                        cos, hcos);
+            free(from_half);
+            free(half);
+            free(rest);
+            free(feat);
+        }
+        /* ranges and dtypes out of bounds are refused */
+        float out[2 * 512 * 4];
+        ck_assert_int_eq(hapi_model_run_range(m, -1, to, in, HAPI_DTYPE_FP32, 1, HAPI_DTYPE_FP32,
+                                              out, sizeof(out), &err), HAPI_EINVAL);
+        ck_assert_int_eq(hapi_model_run_range(m, 2, 2, in, HAPI_DTYPE_FP32, 1, HAPI_DTYPE_FP32,
+                                              out, sizeof(out), &err), HAPI_EINVAL);
+        ck_assert_int_eq(hapi_model_run_range(m, 0, hapi_model_num_stages(m) + 1, in,
+                                              HAPI_DTYPE_FP32, 1, HAPI_DTYPE_FP32, out,
+                                              sizeof(out), &err), HAPI_EINVAL);
+        ck_assert_int_eq(hapi_model_run_range(m, 1, to, in, 9, 1, HAPI_DTYPE_FP32, out,
+                                              sizeof(out), &err), HAPI_EINVAL);
+        free(whole);
+        free(in);
+        hapi_model_free(m);
+    }
+}
+END_TEST
+
 struct thread_job {
     hapi_model *model;
     const float *input;
@@ -939,6 +1025,7 @@ static Suite *model_suite(void)
         {"parity resnet", test_parity_resnet},
         {"parity vit", test_parity_vit},
         {"bf16 close to reference", test_bf16_close_to_reference},
+        {"run range finishes a split", test_run_range_finishes_a_split},
         {"concurrent runs", test_concurrent_runs},
         {"run errors", test_run_errors},
         {"load errors", test_load_errors},
