@@ -78,10 +78,40 @@ static const char *status_name(hapi_packindex_status status)
                                              : "pending";
 }
 
+/*
+ * Text s as a JSON string under key, or, where s is not UTF-8 (a Latin-1 file
+ * name: JSON strings are Unicode), its bytes in lowercase hex under key_hex.
+ * A new reference with *used set to the key, or NULL without memory.
+ */
+static json_t *text_json(const char *s, const char *key, const char *key_hex, const char **used)
+{
+    json_t *v = json_string(s); /* NULL: not UTF-8, or no memory */
+    *used = key;
+    if (v)
+        return v;
+    size_t n = strlen(s);
+    char *hex = malloc(2 * n + 1);
+    if (!hex)
+        return NULL;
+    for (size_t i = 0; i < n; i++) {
+        hex[2 * i] = HEX_DIGITS[(unsigned char)s[i] >> 4];
+        hex[2 * i + 1] = HEX_DIGITS[(unsigned char)s[i] & 15];
+    }
+    hex[2 * n] = '\0';
+    *used = key_hex;
+    v = json_string(hex);
+    free(hex);
+    return v;
+}
+
 static json_t *entry_json(const hapi_packindex_entry *e)
 {
     const hapi_source_id *id = &e->id;
-    json_t *j = json_pack("{s:s, s:I, s:I, s:I, s:I, s:s}", "name", e->name,
+    const char *key;
+    json_t *name = text_json(e->name, "name", "name_hex", &key);
+    if (!name)
+        return NULL;
+    json_t *j = json_pack("{s:o, s:I, s:I, s:I, s:I, s:s}", key, name,
                           "size", (json_int_t)id->size, "mtime_ns", (json_int_t)id->mtime_ns,
                           "ctime_ns", (json_int_t)id->ctime_ns, "ino", (json_int_t)id->ino,
                           "status", status_name(e->status));
@@ -94,16 +124,18 @@ static json_t *entry_json(const hapi_packindex_entry *e)
 static json_t *index_json(const hapi_packindex *x, const char *version)
 {
     json_t *shape = json_array(), *entries = json_array(), *j = NULL;
-    int ok = shape && entries;
+    const char *dir_key = "dir";
+    json_t *dir = x->dir ? text_json(x->dir, "dir", "dir_hex", &dir_key) : NULL;
+    int ok = shape && entries && (dir || !x->dir);
     for (int i = 0; ok && i < x->ndim; i++)
         ok = json_array_append_new(shape, json_integer(x->shape[i])) == 0;
     for (size_t i = 0; ok && i < x->count; i++)
         ok = json_array_append_new(entries, entry_json(&x->entries[i])) == 0;
     /* jansson keeps insertion order: "format" and "version" come first */
     if (ok)
-        j = json_pack("{s:s, s:s, s:s?, s:s, s:s, s:i, s:s?, s:s, s:O,"
+        j = json_pack("{s:s, s:s, s:O?, s:s, s:s, s:i, s:s?, s:s, s:O,"
                       " s:I, s:I, s:I, s:I, s:s, s:O}",
-                      "format", HAPI_PACK_FORMAT, "version", version, "dir", x->dir,
+                      "format", HAPI_PACK_FORMAT, "version", version, dir_key, dir,
                       "pack", HAPI_PACK_NAME, "namespace", x->ns_hex, "split", x->split,
                       "stage", x->stage, "dtype", dtype_name(x->dtype), "row_shape", shape,
                       "count", (json_int_t)x->count, "header_bytes", (json_int_t)x->header_bytes,
@@ -111,6 +143,7 @@ static json_t *index_json(const hapi_packindex *x, const char *version)
                       "failed_rows", "NaN", "entries", entries);
     json_decref(shape);
     json_decref(entries);
+    json_decref(dir);
     return j;
 }
 
@@ -138,6 +171,39 @@ uint64_t hapi_packindex_entry_bound(const char *name)
 static int hex_ok(const char *s, size_t n)
 {
     return strlen(s) == n && strspn(s, HEX_DIGITS) == n;
+}
+
+/*
+ * o[key] when it is a string, else o[key_hex] decoded when it is lowercase hex
+ * of bytes other than NUL (see text_json()): a copy in *out, NULL when there
+ * is neither. Returns 0, -ENOMEM, or HAPI_ECORRUPT (both keys, or bad hex).
+ */
+static int text_of(json_t *o, const char *key, const char *key_hex, const char **out)
+{
+    const char *s = json_string_value(json_object_get(o, key));
+    const char *hex = json_string_value(json_object_get(o, key_hex));
+    *out = NULL;
+    if (s && hex)
+        return HAPI_ECORRUPT;
+    if (!hex)
+        return (*out = s ? strdup(s) : NULL) || !s ? 0 : -ENOMEM;
+    size_t n = strlen(hex);
+    if (n % 2 || strspn(hex, HEX_DIGITS) != n)
+        return HAPI_ECORRUPT;
+    char *text = malloc(n / 2 + 1);
+    if (!text)
+        return -ENOMEM;
+    for (size_t i = 0; i < n / 2; i++) {
+        const char *hi = strchr(HEX_DIGITS, hex[2 * i]), *lo = strchr(HEX_DIGITS, hex[2 * i + 1]);
+        text[i] = (char)((hi - HEX_DIGITS) << 4 | (lo - HEX_DIGITS));
+    }
+    text[n / 2] = '\0';
+    if (strlen(text) != n / 2) { /* a NUL byte in it */
+        free(text);
+        return HAPI_ECORRUPT;
+    }
+    *out = text;
+    return 0;
 }
 
 /* A name from an index: one path component, not "." or "..", an image. */
@@ -183,14 +249,18 @@ static int parse_entries(hapi_packindex *x, json_t *entries, hapi_error *err)
     int rc = HAPI_ECORRUPT, bad = 0;
     for (size_t i = 0; i < x->count; i++) {
         json_t *e = json_array_get(entries, i);
-        const char *name = json_string_value(json_object_get(e, "name"));
         const char *status = json_string_value(json_object_get(e, "status"));
         hapi_packindex_entry *ie = &x->entries[i];
+        /* the entry owns its name from here: hapi_packindex_free() frees it */
+        int name_rc = text_of(e, "name", "name_hex", &ie->name);
+        if (name_rc == -ENOMEM)
+            return hapi_error_set(err, -ENOMEM, "out of memory");
+        const char *name = ie->name;
         ie->id.size = (uint64_t)json_int_of(e, "size", &bad);
         ie->id.mtime_ns = json_int_of(e, "mtime_ns", &bad);
         ie->id.ctime_ns = json_int_of(e, "ctime_ns", &bad);
         ie->id.ino = (uint64_t)json_int_of(e, "ino", &bad);
-        if (bad || !name || !name_ok(name) || !status) {
+        if (bad || name_rc < 0 || !name || !name_ok(name) || !status) {
             hapi_error_set(err, rc, "entry %zu: bad name, identity or status", i);
             return rc;
         }
@@ -200,7 +270,7 @@ static int parse_entries(hapi_packindex *x, json_t *entries, hapi_error *err)
             return rc;
         }
         ie->status = status_of(status);
-        if (!(ie->name = strdup(name)) || string_of(e, "error", &ie->error) < 0)
+        if (string_of(e, "error", &ie->error) < 0)
             return hapi_error_set(err, -ENOMEM, "out of memory");
     }
     return 0;
@@ -287,8 +357,11 @@ static int parse_rest(hapi_packindex *x, json_t *j, hapi_error *err)
                        json_integer_value(split) <= INT_MAX
                    ? (int)json_integer_value(split)
                    : -1;
-    if (string_of(j, "dir", &x->dir) < 0 || string_of(j, "stage", &x->stage) < 0)
+    int dir_rc = text_of(j, "dir", "dir_hex", &x->dir);
+    if (dir_rc == -ENOMEM || string_of(j, "stage", &x->stage) < 0)
         return hapi_error_set(err, -ENOMEM, "out of memory");
+    if (dir_rc < 0)
+        return hapi_error_set(err, HAPI_ECORRUPT, "bad dir or dir_hex");
     return 0;
 }
 

@@ -18,7 +18,8 @@
  *
  *   format       "hapifs-pack/1" (HAPI_PACK_FORMAT)
  *   version      16 lowercase hex digits: see "The version" below
- *   dir          the directory, relative to the source's root ("" for the root)
+ *   dir          the directory, relative to the source's root ("" for the root);
+ *                dir_hex instead where it is not UTF-8 (see name_hex)
  *   pack         ".hapifs-pack.npy" (HAPI_PACK_NAME), the file the index describes
  *   namespace    32 lowercase hex digits: the storage side's cache namespace
  *                (model, split, dtype, preprocessing, precision); the compute
@@ -38,6 +39,9 @@
  *     name       the image's name in dir: one path component, not "." or
  *                "..", an image name (.jpg .jpeg .png), at most NAME_MAX - 5
  *                bytes (its .feat name must fit)
+ *     name_hex   instead of name where the name is not UTF-8 (a Latin-1 name
+ *                from an old archive; JSON strings are Unicode): its bytes as
+ *                lowercase hex pairs, none 00. Never both.
  *     size, mtime_ns, ctime_ns, ino
  *                the image's identity (hapi_source_id) when the snapshot was taken
  *     status     "cached" (in the storage side's cache), "pending" (not yet
@@ -55,7 +59,8 @@
  *
  * A parser refuses (HAPI_ECORRUPT) an index whose format is another, whose
  * namespace, dtype, row_shape, entries or an entry's name, identity or
- * status is missing or malformed, whose count, row_bytes, header_bytes or
+ * status is missing or malformed (a name_hex or dir_hex too, or beside its
+ * name or dir), whose count, row_bytes, header_bytes or
  * size disagree with the shape and the entries, or whose names are out of
  * order. It reads only the first JSON value of the text: through a network
  * filesystem that kept an older, longer size, a read past the new content's

@@ -309,6 +309,21 @@ static const struct {
     { { { 3, "status", NULL } }, "entry 3: bad name, identity or status" },
     { { { 3, "status", "0" } }, "entry 3: bad name, identity or status" },
     { { { 1, "name", "\" space.jpg\"" } }, "entry 1: names out of order" },
+    /* names that are not UTF-8, in hex: one key only, lowercase pairs, no NUL, a name still */
+    { { { 1, "name_hex", "\"2071\"" } }, "entry 1: bad name, identity or status" },
+    { { { 1, "name", NULL }, { 1, "name_hex", "\"2g2e6a7067\"" } },
+      "entry 1: bad name, identity or status" },
+    { { { 1, "name", NULL }, { 1, "name_hex", "\"2E6A7067\"" } },
+      "entry 1: bad name, identity or status" },
+    { { { 1, "name", NULL }, { 1, "name_hex", "\"22712e6a706\"" } },
+      "entry 1: bad name, identity or status" },
+    { { { 1, "name", NULL }, { 1, "name_hex", "\"2200712e6a7067\"" } },
+      "entry 1: bad name, identity or status" },
+    { { { 1, "name", NULL }, { 1, "name_hex", "\"222f712e6a7067\"" } },
+      "entry 1: bad name, identity or status" },
+    { { { 1, "name", NULL }, { 1, "name_hex", "7" } }, "entry 1: bad name, identity or status" },
+    { { { -1, "dir_hex", "\"74\"" } }, "bad dir or dir_hex" },
+    { { { -1, "dir", NULL }, { -1, "dir_hex", "\"7\"" } }, "bad dir or dir_hex" },
     { { { 5, "name", "\"b.jpg\"" } }, "entry 5: names out of order" },
 };
 
@@ -327,6 +342,37 @@ START_TEST(a_bad_index_is_refused_with_why)
     hapi_error err2 = { 0 };
     ck_assert_int_eq(hapi_remote_index_check(text, strlen(text), "train", &err2), HAPI_ECORRUPT);
     ck_assert_str_eq(err2.message, refusals[i].message);
+    free(text);
+}
+END_TEST
+
+/*
+ * A name or a directory that is not UTF-8 (Latin-1, from an old archive) is written in hex
+ * (JSON strings are Unicode: the whole index could not be written) and parses back to its bytes.
+ */
+START_TEST(a_name_that_is_not_utf8_goes_in_hex)
+{
+    hapi_packindex x = fixture();
+    static const char latin1[] = "zz\xe9t\xe9.JPG";
+    x.dir = "train/d\xe9j\xe0";
+    entries[5].name = latin1;
+    size_t len;
+    char *text = write_text(&x, &len);
+    ck_assert_ptr_nonnull(strstr(text, "\"dir_hex\":\"747261696e2f64e96ae0\","));
+    ck_assert_ptr_nonnull(strstr(text, "{\"name_hex\":\"7a7ae974e92e4a5047\",\"size\":3,"));
+    ck_assert_ptr_nonnull(strstr(text, "{\"name\":\" space.jpg\","));
+    ck_assert_ptr_null(strstr(text, "\"dir\":"));
+    hapi_packindex *y = NULL;
+    hapi_error err = { 0 };
+    ck_assert_int_eq(hapi_packindex_parse(text, len, &y, &err), 0);
+    ck_assert_int_eq(hapi_remote_index_check(text, len, "train/x", &err), 0);
+    ck_assert_str_eq(y->dir, x.dir);
+    ck_assert_str_eq(y->entries[5].name, latin1);
+    ck_assert_str_eq(y->entries[0].name, names[0]);
+    char version[17];
+    hapi_packindex_version(&x, version);
+    ck_assert_str_eq(y->version, version);
+    hapi_packindex_free(y);
     free(text);
 }
 END_TEST
@@ -425,6 +471,7 @@ int main(void)
         { "the_head_names_the_version", the_head_names_the_version },
         { "the_text_stays_within_its_bound", the_text_stays_within_its_bound },
         { "a_name_too_long_for_its_feat_is_refused", a_name_too_long_for_its_feat_is_refused },
+        { "a_name_that_is_not_utf8_goes_in_hex", a_name_that_is_not_utf8_goes_in_hex },
         { "a_torn_index_is_refused_an_old_tail_ignored",
           a_torn_index_is_refused_an_old_tail_ignored },
         { "the_fields_no_check_needs_are_optional", the_fields_no_check_needs_are_optional },

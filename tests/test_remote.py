@@ -448,6 +448,26 @@ def test_a_name_missed_where_the_source_was_before_a_remount_is_not_enoent(tmp_p
         back.unmount()
 
 
+def test_a_name_that_is_not_utf8_is_served_with_its_directory(tmp_path, storage, mounter):
+    """An image whose name is not UTF-8 (Latin-1, as old archives have) is listed in its
+    directory's index (as name_hex) and served through the compute side, and so is the rest of
+    its directory (the index could not be written: every image there was EIO)."""
+    src, st, paths = storage(classes=1, per_class=2)
+    odd = b"caf\xe9.jpg"
+    shutil.copy(src / paths[0], os.fsencode(src / "class0") + b"/" + odd)
+    wait_until(lambda: odd + b".feat" in os.listdir(os.fsencode(st.path / "class0")))
+    index = json.loads((st.path / "class0" / INDEX).read_bytes())
+    assert [e.get("name_hex") for e in index["entries"]] == [None, None, odd.hex()], index
+    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    assert feats(r.path, paths) == feats(st.path, paths)
+    feat = odd + b".feat"
+    assert feat in os.listdir(os.fsencode(r.path / "class0"))
+    with open(os.fsencode(r.path / "class0") + b"/" + feat, "rb") as f:
+        got = f.read()
+    with open(os.fsencode(st.path / "class0") + b"/" + feat, "rb") as f:
+        assert got == f.read()
+
+
 def test_warm_and_evict_through_hapifs_ctl(tmp_path, storage, mounter):
     src, st, paths = storage(classes=3, per_class=4)
     r = remote(mounter, tmp_path, [st.path])
