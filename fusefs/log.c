@@ -146,14 +146,62 @@ void hapi_error_ring_add(hapi_error_ring *r, const char *path, int code, const c
     pthread_mutex_unlock(&r->lock);
 }
 
+/* The length of the valid UTF-8 sequence at p, or 0 (see text_json()). */
+static size_t utf8_len(const unsigned char *p)
+{
+    if (p[0] < 0x80)
+        return 1;
+    size_t n = p[0] >= 0xc2 && p[0] <= 0xdf ? 2 : p[0] >= 0xe0 && p[0] <= 0xef ? 3
+             : p[0] >= 0xf0 && p[0] <= 0xf4 ? 4 : 0;
+    for (size_t i = 1; i < n; i++)
+        if ((p[i] & 0xc0) != 0x80)
+            return 0;
+    return n;
+}
+
+/*
+ * s as a JSON string for a person to read (NULL: JSON null; NULL without
+ * memory too): where it is not UTF-8 (a Latin-1 file name), each byte that
+ * is not is written as the four characters \xNN, as Python's backslashreplace
+ * does. (jansson refuses such a string: its error was lost from the list.)
+ */
+static json_t *text_json(const char *s)
+{
+    json_t *v = s ? json_string(s) : json_null();
+    if (v || !s)
+        return v;
+    for (int all = 0; all < 2 && !v; all++) {
+        size_t len = strlen(s);
+        char *out = malloc(4 * len + 1), *o = out;
+        if (!out)
+            return NULL;
+        for (const unsigned char *p = (const unsigned char *)s; *p;) {
+            size_t n = all ? *p < 0x80 : utf8_len(p);
+            if (n) {
+                memcpy(o, p, n);
+                o += n;
+                p += n;
+            } else {
+                o += sprintf(o, "\\x%02x", *p++);
+            }
+        }
+        *o = '\0';
+        v = json_string(out); /* all: overlong and surrogate forms are escaped byte by byte */
+        free(out);
+    }
+    return v;
+}
+
 char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, void *arg),
                            void *arg)
 {
     json_t *list = json_array();
     json_t *root = json_object();
+    char **paths = calloc(HAPI_ERRORS_KEPT, sizeof(*paths)); /* as recorded: for shown */
     char *text = NULL;
+    size_t n = 0;
 
-    if (!list || !root)
+    if (!list || !root || !paths)
         goto out;
     pthread_mutex_lock(&r->lock);
     uint64_t kept = r->count < HAPI_ERRORS_KEPT ? r->count : HAPI_ERRORS_KEPT;
@@ -163,20 +211,21 @@ char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, vo
         struct tm tm;
         gmtime_r(&r->slot[i].when, &tm);
         strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", &tm);
-        json_array_append_new(list, json_pack("{s:s, s:s?, s:s?, s:s, s:I}", "time", when,
-                                              "path", r->slot[i].path, "error",
-                                              r->slot[i].message, "kind",
-                                              hapi_strerror(r->slot[i].code), "repeats",
-                                              (json_int_t)r->slot[i].repeats));
+        json_t *e = json_pack("{s:s, s:o?, s:o?, s:s, s:I}", "time", when, "path",
+                              text_json(r->slot[i].path), "error",
+                              text_json(r->slot[i].message), "kind",
+                              hapi_strerror(r->slot[i].code), "repeats",
+                              (json_int_t)r->slot[i].repeats);
+        if (json_array_append_new(list, e) == 0)
+            paths[n++] = r->slot[i].path ? strdup(r->slot[i].path) : NULL;
     }
     json_object_set_new(root, "count", json_integer((json_int_t)r->count));
     pthread_mutex_unlock(&r->lock);
     if (shown) {
         /* outside the lock: deciding may stat the source */
         json_int_t hidden = 0;
-        for (size_t k = json_array_size(list); k-- > 0;) {
-            const char *path = json_string_value(json_object_get(json_array_get(list, k), "path"));
-            if (!path || !shown(path, arg)) {
+        for (size_t k = n; k-- > 0;) {
+            if (!paths[k] || !shown(paths[k], arg)) {
                 json_array_remove(list, k);
                 hidden++;
             }
@@ -186,6 +235,9 @@ char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, vo
     json_object_set(root, "errors", list);
     text = json_dumps(root, JSON_INDENT(2));
 out:
+    for (size_t k = 0; k < n; k++)
+        free(paths[k]);
+    free(paths);
     json_decref(list);
     json_decref(root);
     return text;

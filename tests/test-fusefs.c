@@ -424,6 +424,36 @@ START_TEST(test_error_ring_filter)
 }
 END_TEST
 
+static int shown_if_latin1(const char *path, void *arg)
+{
+    (void)arg;
+    return strcmp(path, "public/caf\xe9.jpg") == 0; /* the path as recorded, not as shown */
+}
+
+/*
+ * A path or message that is not UTF-8 (a Latin-1 file name) is listed, its bytes that are not
+ * UTF-8 as \xNN (jansson refuses the string: the error was missing from the list).
+ */
+START_TEST(test_error_ring_not_utf8)
+{
+    hapi_error_ring *r = hapi_error_ring_new();
+    hapi_error_ring_add(r, "public/caf\xe9.jpg", HAPI_EDECODE, "public/caf\xe9.jpg: truncated");
+    hapi_error_ring_add(r, "public/d\xc3\xa9j\xc3\xa0.jpg", HAPI_EDECODE, "bad \xc0\xaf");
+    char *json = hapi_error_ring_json(r, shown_if_latin1, NULL);
+    ck_assert_ptr_nonnull(json);
+    ck_assert_ptr_nonnull(strstr(json, "\"path\": \"public/caf\\\\xe9.jpg\""));
+    ck_assert_ptr_nonnull(strstr(json, "\"error\": \"public/caf\\\\xe9.jpg: truncated\""));
+    ck_assert_ptr_nonnull(strstr(json, "\"hidden\": 1"));
+    free(json);
+    json = hapi_error_ring_json(r, NULL, NULL);
+    /* valid UTF-8 kept as it is; an overlong form escaped byte by byte */
+    ck_assert_ptr_nonnull(strstr(json, "\"path\": \"public/d\xc3\xa9j\xc3\xa0.jpg\""));
+    ck_assert_ptr_nonnull(strstr(json, "\"error\": \"bad \\\\xc0\\\\xaf\""));
+    free(json);
+    hapi_error_ring_free(r);
+}
+END_TEST
+
 /* A timed wait on a monotonic condition with hapi_deadline_after_ns() times out after the wait asked. */
 START_TEST(test_deadline_monotonic)
 {
@@ -546,6 +576,7 @@ int main(void)
         { "source_may_see", test_source_may_see },
         { "error_ring", test_error_ring },
         { "error_ring_filter", test_error_ring_filter },
+        { "error_ring_not_utf8", test_error_ring_not_utf8 },
         { "deadline_monotonic", test_deadline_monotonic },
         { "warmup_state_machine", test_warmup_state_machine },
     };
