@@ -501,6 +501,8 @@ static json_t *render_remote_stats(hapi_ctl *c)
     static const char *const states[] = { "idle", "counting", "running", "done", "stopped" };
     hapi_remote_stats rs;
     hapi_remote_stats_get(c->cfg.remote, &rs);
+    hapi_remote_features rf;
+    hapi_remote_features_get(c->cfg.remote, &rf);
     json_t *sources = render_remote_sources(c);
     uint64_t index_bytes = 0, pack_bytes = 0, packs = 0;
     for (size_t i = 0; i < json_array_size(sources); i++) {
@@ -533,7 +535,7 @@ static json_t *render_remote_stats(hapi_ctl *c)
                        "bytes", (json_int_t)rs.bytes,
                        "hits", (json_int_t)rs.hits,
                        "misses", (json_int_t)rs.misses,
-                       "computed", (json_int_t)0,
+                       "computed", (json_int_t)rf.rows, /* features=freeze: finished here */
                        "fetched", (json_int_t)rs.fetched_rows,
                        "failed", (json_int_t)rs.failed,
                        "stale", (json_int_t)rs.stale,
@@ -551,6 +553,51 @@ static json_t *render_remote_stats(hapi_ctl *c)
                      "cache", render_remote_cache(c),
                      "requests", render_requests(c),
                      "uring", render_uring(c));
+}
+
+/*
+ * features=freeze: the split a script sees is the freeze point (train.py then
+ * runs no trunk), with what the storage side sends kept as storage_split; and
+ * "features" says which.
+ */
+static void render_finish(json_t *j, const hapi_remote_features *rf)
+{
+    json_t *split = json_object_get(j, "split");
+    if (!rf->usable) {
+        json_object_set_new(j, "features", json_pack("{s:s, s:s}", "mode", "freeze", "error",
+                                                     rf->why));
+        return;
+    }
+    const char *dtype = json_string_value(json_object_get(split, "dtype"));
+    int fp16 = !dtype || strcmp(dtype, "float16") == 0;
+    json_t *stage = json_object_get(json_array_get(json_object_get(json_object_get(j, "model"),
+                                                                   "stages"),
+                                                   (size_t)rf->freeze - 1), "name");
+    json_t *shape = json_array();
+    size_t elems = 1;
+    for (int d = 0; shape && d < rf->ndim; d++) {
+        json_array_append_new(shape, json_integer(rf->shape[d]));
+        elems *= (size_t)rf->shape[d];
+    }
+    char header[HAPI_NPY_HEADER_MAX];
+    int hl = hapi_npy_header(header, fp16 ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32, rf->shape, rf->ndim);
+    json_int_t feat_size = hl < 0 ? 0 : hl + (json_int_t)(elems * (fp16 ? 2 : 4));
+    json_t *sent = split ? json_deep_copy(split) : json_null();
+    json_object_set_new(j, "features",
+                        json_pack("{s:s, s:i, s:O?, s:O?, s:s, s:I, s:s, s:I, s:o?}", "mode",
+                                  "freeze", "freeze", rf->freeze, "stage", stage, "shape", shape,
+                                  "dtype", fp16 ? "float16" : "float32", "feat_size", feat_size,
+                                  "namespace", rf->ns_hex[fp16], "computed",
+                                  (json_int_t)rf->rows, "storage_split", sent));
+    if (split) {
+        json_object_set_new(split, "index", json_integer(rf->freeze));
+        json_object_set(split, "stage", stage ? stage : json_null());
+        json_object_set(split, "shape", shape ? shape : json_null());
+        json_object_set_new(split, "stages_after", json_pack("[i, i]", rf->freeze, rf->freeze));
+        json_object_set_new(split, "feat_size", json_integer(feat_size));
+        json_object_set_new(split, "namespace", json_string(rf->ns_hex[fp16]));
+    }
+    json_decref(shape);
 }
 
 /*
@@ -574,6 +621,10 @@ static json_t *render_remote_config(hapi_ctl *c)
     }
     if (!j && !(j = json_object()))
         return NULL;
+    hapi_remote_features rf;
+    hapi_remote_features_get(c->cfg.remote, &rf);
+    if (rf.finish)
+        render_finish(j, &rf);
     json_t *split = json_object_get(j, "split");
     const char *ns = split ? json_string_value(json_object_get(split, "namespace")) : NULL;
     json_t *storage_source = json_object_get(j, "source");

@@ -52,6 +52,8 @@
  *                                     rows the cache refuses
  *   3     -             remote-feat.c the .feat opens and reads: cache, spill or a fetch
  *   3     -             remote-walk.c the walks of the union: warm-up and evict
+ *   3     -             remote-finish.c features=freeze: the storage side's model,
+ *                                     the stages [split, freeze) run on fetched rows
  *   2     view.h        view.c        what a .feat is at one split; the current view
  *   2     warmup.h      warmup.c      one warm-up walker at a time (start, stop, pause, status)
  *                                     for background.c and remote-walk.c, which give it their walk

@@ -37,7 +37,7 @@ struct raw_options {
     char *threads, *torch_threads, *show_raw, *watch, *no_open, *uring, *max_pixels, *device, *log;
     char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
     char *link, *client_speed, *compute_file_ms, *epochs, *profile, *prefetch;
-    char *refresh, *fetch_threads, *rtt, *transport, *ctl_group;
+    char *refresh, *fetch_threads, *features, *rtt, *transport, *ctl_group;
     char *node, *node_mem, *node_cores;
     int remote;
     int allow_other, default_permissions; /* given among the kernel options */
@@ -87,6 +87,7 @@ static const struct fuse_opt option_table[] = {
     RAW("rtt=%s", rtt),
     RAW("transport=%s", transport),
     RAW("fetch_threads=%s", fetch_threads),
+    RAW("features=%s", features),
     RAW("ctl_group=%s", ctl_group),
     RAW("node=%s", node),
     RAW("node_mem=%s", node_mem),
@@ -300,7 +301,10 @@ void hapi_fs_usage(const char *prog)
            "    refresh=SECONDS      a directory's index (names, identities, namespace) is read\n"
            "                         again after this long: the bound on serving features of a\n"
            "                         changed image or an old split (default 30, 0 = every use)\n"
-           "    fetch_threads=N      packs fetched at once (default 4)\n");
+           "    fetch_threads=N      packs fetched at once (default 4)\n"
+           "    features=split|freeze what a .feat is: the storage side's split (default), or the\n"
+           "                         freeze point's, whatever the split: the stages [split, freeze)\n"
+           "                         of the storage side's model run here, once per image\n");
 }
 
 int hapi_fs_parse_size(const char *text, uint64_t *out)
@@ -750,6 +754,11 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
     if ((rc = parse_int_option("fetch_threads", raw->fetch_threads, 1, 256, NULL,
                                &o->fetch_threads, err)) < 0)
         return rc;
+    if (raw->features && strcmp(raw->features, "split") != 0 &&
+        strcmp(raw->features, "freeze") != 0)
+        return hapi_error_set(err, HAPI_EINVAL, "features=%s: expected split or freeze",
+                              raw->features);
+    o->finish = raw->features && strcmp(raw->features, "freeze") == 0;
     o->device = strdup("cpu");
     if (!o->device)
         return hapi_error_set(err, -ENOMEM, "out of memory");
@@ -937,9 +946,10 @@ static int validate(struct raw_options *raw, hapi_fs_options *o, hapi_error *err
     }
     if (raw->remote)
         return validate_remote(raw, o, err);
-    if (raw->refresh || raw->fetch_threads)
+    if (raw->refresh || raw->fetch_threads || raw->features)
         return hapi_error_set(err, HAPI_EINVAL, "%s= is an option of a remote mount (-o remote)",
-                              raw->refresh ? "refresh" : "fetch_threads");
+                              raw->refresh ? "refresh" : raw->fetch_threads ? "fetch_threads"
+                                                                           : "features");
     if ((rc = resolve_dir("source", raw->nonopt[0], &o->source, err)) < 0 ||
         (rc = validate_model(raw, o, err)) < 0 ||
         (rc = validate_resources(raw, o, err)) < 0 ||
@@ -1079,6 +1089,7 @@ out:
     free(raw.rtt);
     free(raw.transport);
     free(raw.fetch_threads);
+    free(raw.features);
     free(raw.ctl_group);
     free(raw.node);
     free(raw.node_mem);

@@ -81,11 +81,12 @@ static void fetch_unlist_locked(hapi_remote *r, struct fetch *f)
 }
 
 /* A row is all NaN when the storage side could not compute it (its pack says so). */
+/* Whether a pack row is NaN: one the storage side could not compute. */
 static int row_failed(const struct dir_index *x, const char *row)
 {
     size_t width;
     const unsigned char *nan = hapi_feat_nan(x->dtype, &width);
-    for (size_t i = 0; i < x->row_bytes; i++)
+    for (size_t i = 0; i < x->pack_row_bytes; i++)
         if ((unsigned char)row[i] != nan[i % width])
             return 0;
     return 1;
@@ -264,20 +265,31 @@ void hapi_remote__spill_retry(hapi_remote *r, struct dir_index *x, size_t row, c
 
 /*
  * Rows [a, b) of f's pack, read into rows: notes in failed those the storage
- * side could not compute, hands the rows to the waiting readers and stores
- * the others in the cache (items and paths_buf have room for a chunk's rows
- * and their paths).
+ * side could not compute, makes .feat rows of them (into finished, when the
+ * index is finished here: see remote-finish.c), hands those to the waiting
+ * readers and stores the others in the cache (items and paths_buf have room
+ * for a chunk's rows and their paths). Returns 0, or < 0 (err) when the rows
+ * could not be finished.
  */
-static void fetch_chunk(hapi_remote *r, struct fetch *f, size_t a, size_t b, const char *rows,
-                        unsigned char *failed, hapi_cache_item *items, char *paths_buf)
+static int fetch_chunk(hapi_remote *r, struct fetch *f, size_t a, size_t b, const char *rows,
+                       char *finished, unsigned char *failed, hapi_cache_item *items,
+                       char *paths_buf, hapi_error *err)
 {
     const struct dir_index *x = f->index;
     struct remote_source *s = &r->sources[x->src];
     size_t dir_len = strlen(x->dir);
     size_t n = 0;
+    for (size_t i = a; i < b; i++)
+        failed[i - a] = (unsigned char)(x->entries[i].failed ||
+                                        row_failed(x, rows + (i - a) * x->pack_row_bytes));
+    if (x->finish) {
+        int rc = hapi_remote__finish_rows(r, x, rows, b - a, finished, err);
+        if (rc < 0)
+            return rc;
+        rows = finished;
+    }
     for (size_t i = a; i < b; i++) {
         const char *row = rows + (i - a) * x->row_bytes;
-        failed[i - a] = (unsigned char)(x->entries[i].failed || row_failed(x, row));
         if (failed[i - a]) {
             atomic_fetch_add(&s->stats.rows_failed, 1);
             continue;
@@ -309,6 +321,7 @@ static void fetch_chunk(hapi_remote *r, struct fetch *f, size_t a, size_t b, con
         hapi_warmup_add(r->warm, HAPI_WARMUP_FETCHED, n);
         hapi_warmup_add(r->warm, HAPI_WARMUP_FAILED, (b - a) - n);
     }
+    return 0;
 }
 
 /*
@@ -321,7 +334,7 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
     const struct dir_index *x = f->index;
     struct remote_source *s = &r->sources[x->src];
     char *path = hapi_path_join(x->dir, HAPI_PACK_NAME);
-    char *buf = NULL, *paths_buf = NULL;
+    char *buf = NULL, *paths_buf = NULL, *finished = NULL;
     char **paths = NULL;
     unsigned char *failed = NULL;
     hapi_cache_item *items = NULL;
@@ -347,8 +360,8 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
         rc = hapi_error_set(err, -ESTALE, "the directory changed since its index was read");
         goto out;
     }
-    size_t rows_per_chunk = FETCH_CHUNK / x->row_bytes ? FETCH_CHUNK / x->row_bytes : 1;
-    size_t chunk = rows_per_chunk * x->row_bytes;
+    size_t rows_per_chunk = FETCH_CHUNK / x->pack_row_bytes ? FETCH_CHUNK / x->pack_row_bytes : 1;
+    size_t chunk = rows_per_chunk * x->pack_row_bytes;
     size_t first = x->pack_header_len + chunk; /* the header and the first chunk: one read */
     buf = malloc(first);
     failed = malloc(rows_per_chunk);
@@ -356,20 +369,22 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
     paths = malloc(rows_per_chunk * sizeof(*paths));
     size_t dir_len = strlen(x->dir);
     paths_buf = malloc(rows_per_chunk * (dir_len + NAME_MAX + 2));
-    if (!buf || !failed || !items || !paths || !paths_buf) {
+    if (x->finish)
+        finished = malloc(rows_per_chunk * x->row_bytes);
+    if (!buf || !failed || !items || !paths || !paths_buf || (x->finish && !finished)) {
         rc = hapi_error_set(err, -ENOMEM, "out of memory");
         goto out;
     }
     int64_t pack_shape[HAPI_MAX_DIMS];
     char expect[HAPI_NPY_HEADER_MAX];
     pack_shape[0] = (int64_t)x->count;
-    memcpy(pack_shape + 1, x->shape, (size_t)x->ndim * sizeof(int64_t));
-    hapi_npy_header(expect, x->dtype, pack_shape, x->ndim + 1);
+    memcpy(pack_shape + 1, x->pack_shape, (size_t)x->pack_ndim * sizeof(int64_t));
+    hapi_npy_header(expect, x->dtype, pack_shape, x->pack_ndim + 1);
 
     uint64_t pos = 0;
     for (size_t a = 0; a < x->count || pos == 0;) {
         size_t b = a + rows_per_chunk < x->count ? a + rows_per_chunk : x->count;
-        size_t want = (b - a) * x->row_bytes + (pos == 0 ? x->pack_header_len : 0);
+        size_t want = (b - a) * x->pack_row_bytes + (pos == 0 ? x->pack_header_len : 0);
         rc = read_exact(fd, buf, want, (off_t)pos);
         if (rc < 0) {
             rc = rc == HAPI_ECORRUPT
@@ -389,7 +404,8 @@ static int fetch_run(hapi_remote *r, struct fetch *f, hapi_error *err)
         }
         pos += want;
         atomic_fetch_add(&s->stats.pack_bytes, want);
-        fetch_chunk(r, f, a, b, rows, failed, items, paths_buf);
+        if ((rc = fetch_chunk(r, f, a, b, rows, finished, failed, items, paths_buf, err)) < 0)
+            goto out;
         a = b;
         if (x->count == 0)
             break;
@@ -401,6 +417,7 @@ out:
         close(fd);
     free(path);
     free(buf);
+    free(finished);
     free(failed);
     free(items);
     free(paths);

@@ -52,10 +52,12 @@ int hapi_remote__hex_to_ns(const char *hex, hapi_cache_namespace *ns)
 
 /*
  * What a remote mount keeps of parsed index pi: the namespace as bytes, the
- * header of a .feat, the entries (their names taken from pi). Returns 0 or
- * < 0 with why in err.
+ * header of a .feat, the entries (their names taken from pi); with fin
+ * (features=freeze), what a .feat is made of its rows. Returns 0 or < 0 with
+ * why in err.
  */
-static int index_keep(hapi_packindex *pi, struct dir_index *x, hapi_error *err)
+static int index_keep(hapi_packindex *pi, const struct finish *fin, struct dir_index *x,
+                      hapi_error *err)
 {
     if (hapi_remote__hex_to_ns(pi->ns_hex, &x->ns) < 0)
         return hapi_error_set(err, HAPI_ECORRUPT, "bad namespace"); /* the parser checked it */
@@ -69,8 +71,15 @@ static int index_keep(hapi_packindex *pi, struct dir_index *x, hapi_error *err)
         return hapi_error_set(err, HAPI_ECORRUPT, "no .npy header for its row_shape");
     x->header_len = (size_t)hl;
     x->row_bytes = (size_t)pi->row_bytes;
+    x->split = pi->split;
+    x->pack_ndim = pi->ndim;
+    memcpy(x->pack_shape, pi->shape, sizeof(x->pack_shape));
+    x->pack_row_bytes = (size_t)pi->row_bytes;
     x->pack_header_len = (size_t)pi->header_bytes;
     x->pack_size = pi->size;
+    int rc = fin ? hapi_remote__finish_keep(fin, x, err) : 0;
+    if (rc < 0)
+        return rc;
     if (!(x->entries = calloc(pi->count ? pi->count : 1, sizeof(*x->entries))))
         return hapi_error_set(err, -ENOMEM, "out of memory");
     x->count = pi->count;
@@ -89,7 +98,7 @@ static int index_keep(hapi_packindex *pi, struct dir_index *x, hapi_error *err)
  * checks (packindex.c) refuse a corrupt or foreign index with why in err.
  */
 static int index_parse(const char *text, size_t len, int src, const char *dir,
-                       struct dir_index **out, hapi_error *err)
+                       const struct finish *fin, struct dir_index **out, hapi_error *err)
 {
     hapi_packindex *pi = NULL;
     *out = NULL;
@@ -104,7 +113,7 @@ static int index_parse(const char *text, size_t len, int src, const char *dir,
     }
     atomic_init(&x->refs, 1);
     x->src = src;
-    rc = index_keep(pi, x, err);
+    rc = index_keep(pi, fin, x, err);
     hapi_packindex_free(pi);
     if (rc < 0)
         hapi_remote__index_put(x);
@@ -138,7 +147,7 @@ const struct index_entry *hapi_remote__index_find(const struct dir_index *x, con
 int hapi_remote_index_check(const char *text, size_t len, const char *dir, hapi_error *err)
 {
     struct dir_index *x = NULL;
-    int rc = index_parse(text, len, 0, dir, &x, err);
+    int rc = index_parse(text, len, 0, dir, NULL, &x, err);
     hapi_remote__index_put(x);
     return rc;
 }
@@ -171,7 +180,7 @@ static int index_load(hapi_remote *r, int src, const char *dir, struct dir_index
         atomic_fetch_add(&s->stats.index_reads, 1);
         atomic_fetch_add(&s->stats.index_bytes, len);
         hapi_error err = { 0 };
-        if ((rc = index_parse(text, len, src, dir, out, &err)) == 0) {
+        if ((rc = index_parse(text, len, src, dir, r->finish, out, &err)) == 0) {
             (*out)->uid = ist.st_uid;
             (*out)->gid = ist.st_gid;
             (*out)->mode = ist.st_mode & 0444;

@@ -53,6 +53,8 @@
  *                    rows the cache refuses
  *   remote-feat.c    .feat opens and reads: the cache, the spill, or a fetch
  *   remote-walk.c    the walks of the union's directories: warm-up and evict
+ *   remote-finish.c  features=freeze: the storage side's model kept and loaded
+ *                    here, the stages [split, freeze) run on fetched rows
  */
 
 #define INDEX_MAX (256u << 20)   /* an index longer than this is refused */
@@ -111,6 +113,11 @@ struct dir_index {
     atomic_int refs;
     int src;
     char *dir;
+    /*
+     * What a .feat of it is: its namespace (the cache key's), dtype, shape,
+     * header and bytes. The pack's rows, as the index gives them, unless
+     * finish: then the output of the freeze stage (see remote-finish.c).
+     */
     hapi_cache_namespace ns;
     char ns_hex[33];
     char version[17];             /* the storage side's version of it, "" if it names none */
@@ -120,6 +127,12 @@ struct dir_index {
     char header[HAPI_NPY_HEADER_MAX]; /* of one sample: a .feat */
     size_t header_len;
     size_t row_bytes;
+    /* the pack as the index describes it: the output of stage split - 1 */
+    int split;                    /* the storage side's; -1 if the index names none */
+    int finish;                   /* its rows are run through [split, freeze) here */
+    int pack_ndim;
+    int64_t pack_shape[HAPI_MAX_DIMS];
+    size_t pack_row_bytes;
     size_t pack_header_len;
     uint64_t pack_size;
     size_t count;
@@ -163,6 +176,22 @@ struct fetch {
 struct waiter;
 struct spill;
 
+/*
+ * features=freeze: the storage side's model, loaded here, and what a .feat
+ * is then (remote-finish.c). Set up at open, immutable after.
+ */
+struct finish {
+    hapi_model *model;            /* NULL: it could not be used (code, why) */
+    int code;
+    char why[512];
+    int freeze;                   /* a .feat is the output of stages [0, freeze) */
+    int ndim;
+    int64_t shape[HAPI_MAX_DIMS]; /* of stage freeze - 1's output */
+    hapi_cache_namespace ns[2];   /* a .feat's namespace, by dtype (fp32, fp16) */
+    char ns_hex[2][33];
+    atomic_uint_fast64_t rows;    /* rows finished here */
+};
+
 struct hapi_remote {
     hapi_remote_config cfg;
     size_t nsources;
@@ -194,6 +223,7 @@ struct hapi_remote {
     size_t spill_bytes;
     atomic_uint_fast64_t spill_retry_ns; /* when a spilled row was last offered the cache */
     char *hold_miss;              /* test hook HAPIFS_TEST_HOLD_MISS, read once: see hapi_remote__serving() */
+    struct finish *finish;        /* features=freeze, else NULL */
 };
 
 /* remote-source.c */
@@ -241,6 +271,13 @@ void hapi_remote__spill_retry(hapi_remote *r, struct dir_index *x, size_t row, c
 int hapi_remote__fetch_wait(hapi_remote *r, struct dir_index *x, size_t row, const char *name,
                             const hapi_source_id *id, char *dst, size_t from, size_t to,
                             uint64_t *passes);
+
+/* remote-finish.c */
+int hapi_remote__finish_open(hapi_remote *r, const char *model_dir);
+void hapi_remote__finish_close(struct finish *fin);
+int hapi_remote__finish_keep(const struct finish *fin, struct dir_index *x, hapi_error *err);
+int hapi_remote__finish_rows(hapi_remote *r, const struct dir_index *x, const char *in, size_t n,
+                             char *out, hapi_error *err);
 
 /* remote-walk.c: the warm-up's walk and its wake (hapi_warmup_ops) */
 void hapi_remote__warm_run(void *arg, const char *root, atomic_int *stop);

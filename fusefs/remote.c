@@ -458,6 +458,10 @@ int hapi_remote_open(const hapi_remote_config *cfg, hapi_remote **out, hapi_erro
                             first_err.message);
         goto fail;
     }
+    if (cfg->finish && (rc = hapi_remote__finish_open(r, cfg->model_dir)) < 0) {
+        hapi_error_set(err, rc, "out of memory");
+        goto fail;
+    }
     size_t n = cfg->fetch_threads > 0 ? (size_t)cfg->fetch_threads : 4;
     r->threads = calloc(n, sizeof(*r->threads));
     if (!r->threads) {
@@ -524,6 +528,7 @@ void hapi_remote_close(hapi_remote *r)
     pthread_mutex_destroy(&r->fetch_lock);
     pthread_cond_destroy(&r->queue_cond);
     free(r->hold_miss);
+    hapi_remote__finish_close(r->finish);
     free(r);
 }
 

@@ -33,6 +33,13 @@ typedef struct hapi_remote_config {
     int fetch_threads;          /* packs fetched at once */
     void (*on_change)(void *arg); /* a directory's namespace changed (fs: kernel invalidation) */
     void *arg;
+    /*
+     * features=freeze: a .feat is the output of the storage side's freeze
+     * stage, whatever its split (its model is kept in model_dir and runs the
+     * stages [split, freeze) on fetched rows); 0: the storage side's rows.
+     */
+    int finish;
+    const char *model_dir;      /* borrowed during open */
 } hapi_remote_config;
 
 /*
@@ -159,6 +166,19 @@ typedef struct hapi_remote_stats {
     double warm_elapsed_s;
 } hapi_remote_stats;
 void hapi_remote_stats_get(hapi_remote *r, hapi_remote_stats *st);
+
+/* What a .feat is with features=freeze (see hapi_remote_config.finish). */
+typedef struct hapi_remote_features {
+    int finish;                      /* features=freeze */
+    int usable;                      /* its model loaded: else why */
+    char why[512];
+    int freeze;                      /* a .feat is the output of stages [0, freeze) */
+    int ndim;
+    int64_t shape[8];                /* of one .feat (HAPI_MAX_DIMS) */
+    char ns_hex[2][33];              /* its namespace by dtype: fp32, fp16 */
+    uint64_t rows;                   /* rows run through [split, freeze) here */
+} hapi_remote_features;
+void hapi_remote_features_get(hapi_remote *r, hapi_remote_features *out);
 
 typedef struct hapi_remote_source_stats {
     const char *path;                /* owned by r */

@@ -468,6 +468,120 @@ def test_a_name_that_is_not_utf8_is_served_with_its_directory(tmp_path, storage,
         assert got == f.read()
 
 
+def cosine(a, b):
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_features_freeze_are_the_freeze_points_whatever_the_split(tmp_path, storage, mounter):
+    """features=freeze: the compute side runs the storage side's stages [split, freeze) on the
+    rows it fetches, so an unmodified script reads the freeze point's features whatever the
+    storage side's split (the stem, a middle stage, the freeze point itself), and a split
+    changed under it changes no shape and no byte it was served."""
+    src, ref, paths = storage(name="ref", classes=2, per_class=3, split="pool", dtype="fp32")
+    freeze = json.loads((ref.path / ".hapifs" / "config").read_text())["split"]
+    assert freeze["index"] == freeze["freeze"]  # the reference cuts at the freeze point
+    want = {p: np.load(ref.path / (p + ".feat")) for p in paths}
+    for split, dtype, tol in (("stem", "fp32", 1 - 1e-9), ("layer2", "fp16", 0.9999),
+                              ("pool", "fp32", 1 - 1e-9)):
+        _, st, _ = storage(name=f"{split}-{dtype}", classes=2, per_class=3, split=split,
+                           dtype=dtype)
+        r = remote(mounter, tmp_path, [st.path], cache=f"rcache-{split}", features="freeze",
+                   refresh=0)
+        for p in paths:
+            got = np.load(r.path / (p + ".feat"))
+            assert got.shape == want[p].shape, (split, got.shape)
+            assert got.dtype == np.dtype(np.float16 if dtype == "fp16" else np.float32)
+            assert cosine(got, want[p]) >= tol, (split, p, cosine(got, want[p]))
+            if os.environ.get("HAPI_TEST_VERBOSE"):
+                print(f"features=freeze from {split} ({dtype}): {p} cosine "
+                      f"{cosine(got, want[p]):.10f}, max rel "
+                      f"{np.max(np.abs(got - want[p])) / np.max(np.abs(want[p])):.2e}")
+        # kept in its cache directory, by digest: a remount does not fetch it again
+        assert len(list((tmp_path / f"rcache-{split}").glob("model-*.pt"))) == 1
+        computed = r.ctl("stats")["feat"]["computed"]
+        assert computed == (0 if split == "pool" else len(paths)), (split, computed)
+        # what a script sees: the freeze point (train.py runs no trunk); what is sent: the split
+        config = r.ctl("config")
+        assert config["split"]["index"] == config["split"]["freeze"] == freeze["freeze"]
+        assert config["split"]["shape"] == list(want[paths[0]].shape)
+        assert config["features"]["storage_split"]["stage"] == split, config["features"]
+        assert config["split"]["feat_size"] == (r.path / (paths[0] + ".feat")).stat().st_size
+        if split == "stem":
+            stats = r.ctl("stats")
+            first = feats(r.path, paths)
+            ctl_write(st, "split layer3")  # under the script: the same shape, the same bytes
+            time.sleep(1.5)
+            drop_pages(r.path, paths)
+            assert feats(r.path, paths) == first
+            assert r.ctl("stats")["feat"]["misses"] == stats["feat"]["misses"], "refetched"
+
+
+def test_features_freeze_with_a_model_that_is_not_the_configs_is_eio(tmp_path, storage,
+                                                                      mounter):
+    """A storage side's model whose digest is not its config's (or none at all): the mount
+    comes up, its .feat reads fail with EIO, one clear line in errors says why, and nothing
+    is kept of that model."""
+    src, st, paths = storage(classes=1, per_class=2, split="layer2")
+    fake = fake_storage(tmp_path, st, "class0")
+    (fake / ".hapifs" / "model").write_bytes(b"not the model the config names")
+    r = remote(mounter, tmp_path, [fake], features="freeze")
+    for p in paths:
+        with pytest.raises(OSError) as e:
+            (r.path / (p + ".feat")).read_bytes()
+        assert e.value.errno == errno.EIO, e.value
+    errors = (r.path / ".hapifs" / "errors").read_text()
+    assert "features=freeze: the storage side's model has digest" in errors, errors
+    assert r.ctl("config")["features"]["error"].startswith("features=freeze: ")
+    assert not list((tmp_path / "rcache").glob("model-*")), "a wrong model was kept"
+    assert (r.path / "class0").is_dir()  # the rest of the tree is served
+
+
+def test_features_freeze_hold_their_shape_while_the_split_changes(tmp_path, storage, mounter):
+    """features=freeze under 6 concurrent readers while the storage side's split goes from the
+    stem to the freeze point and back, the compute cache evicted between: every read succeeds,
+    with the freeze point's shape, within fp16's rounding of the reference."""
+    src, st, paths = storage(classes=3, per_class=4, split="pool")
+    r = remote(mounter, tmp_path, [st.path], features="freeze", refresh=0)
+    want = {p: np.load(r.path / (p + ".feat")).astype(np.float32) for p in paths}
+    shape = want[paths[0]].shape
+    stop, bad, reads = threading.Event(), [], [0]
+
+    def reader(seed):
+        order = list(paths)
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            rng.shuffle(order)
+            for p in order:
+                try:
+                    drop_pages(r.path, [p])  # read by the daemon, not the kernel's copy
+                    got = np.load(r.path / (p + ".feat"))
+                except (OSError, ValueError) as e:
+                    bad.append((p, repr(e)))
+                    continue
+                reads[0] += 1
+                if got.shape != shape or cosine(got, want[p]) < 0.9999:
+                    bad.append((p, got.shape, cosine(got, want[p])))
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        for split in ("stem", "layer3", "layer1", "pool", "layer2"):
+            ctl_write(st, f"split {split}")
+            ctl_write(r, "evict")
+            time.sleep(1.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not bad, bad[:5]
+    assert reads[0] > len(paths) * 6, reads
+    feat = r.ctl("stats")["feat"]
+    assert feat["computed"] > 0, feat
+    if os.environ.get("HAPI_TEST_VERBOSE"):
+        print(f"features=freeze under split changes: {reads[0]} reads, {feat}")
+
+
 def test_warm_and_evict_through_hapifs_ctl(tmp_path, storage, mounter):
     src, st, paths = storage(classes=3, per_class=4)
     r = remote(mounter, tmp_path, [st.path])

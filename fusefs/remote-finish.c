@@ -1,0 +1,290 @@
+/* remote-finish.c — features=freeze on a compute-side mount: the storage side's model kept and loaded here, and the stages [split, freeze) run on fetched rows, so that a .feat is the freeze point's whatever the storage side's split. */
+#include "remote-int.h"
+#include "log.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#define FINISH_BATCH 8            /* rows per run of the stages: bounds the activations' memory */
+#define MODEL_MAX ((size_t)4 << 30) /* a model archive longer than this is refused */
+
+/*
+ * The namespace a .feat of dtype lives in: the model (its digest), its
+ * preprocessing, the freeze stage and the dtype, not the split. Features
+ * reached through different splits share it: they agree within the rounding
+ * of the split's dtype (fp32: to 1e-5 relative; fp16: cosine above
+ * 0.9999999 on the test models; tests/test-model.c), and a split change on
+ * the storage side must not change what a training script reads.
+ */
+static void finish_ns(const char *digest, const char *preprocess, int freeze, int dtype,
+                      hapi_cache_namespace *ns, char hex[33])
+{
+    char head[160];
+    int n = snprintf(head, sizeof(head), "hapifs-finish/1 model=%s freeze=%d dtype=%d preprocess=",
+                     digest, freeze, dtype);
+    XXH3_state_t *st = XXH3_createState();
+    XXH128_hash_t h;
+    if (st && XXH3_128bits_reset(st) == XXH_OK) {
+        XXH3_128bits_update(st, head, (size_t)n);
+        XXH3_128bits_update(st, preprocess, strlen(preprocess));
+        h = XXH3_128bits_digest(st);
+    } else { /* without memory for a state: the same hash, in one go */
+        char *all = NULL;
+        h = asprintf(&all, "%s%s", head, preprocess) >= 0 ? XXH3_128bits(all, strlen(all))
+                                                           : XXH3_128bits(head, (size_t)n);
+        free(all);
+    }
+    XXH3_freeState(st);
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, h);
+    memcpy(ns->bytes, c.digest, sizeof(ns->bytes));
+    hapi_hex(ns->bytes, sizeof(ns->bytes), hex);
+}
+
+/*
+ * Copies the storage side's model archive (fd, closed) to path, through a
+ * temporary file renamed into place, and checks its XXH3-128 against digest
+ * (hex). Returns 0 or < 0 with why in err.
+ */
+static int copy_model(int fd, const char *path, const char *digest, hapi_error *err)
+{
+    char tmp[PATH_MAX + 32];
+    snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
+    int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    XXH3_state_t *st = XXH3_createState();
+    char *buf = malloc(1 << 20);
+    int rc = out < 0 ? hapi_error_set(err, -errno, "%s: %s", tmp, strerror(errno))
+             : !st || !buf || XXH3_128bits_reset(st) != XXH_OK
+                 ? hapi_error_set(err, -ENOMEM, "out of memory")
+                 : 0;
+    size_t total = 0;
+    for (off_t off = 0; rc == 0;) {
+        ssize_t n = hapi_remote_pread_all(fd, buf, 1 << 20, off);
+        if (n < 0) {
+            rc = hapi_error_set(err, (int)n, "cannot read the storage side's .hapifs/model: %s",
+                                hapi_strerror((int)n));
+            break;
+        }
+        if (n == 0)
+            break;
+        if ((total += (size_t)n) > MODEL_MAX) {
+            rc = hapi_error_set(err, -EFBIG, "the storage side's model is over %zu bytes",
+                                MODEL_MAX);
+            break;
+        }
+        XXH3_128bits_update(st, buf, (size_t)n);
+        if (write(out, buf, (size_t)n) != n)
+            rc = hapi_error_set(err, -errno, "%s: %s", tmp, strerror(errno ? errno : ENOSPC));
+        off += n;
+    }
+    if (rc == 0) {
+        XXH128_canonical_t c;
+        char got[33];
+        XXH128_canonicalFromHash(&c, XXH3_128bits_digest(st));
+        hapi_hex(c.digest, sizeof(c.digest), got);
+        if (strcmp(got, digest) != 0)
+            rc = hapi_error_set(err, HAPI_ECORRUPT, "the storage side's model has digest %s, "
+                                "its config says %s", got, digest);
+    }
+    if (out >= 0 && close(out) < 0 && rc == 0)
+        rc = hapi_error_set(err, -errno, "%s: %s", tmp, strerror(errno));
+    if (rc == 0 && rename(tmp, path) < 0)
+        rc = hapi_error_set(err, -errno, "%s: %s", path, strerror(errno));
+    if (rc < 0 && out >= 0)
+        unlink(tmp);
+    free(buf);
+    XXH3_freeState(st);
+    close(fd);
+    return rc;
+}
+
+/* Sets up fin from the storage side's config (JSON text) and model. Returns 0 or < 0 with err. */
+static int finish_load(hapi_remote *r, struct finish *fin, const char *config,
+                       const char *model_dir, hapi_error *err)
+{
+    json_error_t je;
+    json_t *j = json_loads(config, 0, &je);
+    const char *digest = json_string_value(json_object_get(json_object_get(j, "model"), "digest"));
+    json_t *split = json_object_get(j, "split"), *pp = json_object_get(j, "preprocess");
+    json_t *freeze = json_object_get(split, "freeze"), *crop = json_object_get(pp, "crop");
+    char *pp_text = pp ? json_dumps(pp, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+    int rc = 0;
+    if (!digest || strlen(digest) != 32 || strspn(digest, "0123456789abcdef") != 32 ||
+        !json_is_integer(freeze) || json_integer_value(freeze) < 1 ||
+        json_integer_value(freeze) > 1024 || !json_is_integer(crop) ||
+        json_integer_value(crop) < 1 || json_integer_value(crop) > 65536 || !pp_text) {
+        rc = hapi_error_set(err, HAPI_ECORRUPT, "the storage side's config names no model "
+                            "digest, freeze stage or crop");
+        goto out;
+    }
+    fin->freeze = (int)json_integer_value(freeze);
+    char path[PATH_MAX];
+    snprintf(path, sizeof(path), "%s/model-%s.pt", model_dir, digest);
+    struct stat st;
+    if (stat(path, &st) < 0) { /* else kept from an earlier mount: the digest names it */
+        int fd = hapi_remote_open_storage_file(r, "model");
+        if (fd < 0) {
+            rc = hapi_error_set(err, fd, "cannot open the storage side's .hapifs/model: %s",
+                                hapi_strerror(fd));
+            goto out;
+        }
+        if ((rc = copy_model(fd, path, digest, err)) < 0)
+            goto out;
+    }
+    hapi_model_options mo = { .device = "cpu", .precision = HAPI_PRECISION_FP32 };
+    if ((rc = hapi_model_load(path, &mo, &fin->model, err)) < 0)
+        goto out;
+    int c = (int)json_integer_value(crop);
+    if ((rc = hapi_model_probe(fin->model, 3, c, c, err)) < 0)
+        goto out;
+    hapi_stage_info info;
+    if (fin->freeze > hapi_model_num_stages(fin->model) ||
+        hapi_model_stage(fin->model, fin->freeze - 1, &info) < 0) {
+        rc = hapi_error_set(err, HAPI_ECORRUPT, "freeze stage %d of a model of %d stages",
+                            fin->freeze, hapi_model_num_stages(fin->model));
+        goto out;
+    }
+    fin->ndim = info.ndim;
+    memcpy(fin->shape, info.shape, sizeof(fin->shape));
+    for (int d = 0; d < 2; d++)
+        finish_ns(digest, pp_text, fin->freeze, d ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32,
+                  &fin->ns[d], fin->ns_hex[d]);
+out:
+    if (rc < 0) {
+        hapi_model_free(fin->model);
+        fin->model = NULL;
+    }
+    free(pp_text);
+    json_decref(j);
+    return rc;
+}
+
+/*
+ * Sets up features=freeze from the first checked source's config: the model
+ * (copied into model_dir once), its freeze stage's shape, the namespaces. A
+ * model that cannot be used is logged and kept as why (every index is then
+ * refused: .feat reads fail with EIO); only -ENOMEM fails the open.
+ */
+int hapi_remote__finish_open(hapi_remote *r, const char *model_dir)
+{
+    struct finish *fin = calloc(1, sizeof(*fin));
+    if (!fin)
+        return -ENOMEM;
+    atomic_init(&fin->rows, 0);
+    const char *config = NULL;
+    for (size_t i = 0; i < r->nsources && !config; i++)
+        if (atomic_load(&r->sources[i].checked))
+            config = r->sources[i].config;
+    hapi_error err = { 0 };
+    int rc = config ? finish_load(r, fin, config, model_dir, &err)
+                    : hapi_error_set(&err, -EIO, "no source serves its config");
+    if (rc == -ENOMEM) {
+        free(fin);
+        return rc;
+    }
+    if (rc < 0) {
+        fin->code = rc;
+        snprintf(fin->why, sizeof(fin->why), "features=freeze: %.480s", err.message);
+        hapi_log(HAPI_LOG_ERROR, "%s: .feat files are not served", fin->why);
+        hapi_error_ring_add(r->cfg.errors, ".hapifs/model", rc, fin->why);
+    } else {
+        hapi_log(HAPI_LOG_INFO, "features=freeze: stages [split, %d) of the storage side's model "
+                 "run here; features in namespace %.12s", fin->freeze, fin->ns_hex[0]);
+    }
+    r->finish = fin;
+    return 0;
+}
+
+void hapi_remote__finish_close(struct finish *fin)
+{
+    if (!fin)
+        return;
+    hapi_model_free(fin->model);
+    free(fin);
+}
+
+/*
+ * Makes x's .feat the freeze stage's output (its namespace, shape, header,
+ * bytes), finished here when the storage side's split is before it. Refused
+ * (HAPI_EINVAL, err) when the model could not be used, the index names no
+ * split, or its split is past the freeze stage (the features cannot be taken
+ * back to it).
+ */
+int hapi_remote__finish_keep(const struct finish *fin, struct dir_index *x, hapi_error *err)
+{
+    if (!fin->model)
+        return hapi_error_set(err, fin->code, "%s", fin->why);
+    if (x->split < 1 || x->split > fin->freeze)
+        return hapi_error_set(err, HAPI_EINVAL, "features=freeze: the storage side's split %d is "
+                              "past its freeze stage %d", x->split, fin->freeze);
+    hapi_stage_info info;
+    if (hapi_model_stage(fin->model, x->split - 1, &info) < 0 || info.ndim != x->pack_ndim ||
+        memcmp(info.shape, x->pack_shape, (size_t)info.ndim * sizeof(int64_t)) != 0)
+        return hapi_error_set(err, HAPI_ECORRUPT, "features=freeze: the pack's rows are not "
+                              "the output of stage %d of this model", x->split);
+    int d = x->dtype == HAPI_DTYPE_FP16;
+    x->finish = x->split < fin->freeze;
+    x->ns = fin->ns[d];
+    memcpy(x->ns_hex, fin->ns_hex[d], sizeof(x->ns_hex));
+    x->ndim = fin->ndim;
+    memcpy(x->shape, fin->shape, sizeof(x->shape));
+    size_t elems = 1;
+    for (int i = 0; i < x->ndim; i++)
+        elems *= (size_t)x->shape[i];
+    x->row_bytes = elems * (d ? 2 : 4);
+    int hl = hapi_npy_header(x->header, x->dtype, x->shape, x->ndim);
+    if (hl < 0)
+        return hapi_error_set(err, HAPI_ECORRUPT, "no .npy header for the freeze stage's shape");
+    x->header_len = (size_t)hl;
+    return 0;
+}
+
+/*
+ * Runs the stages [x->split, freeze) on n pack rows of x (in: the pack's
+ * rows; out: room for n .feat rows), a few at a time. Returns 0, or
+ * HAPI_EOOM, HAPI_EMODEL... with why in err.
+ */
+int hapi_remote__finish_rows(hapi_remote *r, const struct dir_index *x, const char *in, size_t n,
+                             char *out, hapi_error *err)
+{
+    struct finish *fin = r->finish;
+    for (size_t i = 0; i < n; i += FINISH_BATCH) {
+        size_t k = n - i < FINISH_BATCH ? n - i : FINISH_BATCH;
+        int rc = hapi_model_run_range(fin->model, x->split, fin->freeze,
+                                      in + i * x->pack_row_bytes, x->dtype, (int)k, x->dtype,
+                                      out + i * x->row_bytes, k * x->row_bytes, err);
+        if (rc < 0) {
+            char why[sizeof(err->message)];
+            snprintf(why, sizeof(why), "%s", err->message);
+            return hapi_error_set(err, rc, "stages [%d, %d) of the storage side's model: %s",
+                                  x->split, fin->freeze, why);
+        }
+        atomic_fetch_add(&fin->rows, k);
+    }
+    return 0;
+}
+
+void hapi_remote_features_get(hapi_remote *r, hapi_remote_features *out)
+{
+    memset(out, 0, sizeof(*out));
+    const struct finish *fin = r->finish;
+    if (!fin)
+        return;
+    _Static_assert(sizeof(out->shape) == sizeof(fin->shape), "HAPI_MAX_DIMS");
+    out->finish = 1;
+    out->usable = fin->model != NULL;
+    snprintf(out->why, sizeof(out->why), "%s", fin->why);
+    out->freeze = fin->freeze;
+    out->ndim = fin->ndim;
+    memcpy(out->shape, fin->shape, sizeof(out->shape));
+    memcpy(out->ns_hex, fin->ns_hex, sizeof(out->ns_hex));
+    out->rows = atomic_load(&fin->rows);
+}
