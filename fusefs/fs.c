@@ -42,7 +42,8 @@ static int init_remote(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         .roots = (const char *const *)opt->roots, .nroots = opt->nroots, .cache = fs->cache,
         .errors = fs->errors, .refresh_ms = opt->refresh_ms,
         .fetch_threads = opt->fetch_threads, .on_change = invalidate_remote_feats, .arg = fs,
-        .finish = opt->finish, .model_dir = opt->cache_dir,
+        .finish = opt->finish, .model_dir = opt->cache_dir, .precision = opt->precision,
+        .torch_threads = opt->torch_threads,
     };
     if ((rc = notifier_start(fs)) < 0)
         return hapi_error_set(err, rc, "cannot start a thread: %s", strerror(-rc));

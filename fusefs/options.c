@@ -304,7 +304,10 @@ void hapi_fs_usage(const char *prog)
            "    fetch_threads=N      packs fetched at once (default 4)\n"
            "    features=split|freeze what a .feat is: the storage side's split (default), or the\n"
            "                         freeze point's, whatever the split: the stages [split, freeze)\n"
-           "                         of the storage side's model run here, once per image\n");
+           "                         of the storage side's model run here, once per image\n"
+           "    precision=fp32|bf16, torch_threads=N\n"
+           "                         with features=freeze: how those stages run here (default fp32;\n"
+           "                         libtorch's threads)\n");
 }
 
 int hapi_fs_parse_size(const char *text, uint64_t *out)
@@ -689,7 +692,6 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
     const char *storage_only[][2] = {
         { "model", raw->model }, { "split", raw->split }, { "freeze", raw->freeze },
         { "dtype", raw->dtype }, { "preprocess", raw->preprocess },
-        { "precision", raw->precision }, { "torch_threads", raw->torch_threads },
         { "batch", raw->batch }, { "batch_wait", raw->batch_wait },
         { "decode_threads", raw->decode_threads }, { "mem", raw->mem }, { "warm", raw->warm },
         { "node", raw->node }, { "node_mem", raw->node_mem }, { "node_cores", raw->node_cores },
@@ -759,6 +761,17 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
         return hapi_error_set(err, HAPI_EINVAL, "features=%s: expected split or freeze",
                               raw->features);
     o->finish = raw->features && strcmp(raw->features, "freeze") == 0;
+    /* the stages run here, as on the storage side: in fp32 or bf16, on so many threads */
+    o->precision = HAPI_PRECISION_FP32;
+    o->torch_threads = 0;
+    if (!o->finish && (raw->precision || raw->torch_threads))
+        return hapi_error_set(err, HAPI_EINVAL, "%s= on a remote mount needs features=freeze",
+                              raw->precision ? "precision" : "torch_threads");
+    if ((rc = parse_word("precision", raw->precision, WORDS(precision_words), "fp32 or bf16",
+                         &o->precision, err)) < 0 ||
+        (rc = parse_int_option("torch_threads", raw->torch_threads, 1, 1024, NULL,
+                               &o->torch_threads, err)) < 0)
+        return rc;
     o->device = strdup("cpu");
     if (!o->device)
         return hapi_error_set(err, -ENOMEM, "out of memory");

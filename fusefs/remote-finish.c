@@ -18,18 +18,20 @@
 
 /*
  * The namespace a .feat of dtype lives in: the model (its digest), its
- * preprocessing, the freeze stage and the dtype, not the split. Features
+ * preprocessing, the freeze stage, the dtype and the precision the stages
+ * run in here, not the split. Features
  * reached through different splits share it: they agree within the rounding
  * of the split's dtype (fp32: to 1e-5 relative; fp16: cosine above
  * 0.9999999 on the test models; tests/test-model.c), and a split change on
  * the storage side must not change what a training script reads.
  */
 static void finish_ns(const char *digest, const char *preprocess, int freeze, int dtype,
-                      hapi_cache_namespace *ns, char hex[33])
+                      int precision, hapi_cache_namespace *ns, char hex[33])
 {
-    char head[160];
-    int n = snprintf(head, sizeof(head), "hapifs-finish/1 model=%s freeze=%d dtype=%d preprocess=",
-                     digest, freeze, dtype);
+    char head[192];
+    int n = snprintf(head, sizeof(head),
+                     "hapifs-finish/1 model=%s freeze=%d dtype=%d precision=%d preprocess=",
+                     digest, freeze, dtype, precision);
     XXH3_state_t *st = XXH3_createState();
     XXH128_hash_t h;
     if (st && XXH3_128bits_reset(st) == XXH_OK) {
@@ -139,7 +141,8 @@ static int finish_load(hapi_remote *r, struct finish *fin, const char *config,
         if ((rc = copy_model(fd, path, digest, err)) < 0)
             goto out;
     }
-    hapi_model_options mo = { .device = "cpu", .precision = HAPI_PRECISION_FP32 };
+    hapi_model_options mo = { .device = "cpu", .precision = r->cfg.precision,
+                              .threads = r->cfg.torch_threads };
     if ((rc = hapi_model_load(path, &mo, &fin->model, err)) < 0)
         goto out;
     int c = (int)json_integer_value(crop);
@@ -156,7 +159,7 @@ static int finish_load(hapi_remote *r, struct finish *fin, const char *config,
     memcpy(fin->shape, info.shape, sizeof(fin->shape));
     for (int d = 0; d < 2; d++)
         finish_ns(digest, pp_text, fin->freeze, d ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32,
-                  &fin->ns[d], fin->ns_hex[d]);
+                  r->cfg.precision, &fin->ns[d], fin->ns_hex[d]);
 out:
     if (rc < 0) {
         hapi_model_free(fin->model);

@@ -40,6 +40,8 @@ typedef struct hapi_remote_config {
      */
     int finish;
     const char *model_dir;      /* borrowed during open */
+    int precision;              /* enum hapi_precision: what the stages compute in here */
+    int torch_threads;          /* libtorch intra-op threads; 0: libtorch's choice */
 } hapi_remote_config;
 
 /*

@@ -482,19 +482,21 @@ def test_features_freeze_are_the_freeze_points_whatever_the_split(tmp_path, stor
     freeze = json.loads((ref.path / ".hapifs" / "config").read_text())["split"]
     assert freeze["index"] == freeze["freeze"]  # the reference cuts at the freeze point
     want = {p: np.load(ref.path / (p + ".feat")) for p in paths}
-    for split, dtype, tol in (("stem", "fp32", 1 - 1e-9), ("layer2", "fp16", 0.9999),
-                              ("pool", "fp32", 1 - 1e-9)):
+    for split, dtype, precision, tol in (("stem", "fp32", "fp32", 1 - 1e-9),
+                                         ("layer2", "fp16", "fp32", 0.9999),
+                                         ("layer1", "fp32", "bf16", 0.995),
+                                         ("pool", "fp32", "fp32", 1 - 1e-9)):
         _, st, _ = storage(name=f"{split}-{dtype}", classes=2, per_class=3, split=split,
                            dtype=dtype)
         r = remote(mounter, tmp_path, [st.path], cache=f"rcache-{split}", features="freeze",
-                   refresh=0)
+                   refresh=0, precision=precision)
         for p in paths:
             got = np.load(r.path / (p + ".feat"))
             assert got.shape == want[p].shape, (split, got.shape)
             assert got.dtype == np.dtype(np.float16 if dtype == "fp16" else np.float32)
             assert cosine(got, want[p]) >= tol, (split, p, cosine(got, want[p]))
             if os.environ.get("HAPI_TEST_VERBOSE"):
-                print(f"features=freeze from {split} ({dtype}): {p} cosine "
+                print(f"features=freeze from {split} ({dtype}, {precision}): {p} cosine "
                       f"{cosine(got, want[p]):.10f}, max rel "
                       f"{np.max(np.abs(got - want[p])) / np.max(np.abs(want[p])):.2e}")
         # kept in its cache directory, by digest: a remount does not fetch it again
@@ -616,6 +618,10 @@ def test_remote_refuses_storage_options(tmp_path, storage, mounter, models):
     src, st, paths = storage(classes=1, per_class=1)
     with pytest.raises(RuntimeError, match="model= is an option of the storage side"):
         remote(mounter, tmp_path, [st.path], model=models())
+    with pytest.raises(RuntimeError, match="precision= on a remote mount needs features=freeze"):
+        remote(mounter, tmp_path, [st.path], precision="bf16")
+    with pytest.raises(RuntimeError, match="features=fast: expected split or freeze"):
+        remote(mounter, tmp_path, [st.path], features="fast")
 
 
 def test_mount_helper_and_fstab_for_a_remote_mount(tmp_path, storage):
