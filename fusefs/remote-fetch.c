@@ -80,8 +80,7 @@ static void fetch_unlist_locked(hapi_remote *r, struct fetch *f)
         }
 }
 
-/* A row is all NaN when the storage side could not compute it (its pack says so). */
-/* Whether a pack row is NaN: one the storage side could not compute. */
+/* A pack row is all NaN when the storage side could not compute it (its pack says so). */
 static int row_failed(const struct dir_index *x, const char *row)
 {
     size_t width;
