@@ -28,23 +28,11 @@
 static void finish_ns(const char *digest, const char *preprocess, int freeze, int dtype,
                       int precision, hapi_cache_namespace *ns, char hex[33])
 {
-    char head[192];
-    int n = snprintf(head, sizeof(head),
-                     "hapifs-finish/1 model=%s freeze=%d dtype=%d precision=%d preprocess=",
-                     digest, freeze, dtype, precision);
-    XXH3_state_t *st = XXH3_createState();
-    XXH128_hash_t h;
-    if (st && XXH3_128bits_reset(st) == XXH_OK) {
-        XXH3_128bits_update(st, head, (size_t)n);
-        XXH3_128bits_update(st, preprocess, strlen(preprocess));
-        h = XXH3_128bits_digest(st);
-    } else { /* without memory for a state: the same hash, in one go */
-        char *all = NULL;
-        h = asprintf(&all, "%s%s", head, preprocess) >= 0 ? XXH3_128bits(all, strlen(all))
-                                                           : XXH3_128bits(head, (size_t)n);
-        free(all);
-    }
-    XXH3_freeState(st);
+    char text[4096]; /* the preprocessing's JSON is a few hundred bytes */
+    int n = snprintf(text, sizeof(text),
+                     "hapifs-finish/1 model=%s freeze=%d dtype=%d precision=%d preprocess=%s",
+                     digest, freeze, dtype, precision, preprocess);
+    XXH128_hash_t h = XXH3_128bits(text, n < (int)sizeof(text) ? (size_t)n : sizeof(text) - 1);
     XXH128_canonical_t c;
     XXH128_canonicalFromHash(&c, h);
     memcpy(ns->bytes, c.digest, sizeof(ns->bytes));
