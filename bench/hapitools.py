@@ -60,16 +60,16 @@ def daemon_pid(mountpoint):
             argv = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if len(argv) > 2 and os.path.basename(argv[0]).decode() in ("hapifs", "mount.hapifs") \
-                and resolved(argv[2].decode()) == want:
+        if len(argv) > 2 and os.path.basename(argv[0]) in (b"hapifs", b"mount.hapifs") \
+                and resolved(os.fsdecode(argv[2])) == want:  # a path's bytes, UTF-8 or not
             return int(d.name)
     return None
 
 
 def is_mounted(path):
     """Whether path is a mount point, from /proc/self/mounts (no stat of path)."""
-    path = resolved(path)
-    with open("/proc/self/mounts") as f:
+    path = os.fsencode(resolved(path))  # its bytes, UTF-8 or not, as the kernel lists them
+    with open("/proc/self/mounts", "rb") as f:
         return any(line.split()[1] == path for line in f)
 
 

@@ -139,14 +139,15 @@ static json_t *render_config(hapi_ctl *c)
     for (int i = 0; compute_stages && i < ts.compute_nstages; i++)
         json_array_append_new(compute_stages, json_real(ts.compute_stage_ms[i]));
     return json_pack(
-        "{s:s, s:s, s:s, s:{s:s, s:s, s:s, s:s?, s:s?, s:s, s:o}, s:o, "
-        "s:{s:s, s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:s, s:s, s:I}, "
+        "{s:s, s:o, s:o, s:{s:o, s:s, s:s, s:s?, s:s?, s:s, s:o}, s:o, "
+        "s:{s:s, s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:o, s:s, s:I}, "
         "s:{s:s, s:f, s:s, s:f, s:o, s:f, s:b, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
-        "source", o->source,
-        "mountpoint", o->mountpoint,
+        /* paths as a person reads them, whatever their bytes: see hapi_json_text() */
+        "source", hapi_json_text(o->source),
+        "mountpoint", hapi_json_text(o->mountpoint),
         "model",
-          "path", o->model, "digest", digest, "arch", meta->arch,
+          "path", hapi_json_text(o->model), "digest", digest, "arch", meta->arch,
           /* random weights show here, so features of an untrained model are never a surprise */
           "weights", meta->weights[0] ? meta->weights : NULL,
           "weights_enum", meta->weights_enum[0] ? meta->weights_enum : NULL,
@@ -158,7 +159,7 @@ static json_t *render_config(hapi_ctl *c)
           "crop", pp->crop, "mean", pp->mean[0], pp->mean[1], pp->mean[2], "std", pp->std[0],
           pp->std[1], pp->std[2], "max_pixels", (json_int_t)pp->max_pixels,
         "cache",
-          "dir", o->cache_dir, "namespace", json_object_get(split, "namespace") ?
+          "dir", hapi_json_text(o->cache_dir), "namespace", json_object_get(split, "namespace") ?
               json_string_value(json_object_get(split, "namespace")) : "",
           "size_limit", (json_int_t)o->cache_size,
         "policy",
@@ -191,8 +192,9 @@ static json_t *render_warm(hapi_ctl *c)
     double eta = ws.state >= HAPI_WARM_DONE ? 0.0
                  : rate > 0                 ? (double)(ws.total - done) / rate
                                             : -1;
-    json_t *j = json_pack("{s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f}", "state",
-                          states[ws.state], "path", ws.path, "total", (json_int_t)ws.total,
+    json_t *j = json_pack("{s:s, s:o, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f}", "state",
+                          states[ws.state], "path", hapi_json_text(ws.path), "total",
+                          (json_int_t)ws.total,
                           "done", (json_int_t)done, "cached", (json_int_t)ws.cached, "computed",
                           (json_int_t)ws.completed, "skipped", (json_int_t)ws.skipped,
                           "rate_per_s", rate, "elapsed_s", ws.elapsed_s, "eta_s", eta);
@@ -475,8 +477,8 @@ static json_t *render_remote_sources(hapi_ctl *c)
         hapi_remote_source_stats ss;
         hapi_remote_source_stats_get(c->cfg.remote, i, &ss);
         json_array_append_new(
-            a, json_pack("{s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:s}",
-                         "path", ss.path,
+            a, json_pack("{s:o, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}",
+                         "path", hapi_json_text(ss.path),
                          "state", ss.refused    ? "refused"
                                   : !ss.checked ? "down"
                                   : ss.reachable ? "ok"
@@ -491,7 +493,7 @@ static json_t *render_remote_sources(hapi_ctl *c)
                          "rows_failed", (json_int_t)ss.rows_failed,
                          "fetch_failures", (json_int_t)ss.fetch_failures,
                          "file_reads", (json_int_t)ss.file_reads,
-                         "last_error", ss.last_error));
+                         "last_error", hapi_json_text(ss.last_error)));
     }
     return a;
 }
@@ -518,8 +520,9 @@ static json_t *render_remote_stats(hapi_ctl *c)
                                                      : -1;
     json_t *warm = rs.warm_state == HAPI_WARM_IDLE
                        ? json_pack("{s:s}", "state", "idle")
-                       : json_pack("{s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f}",
-                                   "state", states[rs.warm_state], "path", rs.warm_path,
+                       : json_pack("{s:s, s:o, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:f, s:f}",
+                                   "state", states[rs.warm_state], "path",
+                                   hapi_json_text(rs.warm_path),
                                    "total", (json_int_t)rs.warm_total, "done", (json_int_t)done,
                                    "cached", (json_int_t)rs.warm_cached,
                                    "computed", (json_int_t)rs.warm_fetched,
@@ -629,9 +632,9 @@ static json_t *render_remote_config(hapi_ctl *c)
     const char *ns = split ? json_string_value(json_object_get(split, "namespace")) : NULL;
     json_t *storage_source = json_object_get(j, "source");
     json_object_set(j, "storage_source", storage_source ? storage_source : json_null());
-    json_object_set_new(j, "source", json_string(o->source));
-    json_object_set_new(j, "mountpoint", json_string(o->mountpoint));
-    json_object_set_new(j, "cache", json_pack("{s:s, s:s, s:I}", "dir", o->cache_dir,
+    json_object_set_new(j, "source", hapi_json_text(o->source));
+    json_object_set_new(j, "mountpoint", hapi_json_text(o->mountpoint));
+    json_object_set_new(j, "cache", json_pack("{s:o, s:s, s:I}", "dir", hapi_json_text(o->cache_dir),
                                               "namespace", ns ? ns : "",
                                               "size_limit", (json_int_t)o->cache_size));
     json_object_set_new(j, "remote",

@@ -146,7 +146,7 @@ void hapi_error_ring_add(hapi_error_ring *r, const char *path, int code, const c
     pthread_mutex_unlock(&r->lock);
 }
 
-/* The length of the valid UTF-8 sequence at p, or 0 (see text_json()). */
+/* The length of the valid UTF-8 sequence at p, or 0 (see hapi_json_text()). */
 static size_t utf8_len(const unsigned char *p)
 {
     if (p[0] < 0x80)
@@ -159,13 +159,7 @@ static size_t utf8_len(const unsigned char *p)
     return n;
 }
 
-/*
- * s as a JSON string for a person to read (NULL: JSON null; NULL without
- * memory too): where it is not UTF-8 (a Latin-1 file name), each byte that
- * is not is written as the four characters \xNN, as Python's backslashreplace
- * does. (jansson refuses such a string: its error was lost from the list.)
- */
-static json_t *text_json(const char *s)
+json_t *hapi_json_text(const char *s)
 {
     json_t *v = s ? json_string(s) : json_null();
     if (v || !s)
@@ -212,8 +206,8 @@ char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, vo
         gmtime_r(&r->slot[i].when, &tm);
         strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", &tm);
         json_t *e = json_pack("{s:s, s:o?, s:o?, s:s, s:I}", "time", when, "path",
-                              text_json(r->slot[i].path), "error",
-                              text_json(r->slot[i].message), "kind",
+                              hapi_json_text(r->slot[i].path), "error",
+                              hapi_json_text(r->slot[i].message), "kind",
                               hapi_strerror(r->slot[i].code), "repeats",
                               (json_int_t)r->slot[i].repeats);
         if (json_array_append_new(list, e) == 0)

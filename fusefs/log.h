@@ -24,4 +24,14 @@ void hapi_error_ring_add(hapi_error_ring *r, const char *path, int code, const c
 char *hapi_error_ring_json(hapi_error_ring *r, int (*shown)(const char *path, void *arg),
                            void *arg);
 
+/*
+ * s (a path, a message naming one) as a JSON string for a person to read,
+ * NULL as JSON null: where it is not UTF-8 (a Latin-1 file name; jansson
+ * refuses such a string, and the whole JSON text was lost), each byte that is
+ * not is written as the four characters \xNN, as Python's backslashreplace
+ * does. A new reference (jansson's json_t), or NULL without memory.
+ */
+struct json_t;
+struct json_t *hapi_json_text(const char *s);
+
 #endif

@@ -84,6 +84,31 @@ def test_status_and_stats_after_reads(tree, mounter, models):
     assert r.returncode == 0 and json.loads(r.stdout)["source"] == str(src)
 
 
+def test_names_that_are_not_utf8_keep_the_control_files_readable(tmp_path, mounter, models):
+    """A mount point and a warm-up folder whose names are not UTF-8 (Latin-1): config and stats
+    stay readable, those names escaped as \\xNN (config was ENOMEM: jansson refuses such a
+    string, so a training script could not read its split)."""
+    src = tmp_path / "src"
+    make_tree(src, classes=1, per_class=2, size=(40, 56))
+    odd = os.fsdecode(b"caf\xe9")  # as Python names bytes that are not UTF-8
+    (src / odd).mkdir()
+    (src / odd / "a.jpg").write_bytes((src / "class0" / "000.jpg").read_bytes())
+    m = mounter(src, tmp_path / os.fsdecode(b"mnt\xe9"), model=models(), prefetch="off")
+    config = m.ctl("config")
+    assert config["mountpoint"].endswith("/mnt\\xe9"), config["mountpoint"]
+    assert config["split"]["index"] >= 1
+    fd = os.open(m.path / ".hapifs" / "ctl", os.O_WRONLY)
+    try:
+        os.write(fd, b"warm caf\xe9")
+    finally:
+        os.close(fd)
+    end = time.monotonic() + 60
+    while (warm := m.ctl("stats")["warm"])["state"] != "done":
+        assert time.monotonic() < end, warm
+        time.sleep(0.1)
+    assert warm["path"] == "caf\\xe9" and warm["total"] == 1, warm
+
+
 def test_status_names_the_weights_and_the_preprocessing(tree, mounter, tmp_path):
     """An archive of a weights file, named by its torchvision enum, resized bicubic, in bf16:
     status says each, as .hapifs/config has them."""
