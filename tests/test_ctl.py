@@ -85,17 +85,19 @@ def test_status_and_stats_after_reads(tree, mounter, models):
 
 
 def test_names_that_are_not_utf8_keep_the_control_files_readable(tmp_path, mounter, models):
-    """A mount point and a warm-up folder whose names are not UTF-8 (Latin-1): config and stats
-    stay readable, those names escaped as \\xNN (config was ENOMEM: jansson refuses such a
-    string, so a training script could not read its split)."""
+    """A cache directory and a warm-up folder whose names are not UTF-8 (Latin-1): config and
+    stats stay readable, those names escaped as \\xNN (config was ENOMEM: jansson refuses such
+    a string, so a training script could not read its split; a mount point or source of such a
+    name the same). Not the mount point itself here: tools that read /proc/mounts as UTF-8 run
+    beside this test."""
     src = tmp_path / "src"
     make_tree(src, classes=1, per_class=2, size=(40, 56))
     odd = os.fsdecode(b"caf\xe9")  # as Python names bytes that are not UTF-8
     (src / odd).mkdir()
     (src / odd / "a.jpg").write_bytes((src / "class0" / "000.jpg").read_bytes())
-    m = mounter(src, tmp_path / os.fsdecode(b"mnt\xe9"), model=models(), prefetch="off")
+    m = mounter(src, model=models(), prefetch="off", cache=str(tmp_path / os.fsdecode(b"c\xe9")))
     config = m.ctl("config")
-    assert config["mountpoint"].endswith("/mnt\\xe9"), config["mountpoint"]
+    assert config["cache"]["dir"].endswith("/c\\xe9"), config["cache"]
     assert config["split"]["index"] >= 1
     fd = os.open(m.path / ".hapifs" / "ctl", os.O_WRONLY)
     try:
