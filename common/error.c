@@ -52,6 +52,23 @@ void hapi_hex(const void *bytes, size_t n, char *out)
     out[2 * n] = '\0';
 }
 
+static int hex_digit(char c)
+{
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+int hapi_unhex(const char *hex, size_t n, void *out)
+{
+    unsigned char *b = out;
+    for (size_t i = 0; i < n; i++) {
+        int hi = hex_digit(hex[2 * i]), lo = hi < 0 ? -1 : hex_digit(hex[2 * i + 1]);
+        if (lo < 0)
+            return -1;
+        b[i] = (unsigned char)(hi << 4 | lo);
+    }
+    return 0;
+}
+
 static uint64_t clock_ns(clockid_t clock)
 {
     struct timespec ts;

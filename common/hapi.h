@@ -67,6 +67,12 @@ int hapi_error_set(hapi_error *err, int code, const char *fmt, ...)
  */
 void hapi_hex(const void *bytes, size_t n, char *out);
 
+/*
+ * Reads 2n lowercase hex digits at hex into the n bytes at out: the inverse
+ * of hapi_hex(). Returns 0, or -1 if one of them is not a lowercase hex digit.
+ */
+int hapi_unhex(const char *hex, size_t n, void *out);
+
 /* Monotonic clock in nanoseconds. */
 uint64_t hapi_now_ns(void);
 

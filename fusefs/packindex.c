@@ -93,11 +93,7 @@ static json_t *text_json(const char *s, const char *key, const char *key_hex, co
     char *hex = malloc(2 * n + 1);
     if (!hex)
         return NULL;
-    for (size_t i = 0; i < n; i++) {
-        hex[2 * i] = HEX_DIGITS[(unsigned char)s[i] >> 4];
-        hex[2 * i + 1] = HEX_DIGITS[(unsigned char)s[i] & 15];
-    }
-    hex[2 * n] = '\0';
+    hapi_hex(s, n, hex);
     *used = key_hex;
     v = json_string(hex);
     free(hex);
@@ -173,6 +169,14 @@ static int hex_ok(const char *s, size_t n)
     return strlen(s) == n && strspn(s, HEX_DIGITS) == n;
 }
 
+/* A copy of o[key] when it is a string (*out NULL when it is not). Returns 0 or -ENOMEM. */
+static int string_of(json_t *o, const char *key, const char **out)
+{
+    const char *s = json_string_value(json_object_get(o, key));
+    *out = s ? strdup(s) : NULL;
+    return s && !*out ? -ENOMEM : 0;
+}
+
 /*
  * o[key] when it is a string, else o[key_hex] decoded when it is lowercase hex
  * of bytes other than NUL (see text_json()): a copy in *out, NULL when there
@@ -186,19 +190,15 @@ static int text_of(json_t *o, const char *key, const char *key_hex, const char *
     if (s && hex)
         return HAPI_ECORRUPT;
     if (!hex)
-        return (*out = s ? strdup(s) : NULL) || !s ? 0 : -ENOMEM;
+        return string_of(o, key, out);
     size_t n = strlen(hex);
-    if (n % 2 || strspn(hex, HEX_DIGITS) != n)
+    if (n % 2)
         return HAPI_ECORRUPT;
     char *text = malloc(n / 2 + 1);
     if (!text)
         return -ENOMEM;
-    for (size_t i = 0; i < n / 2; i++) {
-        const char *hi = strchr(HEX_DIGITS, hex[2 * i]), *lo = strchr(HEX_DIGITS, hex[2 * i + 1]);
-        text[i] = (char)((hi - HEX_DIGITS) << 4 | (lo - HEX_DIGITS));
-    }
     text[n / 2] = '\0';
-    if (strlen(text) != n / 2) { /* a NUL byte in it */
+    if (hapi_unhex(hex, n / 2, text) < 0 || strlen(text) != n / 2) { /* or a NUL byte in it */
         free(text);
         return HAPI_ECORRUPT;
     }
@@ -224,13 +224,6 @@ static int64_t json_int_of(json_t *o, const char *key, int *bad)
     return json_integer_value(v);
 }
 
-/* A copy of o[key] when it is a string (*out NULL when it is not). Returns 0 or -ENOMEM. */
-static int string_of(json_t *o, const char *key, const char **out)
-{
-    const char *s = json_string_value(json_object_get(o, key));
-    *out = s ? strdup(s) : NULL;
-    return s && !*out ? -ENOMEM : 0;
-}
 
 static hapi_packindex_status status_of(const char *status)
 {

@@ -40,14 +40,7 @@ int hapi_remote__hex_to_ns(const char *hex, hapi_cache_namespace *ns)
 {
     if (!hex || strlen(hex) != 2 * sizeof(ns->bytes))
         return -1;
-    for (size_t i = 0; i < sizeof(ns->bytes); i++) {
-        unsigned v;
-        if (sscanf(hex + 2 * i, "%2x", &v) != 1 || !strchr("0123456789abcdef", hex[2 * i]) ||
-            !strchr("0123456789abcdef", hex[2 * i + 1]))
-            return -1;
-        ns->bytes[i] = (uint8_t)v;
-    }
-    return 0;
+    return hapi_unhex(hex, sizeof(ns->bytes), ns->bytes);
 }
 
 /*
