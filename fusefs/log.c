@@ -146,14 +146,22 @@ void hapi_error_ring_add(hapi_error_ring *r, const char *path, int code, const c
     pthread_mutex_unlock(&r->lock);
 }
 
-/* The length of the valid UTF-8 sequence at p, or 0 (see hapi_json_text()). */
+/*
+ * The length of the valid UTF-8 sequence at p, or 0: as jansson checks it,
+ * no overlong form, surrogate or code point past U+10FFFF (RFC 3629).
+ */
 static size_t utf8_len(const unsigned char *p)
 {
     if (p[0] < 0x80)
         return 1;
     size_t n = p[0] >= 0xc2 && p[0] <= 0xdf ? 2 : p[0] >= 0xe0 && p[0] <= 0xef ? 3
              : p[0] >= 0xf0 && p[0] <= 0xf4 ? 4 : 0;
-    for (size_t i = 1; i < n; i++)
+    /* the second byte's range: narrower after E0, ED, F0 and F4 */
+    unsigned lo = p[0] == 0xe0 ? 0xa0 : p[0] == 0xf0 ? 0x90 : 0x80;
+    unsigned hi = p[0] == 0xed ? 0x9f : p[0] == 0xf4 ? 0x8f : 0xbf;
+    if (n && (p[1] < lo || p[1] > hi))
+        return 0;
+    for (size_t i = 2; i < n; i++)
         if ((p[i] & 0xc0) != 0x80)
             return 0;
     return n;
@@ -164,25 +172,22 @@ json_t *hapi_json_text(const char *s)
     json_t *v = s ? json_string(s) : json_null();
     if (v || !s)
         return v;
-    for (int all = 0; all < 2 && !v; all++) {
-        size_t len = strlen(s);
-        char *out = malloc(4 * len + 1), *o = out;
-        if (!out)
-            return NULL;
-        for (const unsigned char *p = (const unsigned char *)s; *p;) {
-            size_t n = all ? *p < 0x80 : utf8_len(p);
-            if (n) {
-                memcpy(o, p, n);
-                o += n;
-                p += n;
-            } else {
-                o += sprintf(o, "\\x%02x", *p++);
-            }
+    char *out = malloc(4 * strlen(s) + 1), *o = out;
+    if (!out)
+        return NULL;
+    for (const unsigned char *p = (const unsigned char *)s; *p;) {
+        size_t n = utf8_len(p);
+        if (n) {
+            memcpy(o, p, n);
+            o += n;
+            p += n;
+        } else {
+            o += sprintf(o, "\\x%02x", *p++);
         }
-        *o = '\0';
-        v = json_string(out); /* all: overlong and surrogate forms are escaped byte by byte */
-        free(out);
     }
+    *o = '\0';
+    v = json_string(out);
+    free(out);
     return v;
 }
 
