@@ -577,14 +577,9 @@ static void render_finish(json_t *j, const hapi_remote_features *rf)
                                                                    "stages"),
                                                    (size_t)rf->freeze - 1), "name");
     json_t *shape = json_array();
-    size_t elems = 1;
-    for (int d = 0; shape && d < rf->ndim; d++) {
+    for (int d = 0; shape && d < rf->ndim; d++)
         json_array_append_new(shape, json_integer(rf->shape[d]));
-        elems *= (size_t)rf->shape[d];
-    }
-    char header[HAPI_NPY_HEADER_MAX];
-    int hl = hapi_npy_header(header, fp16 ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32, rf->shape, rf->ndim);
-    json_int_t feat_size = hl < 0 ? 0 : hl + (json_int_t)(elems * (fp16 ? 2 : 4));
+    json_int_t feat_size = (json_int_t)rf->feat_size[fp16];
     json_t *sent = split ? json_deep_copy(split) : json_null();
     json_object_set_new(j, "features",
                         json_pack("{s:s, s:i, s:O?, s:O?, s:s, s:I, s:s, s:I, s:o?}", "mode",

@@ -145,9 +145,21 @@ static int finish_load(hapi_remote *r, struct finish *fin, const char *config,
     }
     fin->ndim = info.ndim;
     memcpy(fin->shape, info.shape, sizeof(fin->shape));
-    for (int d = 0; d < 2; d++)
-        finish_ns(digest, pp_text, fin->freeze, d ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32,
-                  r->cfg.precision, &fin->ns[d], fin->ns_hex[d]);
+    size_t elems = 1;
+    for (int i = 0; i < fin->ndim; i++)
+        elems *= (size_t)fin->shape[i];
+    for (int d = 0; d < 2; d++) {
+        int dtype = d ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32;
+        finish_ns(digest, pp_text, fin->freeze, dtype, r->cfg.precision, &fin->ns[d],
+                  fin->ns_hex[d]);
+        int hl = hapi_npy_header(fin->header[d], dtype, fin->shape, fin->ndim);
+        if (hl < 0) {
+            rc = hapi_error_set(err, HAPI_ECORRUPT, "no .npy header for the freeze stage's shape");
+            goto out;
+        }
+        fin->header_len[d] = (size_t)hl;
+        fin->row_bytes[d] = elems * (d ? 2 : 4);
+    }
 out:
     if (rc < 0) {
         hapi_model_free(fin->model);
@@ -227,14 +239,9 @@ int hapi_remote__finish_keep(const struct finish *fin, struct dir_index *x, hapi
     memcpy(x->ns_hex, fin->ns_hex[d], sizeof(x->ns_hex));
     x->ndim = fin->ndim;
     memcpy(x->shape, fin->shape, sizeof(x->shape));
-    size_t elems = 1;
-    for (int i = 0; i < x->ndim; i++)
-        elems *= (size_t)x->shape[i];
-    x->row_bytes = elems * (d ? 2 : 4);
-    int hl = hapi_npy_header(x->header, x->dtype, x->shape, x->ndim);
-    if (hl < 0)
-        return hapi_error_set(err, HAPI_ECORRUPT, "no .npy header for the freeze stage's shape");
-    x->header_len = (size_t)hl;
+    memcpy(x->header, fin->header[d], fin->header_len[d]);
+    x->header_len = fin->header_len[d];
+    x->row_bytes = fin->row_bytes[d];
     return 0;
 }
 
@@ -277,5 +284,7 @@ void hapi_remote_features_get(hapi_remote *r, hapi_remote_features *out)
     out->ndim = fin->ndim;
     memcpy(out->shape, fin->shape, sizeof(out->shape));
     memcpy(out->ns_hex, fin->ns_hex, sizeof(out->ns_hex));
+    for (int d = 0; d < 2; d++)
+        out->feat_size[d] = fin->header_len[d] + fin->row_bytes[d];
     out->rows = atomic_load(&fin->rows);
 }

@@ -187,8 +187,11 @@ struct finish {
     int freeze;                   /* a .feat is the output of stages [0, freeze) */
     int ndim;
     int64_t shape[HAPI_MAX_DIMS]; /* of stage freeze - 1's output */
-    hapi_cache_namespace ns[2];   /* a .feat's namespace, by dtype (fp32, fp16) */
+    /* a .feat by dtype (fp32, fp16): its namespace, .npy header and row bytes */
+    hapi_cache_namespace ns[2];
     char ns_hex[2][33];
+    char header[2][HAPI_NPY_HEADER_MAX];
+    size_t header_len[2], row_bytes[2];
     atomic_uint_fast64_t rows;    /* rows finished here */
 };
 

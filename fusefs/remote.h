@@ -178,6 +178,7 @@ typedef struct hapi_remote_features {
     int ndim;
     int64_t shape[8];                /* of one .feat (HAPI_MAX_DIMS) */
     char ns_hex[2][33];              /* its namespace by dtype: fp32, fp16 */
+    uint64_t feat_size[2];           /* a .feat's bytes by dtype, its .npy header with them */
     uint64_t rows;                   /* rows run through [split, freeze) here */
 } hapi_remote_features;
 void hapi_remote_features_get(hapi_remote *r, hapi_remote_features *out);
