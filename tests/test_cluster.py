@@ -387,7 +387,8 @@ def test_remote_mount_over_two_sshfs_nodes(cluster, tmp_path, models):
 
     def mount():
         r = subprocess.run([str(_hapifs_binary()), sources, str(mnt), "-o",
-                            f"remote,cache={cache},refresh=0,log={tmp_path / 'remote.log'}"],
+                            f"remote,features=split,cache={cache},refresh=0,"
+                            f"log={tmp_path / 'remote.log'}"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
 

@@ -192,7 +192,7 @@ def test_a_remote_mount_shows_each_feat_as_readable_as_its_directory(shared, mod
     shutil.copy(src / "class0" / names[1], src / "locked" / "x.jpg")
     os.chmod(src / "locked", 0o711)  # others may look a name up, not list or read
     os.chmod(src / "class0" / names[0], 0o644)
-    r = mounter(st.path, shared.top / "rmnt", remote=None, allow_other=None,
+    r = mounter(st.path, shared.top / "rmnt", remote=None, features="split", allow_other=None,
                 cache=str(shared.top / "rcache"))
     assert reads(USER, r.path / "class0" / (names[1] + ".feat")).returncode == 0
     locked = r.path / "locked" / "x.jpg.feat"

@@ -36,6 +36,8 @@ def storage(tmp_path, mounter, models):
 
 
 def remote(mounter, tmp_path, sources, cache="rcache", mountpoint=None, **opts):
+    """A compute-side mount of sources. The tests of how features travel (packs, indexes,
+    sources, freshness) compare its bytes with the storage mount's: they give features=split."""
     opts.setdefault("cache", str(tmp_path / cache))
     return mounter(":".join(str(s) for s in sources),
                    mountpoint or tmp_path / f"remote-{len(list(tmp_path.glob('remote-*')))}",
@@ -64,7 +66,7 @@ def feats(root, paths):
 
 def test_remote_serves_the_storage_features_in_packs(tmp_path, storage, mounter):
     src, st, paths = storage()
-    r = remote(mounter, tmp_path, [st.path])
+    r = remote(mounter, tmp_path, [st.path], features="split")
     # the same tree, as listed
     assert sorted(os.listdir(r.path)) == sorted(os.listdir(st.path))
     assert sorted(os.listdir(r.path / "class0")) == sorted(os.listdir(st.path / "class0"))
@@ -113,7 +115,7 @@ def test_a_second_job_moves_no_feature_bytes(tmp_path, storage, mounter):
 def test_concurrent_misses_in_a_directory_join_one_fetch(tmp_path, storage, mounter):
     from concurrent.futures import ThreadPoolExecutor
     src, st, paths = storage(classes=1, per_class=24)
-    r = remote(mounter, tmp_path, [st.path])
+    r = remote(mounter, tmp_path, [st.path], features="split")
     with ThreadPoolExecutor(12) as ex:
         got = dict(zip(paths, ex.map(lambda p: (r.path / (p + ".feat")).read_bytes(), paths)))
     assert got == feats(st.path, paths)
@@ -126,7 +128,7 @@ def test_a_miss_that_races_the_store_of_its_row_fetches_nothing_more(tmp_path, s
     from concurrent.futures import ThreadPoolExecutor
     src, st, paths = storage(classes=1, per_class=48)
     want = feats(st.path, paths)  # warm on the storage side: packs stream at once
-    r = remote(mounter, tmp_path, [st.path])
+    r = remote(mounter, tmp_path, [st.path], features="split")
     rounds = 8
     with ThreadPoolExecutor(16) as ex:
         for i in range(rounds):
@@ -145,7 +147,7 @@ def test_union_of_two_storage_nodes(tmp_path, storage, mounter):
     shutil.rmtree(src_b / "class0")
     shutil.rmtree(src_b / "class1")
     pb = [f"class2/{n[:-5]}" for n in sorted(os.listdir(b.path / "class2"))]
-    r = remote(mounter, tmp_path, [a.path, b.path])
+    r = remote(mounter, tmp_path, [a.path, b.path], features="split")
     assert sorted(os.listdir(r.path)) == ["class0", "class1", "class2"]
     assert feats(r.path, pa) == feats(a.path, pa)
     assert feats(r.path, pb) == feats(b.path, pb)
@@ -157,7 +159,7 @@ def test_union_of_two_storage_nodes(tmp_path, storage, mounter):
 def test_freshness_a_changed_image_and_a_split_change(tmp_path, storage, mounter):
     from PIL import Image
     src, st, paths = storage(classes=1, per_class=4)
-    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    r = remote(mounter, tmp_path, [st.path], refresh=0, features="split")
     p = paths[0]
     before = (r.path / (p + ".feat")).read_bytes()
     # the image is replaced on the storage node: the compute side must not serve the old features
@@ -183,7 +185,7 @@ def test_a_kept_index_is_checked_by_its_version(tmp_path, storage, mounter):
     head = '{"format":"hapifs-pack/1","version":"'
     pending = index.read_text()
     assert pending.startswith(head) and '"pending"' in pending
-    r = remote(mounter, tmp_path, [st.path], refresh=1)
+    r = remote(mounter, tmp_path, [st.path], refresh=1, features="split")
     assert feats(r.path, paths) == feats(st.path, paths)
     # the statuses changed, the version did not
     cached = index.read_text()
@@ -214,7 +216,7 @@ def test_a_source_that_is_not_a_storage_mount_is_refused(tmp_path, storage, moun
     with pytest.raises(RuntimeError, match="not a hapifs storage mount"):
         remote(mounter, tmp_path, [plain])
     # beside a good one: down (a storage daemon restarting looks the same), the other serves
-    r = remote(mounter, tmp_path, [plain, st.path])
+    r = remote(mounter, tmp_path, [plain, st.path], features="split")
     states = [s["state"] for s in r.ctl("stats")["remote"]["sources"]]
     assert states == ["down", "ok"]
     assert feats(r.path, paths) == feats(st.path, paths)
@@ -246,7 +248,7 @@ def test_a_source_of_another_model_is_refused_another_split_is_not(tmp_path, sto
     ctl_write(b, "split 3")
     wait_until(lambda: a.ctl("config")["split"]["index"] == 2 and
                b.ctl("config")["split"]["index"] == 3)
-    r = remote(mounter, tmp_path, [a.path, b.path])
+    r = remote(mounter, tmp_path, [a.path, b.path], features="split")
     assert [s["state"] for s in r.ctl("stats")["remote"]["sources"]] == ["ok", "ok"]
     only_b = [p for p in paths_b if p.startswith("class1/")]
     assert feats(r.path, paths_a) == feats(a.path, paths_a)  # class0: the first source's
@@ -259,7 +261,8 @@ def test_a_source_of_another_model_is_refused_another_split_is_not(tmp_path, sto
 
 
 def fake_storage(tmp_path, st, d, name="fake"):
-    """A plain directory that looks like a storage mount: its config, and d's index and pack."""
+    """A plain directory that looks like a storage mount: its config, and d's index and pack
+    (no model: what a remote mount serves from it is features=split)."""
     fake = tmp_path / name
     (fake / ".hapifs").mkdir(parents=True)
     (fake / ".hapifs" / "config").write_bytes((st.path / ".hapifs" / "config").read_bytes())
@@ -274,7 +277,7 @@ def test_a_torn_pack_is_refused_and_never_cached(tmp_path, storage, mounter):
     fake = fake_storage(tmp_path, st, "class0")
     pack = fake / "class0" / PACK
     pack.write_bytes(pack.read_bytes()[:-100])
-    r = remote(mounter, tmp_path, [fake])
+    r = remote(mounter, tmp_path, [fake], features="split")
     with pytest.raises(OSError) as e:
         (r.path / (paths[0] + ".feat")).read_bytes()
     assert e.value.errno == errno.EIO
@@ -292,7 +295,7 @@ def test_pack_files_read_through_and_cut_short_are_eio(tmp_path, storage, mounte
     fake = fake_storage(tmp_path, st, "class0")
     pack, index = fake / "class0" / PACK, fake / "class0" / INDEX
     whole_pack, whole_index = pack.read_bytes(), index.read_bytes()
-    r = remote(mounter, tmp_path, [fake])
+    r = remote(mounter, tmp_path, [fake], features="split")
     got = r.path / "class0"
     assert (got / PACK).read_bytes() == whole_pack and (got / INDEX).read_bytes() == whole_index
     for f, cut in ((pack, len(whole_pack) // 2), (pack, 100), (pack, 0),
@@ -315,7 +318,7 @@ def test_a_corrupt_or_hostile_index_is_refused(tmp_path, storage, mounter):
     index = json.loads((fake / "class0" / INDEX).read_text())
     index["entries"][0]["name"] = "../../etc/passwd.jpg"
     (fake / "class0" / INDEX).write_text(json.dumps(index))
-    r = remote(mounter, tmp_path, [fake])
+    r = remote(mounter, tmp_path, [fake], features="split")
     # the directory cannot be served: EIO, and the reason in errors; nothing is read outside
     with pytest.raises(OSError) as e:
         (r.path / (paths[1] + ".feat")).read_bytes()
@@ -328,7 +331,7 @@ def test_a_corrupt_or_hostile_index_is_refused(tmp_path, storage, mounter):
 def test_an_undecodable_image_fails_alone(tmp_path, storage, mounter):
     src, st, paths = storage(classes=1, per_class=4, prefetch="off")
     (src / "class0" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
-    r = remote(mounter, tmp_path, [st.path])
+    r = remote(mounter, tmp_path, [st.path], features="split")
     with pytest.raises(OSError) as e:
         (r.path / "class0" / "bad.jpg.feat").read_bytes()
     assert e.value.errno == errno.EIO
@@ -338,7 +341,7 @@ def test_an_undecodable_image_fails_alone(tmp_path, storage, mounter):
 
 def test_a_dead_source_gives_eio_and_recovers(tmp_path, storage, mounter, models):
     src, st, paths = storage(classes=2, per_class=3)
-    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    r = remote(mounter, tmp_path, [st.path], refresh=0, features="split")
     assert feats(r.path, paths[:3]) == feats(st.path, paths[:3])  # class0 fetched
     os.kill(st.pid, signal.SIGKILL)
     wait_gone(st.pid)
@@ -377,7 +380,7 @@ def test_a_missing_name_after_a_source_came_back_is_enoent(tmp_path, storage, mo
     over the directory beneath, so such a reader's missing names were EIO: the two-tier soak's
     final pass, 60 s after a storage restart, read deleted names as EIO.)"""
     src, st, paths = storage(classes=1, per_class=3)
-    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    r = remote(mounter, tmp_path, [st.path], refresh=0, features="split")
     os.kill(st.pid, signal.SIGKILL)
     wait_gone(st.pid)
     with pytest.raises(OSError) as e:
@@ -404,7 +407,7 @@ def test_a_name_missed_where_the_source_was_before_a_remount_is_not_enoent(tmp_p
     hold = tmp_path / "hold"
     monkeypatch.setenv("HAPIFS_TEST_HOLD_MISS", str(hold))
     src, st, paths = storage(classes=2, per_class=2)
-    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    r = remote(mounter, tmp_path, [st.path], refresh=0, features="split")
     # both directories known to the kernel: the held reader waits in a lookup in class0, the
     # other reader's lookups are in class1 (the kernel serializes lookups in one directory)
     feats(r.path, [paths[0], paths[2]])
@@ -458,7 +461,7 @@ def test_a_name_that_is_not_utf8_is_served_with_its_directory(tmp_path, storage,
     wait_until(lambda: odd + b".feat" in os.listdir(os.fsencode(st.path / "class0")))
     index = json.loads((st.path / "class0" / INDEX).read_bytes())
     assert [e.get("name_hex") for e in index["entries"]] == [None, None, odd.hex()], index
-    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    r = remote(mounter, tmp_path, [st.path], refresh=0, features="split")
     assert feats(r.path, paths) == feats(st.path, paths)
     feat = odd + b".feat"
     assert feat in os.listdir(os.fsencode(r.path / "class0"))
@@ -586,7 +589,7 @@ def test_features_freeze_hold_their_shape_while_the_split_changes(tmp_path, stor
 
 def test_warm_and_evict_through_hapifs_ctl(tmp_path, storage, mounter):
     src, st, paths = storage(classes=3, per_class=4)
-    r = remote(mounter, tmp_path, [st.path])
+    r = remote(mounter, tmp_path, [st.path], features="split")
     ctl = Path(os.environ.get("HAPI_BUILD_ROOT", Path(__file__).resolve().parent.parent / "build")) / "tools" / "hapifs-ctl"
     out = subprocess.run([str(ctl), "warm", str(r.path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -634,7 +637,7 @@ def test_mount_helper_and_fstab_for_a_remote_mount(tmp_path, storage):
     shutil.rmtree(src_b / "class0")
     mnt = tmp_path / "helper"
     mnt.mkdir()
-    opts = f"remote,cache={tmp_path / 'hcache'},_netdev,nofail"
+    opts = f"remote,features=split,cache={tmp_path / 'hcache'},_netdev,nofail"
     r = subprocess.run(["mount", "-t", "hapifs", f"{a.path}:{b.path}", str(mnt), "-o", opts],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -699,7 +702,7 @@ def test_a_pack_taken_after_its_index_changed_is_not_misread(tmp_path, storage, 
     """The compute side reads a pack by the index it kept: a pack of another version is refused
     and its rows are read again by the directory's new index, never mapped to the old names."""
     src, st, paths = storage(classes=1, per_class=4)
-    r = remote(mounter, tmp_path, [st.path], refresh=600)
+    r = remote(mounter, tmp_path, [st.path], refresh=600, features="split")
     os.stat(r.path / (paths[1] + ".feat"))  # the index is read and kept; nothing is fetched
     assert r.ctl("stats")["remote"]["sources"][0]["packs"] == 0
     # one image goes, another comes after the rest: the same row count, every row moved by one
@@ -773,7 +776,7 @@ def test_a_read_that_sees_the_split_change_does_not_hang(tmp_path, storage, moun
     one's too, whose page the kernel holds locked until the read is answered: told from within
     the read, the daemon waited for itself, for ever."""
     src, st, paths = storage(classes=1, per_class=4)
-    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    r = remote(mounter, tmp_path, [st.path], refresh=0, features="split")
     f = r.path / (paths[0] + ".feat")
     old = f.read_bytes()
     fd = os.open(f, os.O_RDONLY)
@@ -814,7 +817,7 @@ def test_an_open_feat_keeps_its_size_after_a_split_change(tmp_path, storage, mou
     src, st, paths = storage(classes=1, per_class=3)
     ctl_write(st, "split 2")
     wait_until(lambda: st.ctl("config")["split"]["index"] == 2)
-    r = remote(mounter, tmp_path, [st.path], refresh=0)
+    r = remote(mounter, tmp_path, [st.path], refresh=0, features="split")
     f = r.path / (paths[0] + ".feat")
     old = f.read_bytes()
     assert old == (st.path / (paths[0] + ".feat")).read_bytes()
@@ -846,7 +849,7 @@ def test_an_index_read_that_hangs_does_not_serve_old_features(tmp_path, storage,
     hold = tmp_path / "hold"  # while it exists the storage side makes no index
     monkeypatch.setenv("HAPIFS_TEST_HOLD_INDEX", str(hold))
     src, st, paths = storage(classes=1, per_class=3)
-    r = remote(mounter, tmp_path, [st.path], refresh=1)
+    r = remote(mounter, tmp_path, [st.path], refresh=1, features="split")
     p = paths[0]
     old = (r.path / (p + ".feat")).read_bytes()  # cached on the compute side
     fd = os.open(r.path / (paths[1] + ".feat"), os.O_RDONLY)
@@ -905,7 +908,8 @@ def test_a_full_cache_disk_costs_the_cache_never_a_read(tmp_path, storage, mount
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "hapifs-test", str(disk)], check=True)
     r = None
     try:
-        r = remote(mounter, tmp_path, [st.path], cache=str(disk / "cache"), cache_size="2M")
+        r = remote(mounter, tmp_path, [st.path], cache=str(disk / "cache"), cache_size="2M",
+                   features="split")
         filler = fill(disk)
         assert feats(r.path, paths) == want  # no read failed for want of room
         s1 = r.ctl("stats")["feat"]
