@@ -302,9 +302,11 @@ void hapi_fs_usage(const char *prog)
            "                         again after this long: the bound on serving features of a\n"
            "                         changed image or an old split (default 30, 0 = every use)\n"
            "    fetch_threads=N      packs fetched at once (default 4)\n"
-           "    features=split|freeze what a .feat is: the storage side's split (default), or the\n"
-           "                         freeze point's, whatever the split: the stages [split, freeze)\n"
-           "                         of the storage side's model run here, once per image\n"
+           "    features=freeze|split\n"
+           "                         what a .feat is: the freeze point's, whatever the storage\n"
+           "                         side's split (default; the stages [split, freeze) of the\n"
+           "                         storage side's model run here, once per image), or the\n"
+           "                         storage side's split's, as it sends them\n"
            "    precision=fp32|bf16, torch_threads=N\n"
            "                         with features=freeze: how those stages run here (default fp32;\n"
            "                         libtorch's threads)\n");
@@ -760,12 +762,13 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
         strcmp(raw->features, "freeze") != 0)
         return hapi_error_set(err, HAPI_EINVAL, "features=%s: expected split or freeze",
                               raw->features);
-    o->finish = raw->features && strcmp(raw->features, "freeze") == 0;
+    o->finish = !raw->features || strcmp(raw->features, "freeze") == 0;
     /* the stages run here, as on the storage side: in fp32 or bf16, on so many threads */
     o->precision = HAPI_PRECISION_FP32;
     o->torch_threads = 0;
     if (!o->finish && (raw->precision || raw->torch_threads))
-        return hapi_error_set(err, HAPI_EINVAL, "%s= on a remote mount needs features=freeze",
+        return hapi_error_set(err, HAPI_EINVAL, "%s= on a remote mount goes with features=freeze: "
+                              "features=split runs no stage here",
                               raw->precision ? "precision" : "torch_threads");
     if ((rc = parse_word("precision", raw->precision, WORDS(precision_words), "fp32 or bf16",
                          &o->precision, err)) < 0 ||

@@ -58,7 +58,7 @@ typedef struct hapi_fs_options {
     size_t nroots;
     int refresh_ms;        /* remote: how long a directory's index is trusted */
     int fetch_threads;     /* remote: packs fetched at once */
-    int finish;            /* remote, features=freeze: run stages [split, freeze) here */
+    int finish;            /* remote, features=freeze (the default): run [split, freeze) here */
     gid_t ctl_gid;         /* ctl_group=: its members may write .hapifs/ctl; -1: none */
     int serving_gate;      /* not an option: the daemon says when it serves (hapi_fs_serving) */
     int dead_mount;        /* not an option: mountpoint is our mount whose daemon died */

@@ -522,6 +522,29 @@ def test_features_freeze_are_the_freeze_points_whatever_the_split(tmp_path, stor
             assert r.ctl("stats")["feat"]["misses"] == stats["feat"]["misses"], "refetched"
 
 
+def test_a_remote_mount_serves_the_freeze_points_features_by_default(tmp_path, storage, mounter):
+    """Without features=, a .feat is the freeze point's whatever the storage side's split, and
+    precision= and torch_threads= say how the stages before it run here. At the freeze point
+    itself the storage side's bytes pass as they are: nothing is computed here."""
+    _, ref, paths = storage(name="ref", classes=1, per_class=3, split="pool")
+    _, st, _ = storage(name="early", classes=1, per_class=3, split="layer2")
+    want = {p: np.load(ref.path / (p + ".feat")) for p in paths}
+    r = remote(mounter, tmp_path, [st.path], precision="bf16", torch_threads=1)
+    for p in paths:
+        got = np.load(r.path / (p + ".feat"))
+        assert got.shape == want[p].shape and got.dtype == np.float16, (p, got.shape, got.dtype)
+        assert cosine(got, want[p]) >= 0.995, (p, cosine(got, want[p]))
+    config = r.ctl("config")
+    assert config["split"]["index"] == config["split"]["freeze"] == \
+        ref.ctl("config")["split"]["index"]
+    assert config["features"]["mode"] == "freeze", config["features"]
+    assert config["features"]["storage_split"]["stage"] == "layer2", config["features"]
+    assert r.ctl("stats")["feat"]["computed"] == len(paths)
+    at_freeze = remote(mounter, tmp_path, [ref.path], cache="rcache-ref")
+    assert feats(at_freeze.path, paths) == feats(ref.path, paths)
+    assert at_freeze.ctl("stats")["feat"]["computed"] == 0
+
+
 def test_features_freeze_with_a_model_that_is_not_the_configs_is_eio(tmp_path, storage,
                                                                       mounter):
     """A storage side's model whose digest is not its config's (or none at all): the mount
@@ -621,8 +644,10 @@ def test_remote_refuses_storage_options(tmp_path, storage, mounter, models):
     src, st, paths = storage(classes=1, per_class=1)
     with pytest.raises(RuntimeError, match="model= is an option of the storage side"):
         remote(mounter, tmp_path, [st.path], model=models())
-    with pytest.raises(RuntimeError, match="precision= on a remote mount needs features=freeze"):
-        remote(mounter, tmp_path, [st.path], precision="bf16")
+    for option, value in (("precision", "bf16"), ("torch_threads", 1)):
+        with pytest.raises(RuntimeError, match=f"{option}= on a remote mount goes with "
+                           "features=freeze: features=split runs no stage here"):
+            remote(mounter, tmp_path, [st.path], features="split", **{option: value})
     with pytest.raises(RuntimeError, match="features=fast: expected split or freeze"):
         remote(mounter, tmp_path, [st.path], features="fast")
 

@@ -105,15 +105,15 @@ def test_train_at_an_early_split_runs_the_frozen_stages(tmp_path, models, mounte
     assert m.ctl("stats")["feat"]["computed"] == 160
 
 
-def test_train_on_a_remote_mount_with_features_freeze_runs_no_trunk(tmp_path, models, mounter):
-    """A compute-side mount with features=freeze finishes the stages [split, freeze) itself:
-    train.py, unmodified, runs no trunk on an early storage split's features, and learns."""
+def test_train_on_a_remote_mount_runs_no_trunk(tmp_path, models, mounter):
+    """A compute-side mount (features=freeze by default) finishes the stages [split, freeze)
+    itself: train.py, unmodified, runs no trunk on an early storage split's features, and
+    learns."""
     archive = models("resnet18", 64)
     data = make_dataset(tmp_path / "data", 4, 40, size=80)
     st = mounter(data, model=archive, split=3)
     settled_config(st)
-    r = mounter(st.path, tmp_path / "remote", remote=None, features="freeze",
-                cache=str(tmp_path / "rcache"))
+    r = mounter(st.path, tmp_path / "remote", remote=None, cache=str(tmp_path / "rcache"))
     out = train(r.path, 10)
     assert re.search(r"^trunk: none$", out, re.M), out
     assert_learned(out, 10)
