@@ -9,13 +9,18 @@
 #include "extractor.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 #include <c10/core/InferenceMode.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/cuda.h>
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/ir/ir.h>
 #include <torch/script.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -38,6 +43,23 @@ struct hapi_model {
 namespace {
 
 const char kMetadataName[] = "hapifs.json";
+
+// ATen's own kernels (everything outside oneDNN: elementwise ops, reductions, layer norm) are
+// built for AVX2 and AVX512, and libtorch 1.13 takes the AVX512 ones only when
+// ATEN_CPU_CAPABILITY=avx512 asks for them. Asked for here, at load, before any kernel runs
+// (the variable is read at the first), when the CPU has what they need (libtorch does not
+// check: elsewhere they would fault) and the environment does not choose. Measured in
+// docs/design.md ("bf16 on the CPU").
+struct AvxCapability {
+    AvxCapability()
+    {
+        __builtin_cpu_init();
+        if (!std::getenv("ATEN_CPU_CAPABILITY") && __builtin_cpu_supports("avx512f") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
+            setenv("ATEN_CPU_CAPABILITY", "avx512", 0);
+    }
+} avx_capability;
 
 // libtorch's interop pool can be sized once per process, before it starts.
 std::once_flag interop_once;
@@ -180,6 +202,91 @@ bool has_mkldnn_unsafe_activation(const torch::jit::Block *block)
     return false;
 }
 
+// What libtorch 1.13 leaves slow in a frozen bf16 stage on the CPU, moved to kernels that are
+// not (docs/design.md, "Where bf16 time goes"):
+// - a convolution runs through aten::conv2d, which reorders its weights into oneDNN's blocked
+//   layout on every call, and the ReLU after it is a separate pass over the map in ATen's
+//   bf16 code, which is slow: ResNet-50's ReLUs and residual adds took half of a bf16 batch.
+//   Each convolution with constant weights becomes mkldnn_prepacked::conv2d_run on weights
+//   packed once here, a ReLU that is its only reader fused into it as oneDNN's post-op (the
+//   same arithmetic: bit-equal to conv2d then relu on every shape tried);
+// - aten::layer_norm in bf16 is 10-18x slower than in fp32: it runs in fp32 between two casts
+//   (more exact too; the result is rounded to the input's type once).
+void rewrite_bf16_block(torch::jit::Graph &g, torch::jit::Block *block)
+{
+    using namespace torch::jit;
+    static const c10::Symbol conv2d = c10::Symbol::fromQualString("aten::conv2d");
+    static const c10::Symbol relu = c10::Symbol::fromQualString("aten::relu");
+    static const c10::Symbol relu_ = c10::Symbol::fromQualString("aten::relu_");
+    static const c10::Symbol layer_norm = c10::Symbol::fromQualString("aten::layer_norm");
+    static const c10::Symbol to = c10::Symbol::fromQualString("aten::to");
+    static const c10::Symbol conv_run = c10::Symbol::fromQualString("mkldnn_prepacked::conv2d_run");
+    // absent from a libtorch built without oneDNN: convolutions then stay as they are
+    static const c10::optional<c10::OperatorHandle> prepack =
+        c10::Dispatcher::singleton().findSchema({"mkldnn_prepacked::conv2d_prepack", ""});
+
+    for (auto it = block->nodes().begin(); it != block->nodes().end();) {
+        Node *n = *it;
+        ++it;
+        for (Block *b : n->blocks())
+            rewrite_bf16_block(g, b);
+        if (n->kind() == conv2d && n->inputs().size() == 7 && prepack) {
+            c10::optional<c10::IValue> w = toIValue(n->input(1)), b = toIValue(n->input(2));
+            c10::optional<c10::IValue> stride = toIValue(n->input(3)), pad = toIValue(n->input(4));
+            c10::optional<c10::IValue> dil = toIValue(n->input(5)), groups = toIValue(n->input(6));
+            // constant weights only, and the int-list padding (not "same"/"valid")
+            if (!w || !w->isTensor() || w->toTensor().dim() != 4 ||
+                w->toTensor().scalar_type() != torch::kBFloat16 || !b ||
+                !(b->isNone() || b->isTensor()) || !stride || !stride->isIntList() || !pad ||
+                !pad->isIntList() || !dil || !dil->isIntList() || !groups || !groups->isInt())
+                continue;
+            Node *act = nullptr;
+            const auto &uses = n->output()->uses();
+            if (uses.size() == 1 && (uses[0].user->kind() == relu || uses[0].user->kind() == relu_) &&
+                uses[0].user->owningBlock() == block)
+                act = uses[0].user;
+            torch::Tensor wt = w->toTensor();
+            std::vector<int64_t> dv = dil->toIntVector();
+            // The input size only steers oneDNN's choice of weight layout (measured: no
+            // difference between the real one and this); any batch and size run.
+            std::vector<int64_t> in_size{1, wt.size(1) * groups->toInt(),
+                                         std::max<int64_t>(32, dv[0] * (wt.size(2) - 1) + 1),
+                                         std::max<int64_t>(32, dv[dv.size() > 1] * (wt.size(3) - 1) + 1)};
+            torch::jit::Stack stack{wt, *b, *stride, *pad, *dil, *groups, c10::IValue(in_size),
+                                    std::string(act ? "relu" : "none")};
+            prepack->callBoxed(&stack);
+            WithInsertPoint guard(n);
+            Value *ctx = g.insertConstant(stack.at(0));
+            Value *y = g.insert(conv_run, {n->input(0), ctx});
+            if (act) {
+                if (it != block->nodes().end() && *it == act)
+                    ++it;
+                act->output()->replaceAllUsesWith(y);
+                act->destroy();
+            }
+            n->output()->replaceAllUsesWith(y);
+            n->destroy();
+        } else if (n->kind() == layer_norm && n->inputs().size() == 6) {
+            c10::optional<c10::IValue> w = toIValue(n->input(2)), b = toIValue(n->input(3));
+            if (!w || !b || !(w->isNone() || w->isTensor()) || !(b->isNone() || b->isTensor()))
+                continue;
+            WithInsertPoint guard(n);
+            auto fp32 = [&](const c10::IValue &v) {
+                return v.isNone() ? g.insertConstant(v)
+                                  : g.insertConstant(v.toTensor().to(torch::kFloat));
+            };
+            Value *x = g.insert(to, {n->input(0), c10::IValue(torch::kFloat)});
+            Value *y = g.insert(layer_norm, {x, n->input(1), fp32(*w), fp32(*b), n->input(4),
+                                             n->input(5)});
+            // back to the input's own type (bf16 but where a model casts)
+            Value *dtype = g.insert(c10::Symbol::fromQualString("prim::dtype"), {n->input(0)});
+            Value *out = g.insert(to, {y, dtype});
+            n->output()->replaceAllUsesWith(out);
+            n->destroy();
+        }
+    }
+}
+
 int64_t sample_elements(const hapi_stage_info &info)
 {
     int64_t n = 1;
@@ -263,6 +370,10 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
             if (m->precision != torch::kFloat ||
                 !has_mkldnn_unsafe_activation(stage.get_method("forward").graph()->block()))
                 stage = torch::jit::optimize_for_inference(stage);
+            if (m->precision == torch::kBFloat16 && m->device.is_cpu()) {
+                std::shared_ptr<torch::jit::Graph> g = stage.get_method("forward").graph();
+                rewrite_bf16_block(*g, g->block());
+            }
         }
         m->stages.push_back(std::move(stage));
         m->info.push_back(info);
