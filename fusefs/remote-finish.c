@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -40,24 +41,20 @@ static void finish_ns(const char *digest, const char *preprocess, int freeze, in
 }
 
 /*
- * Copies the storage side's model archive (fd, closed) to path, through a
- * temporary file renamed into place, and checks its XXH3-128 against digest
- * (hex). Returns 0 or < 0 with why in err.
+ * Copies the storage side's model archive (in, closed) to out (path names it
+ * in messages) and checks its XXH3-128 against digest (hex). Returns 0 or
+ * < 0 with why in err.
  */
-static int copy_model(int fd, const char *path, const char *digest, hapi_error *err)
+static int copy_model(int in, int out, const char *path, const char *digest, hapi_error *err)
 {
-    char tmp[PATH_MAX + 32];
-    snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
-    int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     XXH3_state_t *st = XXH3_createState();
     char *buf = malloc(1 << 20);
-    int rc = out < 0 ? hapi_error_set(err, -errno, "%s: %s", tmp, strerror(errno))
-             : !st || !buf || XXH3_128bits_reset(st) != XXH_OK
+    int rc = !st || !buf || XXH3_128bits_reset(st) != XXH_OK
                  ? hapi_error_set(err, -ENOMEM, "out of memory")
                  : 0;
     size_t total = 0;
     for (off_t off = 0; rc == 0;) {
-        ssize_t n = hapi_remote_pread_all(fd, buf, 1 << 20, off);
+        ssize_t n = hapi_remote_pread_all(in, buf, 1 << 20, off);
         if (n < 0) {
             rc = hapi_error_set(err, (int)n, "cannot read the storage side's .hapifs/model: %s",
                                 hapi_strerror((int)n));
@@ -71,8 +68,11 @@ static int copy_model(int fd, const char *path, const char *digest, hapi_error *
             break;
         }
         XXH3_128bits_update(st, buf, (size_t)n);
-        if (write(out, buf, (size_t)n) != n)
-            rc = hapi_error_set(err, -errno, "%s: %s", tmp, strerror(errno ? errno : ENOSPC));
+        errno = 0; /* a short write sets none: the disk is full */
+        if (write(out, buf, (size_t)n) != n) {
+            int e = errno ? errno : ENOSPC;
+            rc = hapi_error_set(err, -e, "%s: %s", path, strerror(e));
+        }
         off += n;
     }
     if (rc == 0) {
@@ -84,16 +84,72 @@ static int copy_model(int fd, const char *path, const char *digest, hapi_error *
             rc = hapi_error_set(err, HAPI_ECORRUPT, "the storage side's model has digest %s, "
                                 "its config says %s", got, digest);
     }
-    if (out >= 0 && close(out) < 0 && rc == 0)
+    free(buf);
+    XXH3_freeState(st);
+    close(in);
+    return rc;
+}
+
+/* Opens the storage side's .hapifs/model. Returns the descriptor or < 0 with err. */
+static int open_storage_model(hapi_remote *r, hapi_error *err)
+{
+    int fd = hapi_remote_open_storage_file(r, "model");
+    if (fd < 0)
+        return hapi_error_set(err, fd, "cannot open the storage side's .hapifs/model: %s",
+                              hapi_strerror(fd));
+    return fd;
+}
+
+/*
+ * Keeps the storage side's model at path, through a temporary file renamed
+ * into place. Returns 0 or < 0 with why in err.
+ */
+static int keep_model(hapi_remote *r, const char *path, const char *digest, hapi_error *err)
+{
+    char tmp[PATH_MAX + 32];
+    snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
+    int in = open_storage_model(r, err);
+    if (in < 0)
+        return in;
+    int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (out < 0) {
+        int e = errno;
+        close(in);
+        return hapi_error_set(err, -e, "%s: %s", tmp, strerror(e));
+    }
+    int rc = copy_model(in, out, tmp, digest, err);
+    if (close(out) < 0 && rc == 0)
         rc = hapi_error_set(err, -errno, "%s: %s", tmp, strerror(errno));
     if (rc == 0 && rename(tmp, path) < 0)
         rc = hapi_error_set(err, -errno, "%s: %s", path, strerror(errno));
-    if (rc < 0 && out >= 0)
+    if (rc < 0)
         unlink(tmp);
-    free(buf);
-    XXH3_freeState(st);
-    close(fd);
     return rc;
+}
+
+/* Whether a keep_model() failure is the cache directory's (no room, read-only, not ours). */
+static int cache_dir_refused(int rc)
+{
+    return rc == -ENOSPC || rc == -EDQUOT || rc == -EROFS || rc == -EACCES || rc == -EPERM;
+}
+
+/*
+ * The storage side's model in memory (a memfd) for a cache directory that
+ * cannot keep it: loaded from there at every mount. Returns the descriptor
+ * (the caller closes it once the model is loaded) or < 0 with err.
+ */
+static int model_in_memory(hapi_remote *r, const char *digest, hapi_error *err)
+{
+    int out = memfd_create("hapifs-model", MFD_CLOEXEC);
+    if (out < 0)
+        return hapi_error_set(err, -errno, "memfd_create: %s", strerror(errno));
+    int in = open_storage_model(r, err);
+    int rc = in < 0 ? in : copy_model(in, out, "the model's copy in memory", digest, err);
+    if (rc < 0) {
+        close(out);
+        return rc;
+    }
+    return out;
 }
 
 /* Sets up fin from the storage side's config (JSON text) and model. Returns 0 or < 0 with err. */
@@ -119,19 +175,23 @@ static int finish_load(hapi_remote *r, struct finish *fin, const char *config,
     char path[PATH_MAX];
     snprintf(path, sizeof(path), "%s/model-%s.pt", model_dir, digest);
     struct stat st;
-    if (stat(path, &st) < 0) { /* else kept from an earlier mount: the digest names it */
-        int fd = hapi_remote_open_storage_file(r, "model");
-        if (fd < 0) {
-            rc = hapi_error_set(err, fd, "cannot open the storage side's .hapifs/model: %s",
-                                hapi_strerror(fd));
+    int mem = -1;
+    /* else kept from an earlier mount: the digest names it */
+    if (stat(path, &st) < 0 && (rc = keep_model(r, path, digest, err)) < 0) {
+        if (!cache_dir_refused(rc))
             goto out;
-        }
-        if ((rc = copy_model(fd, path, digest, err)) < 0)
+        hapi_log(HAPI_LOG_WARNING, "features=freeze: the cache directory cannot keep the model "
+                 "(%s): loaded from memory, and fetched again at every mount", err->message);
+        if ((rc = mem = model_in_memory(r, digest, err)) < 0)
             goto out;
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", mem);
     }
     hapi_model_options mo = { .device = "cpu", .precision = r->cfg.precision,
                               .threads = r->cfg.torch_threads };
-    if ((rc = hapi_model_load(path, &mo, &fin->model, err)) < 0)
+    rc = hapi_model_load(path, &mo, &fin->model, err);
+    if (mem >= 0)
+        close(mem); /* the weights are libtorch's now */
+    if (rc < 0)
         goto out;
     int c = (int)json_integer_value(crop);
     if ((rc = hapi_model_probe(fin->model, 3, c, c, err)) < 0)

@@ -545,6 +545,33 @@ def test_a_remote_mount_serves_the_freeze_points_features_by_default(tmp_path, s
     assert at_freeze.ctl("stats")["feat"]["computed"] == 0
 
 
+def test_a_cache_disk_without_room_for_the_model_still_serves_the_freeze_point(
+        tmp_path, storage, mounter):
+    """The default (features=freeze) on a cache directory too small for the model: the model
+    is loaded from memory instead (a warning in the log), and the freeze point's features are
+    served; a mount on a cache directory with room gives the same bytes."""
+    _, st, paths = storage(classes=1, per_class=3, split="layer2")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "hapifs-test", str(disk)], check=True)
+    small = roomy = None
+    try:
+        small = remote(mounter, tmp_path, [st.path], cache=str(disk / "cache"), cache_size="2M")
+        got = feats(small.path, paths)
+        assert small.ctl("stats")["feat"]["computed"] == len(paths)
+        assert not list((disk / "cache").glob("model-*")), "a model where there is no room"
+        assert "cannot keep the model" in small.log_text()
+        roomy = remote(mounter, tmp_path, [st.path], cache="rcache-roomy")
+        assert feats(roomy.path, paths) == got
+        assert np.load(roomy.path / (paths[0] + ".feat")).shape == \
+            tuple(roomy.ctl("config")["split"]["shape"])
+    finally:
+        for m in (small, roomy):
+            if m is not None:
+                m.unmount()
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 def test_features_freeze_with_a_model_that_is_not_the_configs_is_eio(tmp_path, storage,
                                                                       mounter):
     """A storage side's model whose digest is not its config's (or none at all): the mount
