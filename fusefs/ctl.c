@@ -582,11 +582,12 @@ static void render_finish(json_t *j, const hapi_remote_features *rf)
     json_int_t feat_size = (json_int_t)rf->feat_size[fp16];
     json_t *sent = split ? json_deep_copy(split) : json_null();
     json_object_set_new(j, "features",
-                        json_pack("{s:s, s:i, s:O?, s:O?, s:s, s:I, s:s, s:I, s:o?}", "mode",
-                                  "freeze", "freeze", rf->freeze, "stage", stage, "shape", shape,
-                                  "dtype", fp16 ? "float16" : "float32", "feat_size", feat_size,
-                                  "namespace", rf->ns_hex[fp16], "computed",
-                                  (json_int_t)rf->rows, "storage_split", sent));
+                        json_pack("{s:s, s:i, s:O?, s:O?, s:s, s:I, s:s, s:I, s:b, s:o?}",
+                                  "mode", "freeze", "freeze", rf->freeze, "stage", stage, "shape",
+                                  shape, "dtype", fp16 ? "float16" : "float32", "feat_size",
+                                  feat_size, "namespace", rf->ns_hex[fp16], "computed",
+                                  (json_int_t)rf->rows, "model_loaded", rf->loaded,
+                                  "storage_split", sent));
     if (split) {
         json_object_set_new(split, "index", json_integer(rf->freeze));
         json_object_set(split, "stage", stage ? stage : json_null());

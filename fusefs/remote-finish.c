@@ -106,7 +106,7 @@ static int open_storage_model(hapi_remote *r, hapi_error *err)
  */
 static int keep_model(hapi_remote *r, const char *path, const char *digest, hapi_error *err)
 {
-    char tmp[PATH_MAX + 32];
+    char tmp[PATH_MAX + 96];
     snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
     int in = open_storage_model(r, err);
     if (in < 0)
@@ -152,15 +152,102 @@ static int model_in_memory(hapi_remote *r, const char *digest, hapi_error *err)
     return out;
 }
 
-/* Sets up fin from the storage side's config (JSON text) and model. Returns 0 or < 0 with err. */
-static int finish_load(hapi_remote *r, struct finish *fin, const char *config,
-                       const char *model_dir, hapi_error *err)
+/* Sets fin's .feat headers and row bytes from its freeze shape. Returns 0 or < 0 with err. */
+static int finish_shape(struct finish *fin, hapi_error *err)
+{
+    size_t elems = 1;
+    for (int i = 0; i < fin->ndim; i++)
+        elems *= (size_t)fin->shape[i];
+    for (int d = 0; d < 2; d++) {
+        int hl = hapi_npy_header(fin->header[d], d ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32,
+                                 fin->shape, fin->ndim);
+        if (hl < 0)
+            return hapi_error_set(err, HAPI_ECORRUPT, "no .npy header for the freeze stage's "
+                                  "shape");
+        fin->header_len[d] = (size_t)hl;
+        fin->row_bytes[d] = elems * (d ? 2 : 4);
+    }
+    return 0;
+}
+
+/*
+ * Loads the storage side's model (kept in the cache directory by digest, or
+ * in memory where that directory cannot keep it) and probes it into
+ * fin->model; with shape_known, its freeze stage must have fin's shape, else
+ * it sets it. Returns 0 or < 0 with err.
+ */
+static int model_open(struct finish *fin, int shape_known, hapi_error *err)
+{
+    hapi_remote *r = fin->r;
+    char path[PATH_MAX + 64];
+    snprintf(path, sizeof(path), "%s/model-%s.pt", fin->model_dir, fin->digest);
+    struct stat st;
+    int mem = -1, rc;
+    /* else kept from an earlier mount: the digest names it */
+    if (stat(path, &st) < 0 && (rc = keep_model(r, path, fin->digest, err)) < 0) {
+        if (!cache_dir_refused(rc))
+            return rc;
+        hapi_log(HAPI_LOG_WARNING, "features=freeze: the cache directory cannot keep the model "
+                 "(%s): loaded from memory, and fetched again at every mount", err->message);
+        if ((mem = model_in_memory(r, fin->digest, err)) < 0)
+            return mem;
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", mem);
+    }
+    hapi_model_options mo = { .device = "cpu", .precision = r->cfg.precision,
+                              .threads = r->cfg.torch_threads };
+    hapi_model *m = NULL;
+    rc = hapi_model_load(path, &mo, &m, err);
+    if (mem >= 0)
+        close(mem); /* the weights are libtorch's now */
+    hapi_stage_info info;
+    if (rc == 0 && (rc = hapi_model_probe(m, 3, fin->crop, fin->crop, err)) == 0 &&
+        (fin->freeze > hapi_model_num_stages(m) ||
+         hapi_model_stage(m, fin->freeze - 1, &info) < 0))
+        rc = hapi_error_set(err, HAPI_ECORRUPT, "freeze stage %d of a model of %d stages",
+                            fin->freeze, hapi_model_num_stages(m));
+    if (rc == 0 && shape_known &&
+        (info.ndim != fin->ndim ||
+         memcmp(info.shape, fin->shape, (size_t)info.ndim * sizeof(int64_t)) != 0))
+        rc = hapi_error_set(err, HAPI_ECORRUPT, "the model's freeze stage is not of the shape "
+                            "the storage side's config gives");
+    if (rc < 0) {
+        hapi_model_free(m);
+        return rc;
+    }
+    if (!shape_known) {
+        fin->ndim = info.ndim;
+        memcpy(fin->shape, info.shape, sizeof(fin->shape));
+    }
+    fin->model = m;
+    return 0;
+}
+
+/* Records why the model cannot be used (fin->lock held or at open), once, where operators see it. */
+static void model_failed(struct finish *fin, int rc, const char *message)
+{
+    fin->load_code = rc;
+    snprintf(fin->load_why, sizeof(fin->load_why), "features=freeze: %.480s", message);
+    hapi_log(HAPI_LOG_ERROR, "%s: .feat files of splits before the freeze point are not served",
+             fin->load_why);
+    hapi_error_ring_add(fin->r->cfg.errors, ".hapifs/model", rc, fin->load_why);
+}
+
+/*
+ * Sets up fin from the storage side's config (JSON text): the model's
+ * digest, freeze stage and crop, the freeze stage's shape and the
+ * namespaces. The model is loaded now when the config's split is before the
+ * freeze stage (its shape is needed), else when an index needs it. Returns 0
+ * or < 0 with err.
+ */
+static int finish_load(struct finish *fin, const char *config, const char *model_dir,
+                       hapi_error *err)
 {
     json_error_t je;
     json_t *j = json_loads(config, 0, &je);
     const char *digest = json_string_value(json_object_get(json_object_get(j, "model"), "digest"));
     json_t *split = json_object_get(j, "split"), *pp = json_object_get(j, "preprocess");
     json_t *freeze = json_object_get(split, "freeze"), *crop = json_object_get(pp, "crop");
+    json_t *index = json_object_get(split, "index"), *shape = json_object_get(split, "shape");
     char *pp_text = pp ? json_dumps(pp, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
     int rc = 0;
     if (!digest || strlen(digest) != 32 || strspn(digest, "0123456789abcdef") != 32 ||
@@ -171,60 +258,28 @@ static int finish_load(hapi_remote *r, struct finish *fin, const char *config,
                             "digest, freeze stage or crop");
         goto out;
     }
+    memcpy(fin->digest, digest, sizeof(fin->digest));
+    snprintf(fin->model_dir, sizeof(fin->model_dir), "%s", model_dir);
     fin->freeze = (int)json_integer_value(freeze);
-    char path[PATH_MAX];
-    snprintf(path, sizeof(path), "%s/model-%s.pt", model_dir, digest);
-    struct stat st;
-    int mem = -1;
-    /* else kept from an earlier mount: the digest names it */
-    if (stat(path, &st) < 0 && (rc = keep_model(r, path, digest, err)) < 0) {
-        if (!cache_dir_refused(rc))
-            goto out;
-        hapi_log(HAPI_LOG_WARNING, "features=freeze: the cache directory cannot keep the model "
-                 "(%s): loaded from memory, and fetched again at every mount", err->message);
-        if ((rc = mem = model_in_memory(r, digest, err)) < 0)
-            goto out;
-        snprintf(path, sizeof(path), "/proc/self/fd/%d", mem);
+    fin->crop = (int)json_integer_value(crop);
+    /* at the freeze point, the config gives its shape: no model is needed yet */
+    int at_freeze = json_is_integer(index) && json_integer_value(index) == fin->freeze &&
+                    json_is_array(shape) && json_array_size(shape) >= 1 &&
+                    json_array_size(shape) <= HAPI_MAX_DIMS;
+    for (size_t i = 0; at_freeze && i < json_array_size(shape); i++) {
+        json_t *v = json_array_get(shape, i);
+        at_freeze = json_is_integer(v) && json_integer_value(v) >= 1;
+        fin->shape[i] = at_freeze ? json_integer_value(v) : 0;
     }
-    hapi_model_options mo = { .device = "cpu", .precision = r->cfg.precision,
-                              .threads = r->cfg.torch_threads };
-    rc = hapi_model_load(path, &mo, &fin->model, err);
-    if (mem >= 0)
-        close(mem); /* the weights are libtorch's now */
-    if (rc < 0)
+    fin->ndim = at_freeze ? (int)json_array_size(shape) : 0;
+    if (!at_freeze && (rc = model_open(fin, 0, err)) < 0)
         goto out;
-    int c = (int)json_integer_value(crop);
-    if ((rc = hapi_model_probe(fin->model, 3, c, c, err)) < 0)
+    if ((rc = finish_shape(fin, err)) < 0)
         goto out;
-    hapi_stage_info info;
-    if (fin->freeze > hapi_model_num_stages(fin->model) ||
-        hapi_model_stage(fin->model, fin->freeze - 1, &info) < 0) {
-        rc = hapi_error_set(err, HAPI_ECORRUPT, "freeze stage %d of a model of %d stages",
-                            fin->freeze, hapi_model_num_stages(fin->model));
-        goto out;
-    }
-    fin->ndim = info.ndim;
-    memcpy(fin->shape, info.shape, sizeof(fin->shape));
-    size_t elems = 1;
-    for (int i = 0; i < fin->ndim; i++)
-        elems *= (size_t)fin->shape[i];
-    for (int d = 0; d < 2; d++) {
-        int dtype = d ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32;
-        finish_ns(digest, pp_text, fin->freeze, dtype, r->cfg.precision, &fin->ns[d],
-                  fin->ns_hex[d]);
-        int hl = hapi_npy_header(fin->header[d], dtype, fin->shape, fin->ndim);
-        if (hl < 0) {
-            rc = hapi_error_set(err, HAPI_ECORRUPT, "no .npy header for the freeze stage's shape");
-            goto out;
-        }
-        fin->header_len[d] = (size_t)hl;
-        fin->row_bytes[d] = elems * (d ? 2 : 4);
-    }
+    for (int d = 0; d < 2; d++)
+        finish_ns(digest, pp_text, fin->freeze, d ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32,
+                  fin->r->cfg.precision, &fin->ns[d], fin->ns_hex[d]);
 out:
-    if (rc < 0) {
-        hapi_model_free(fin->model);
-        fin->model = NULL;
-    }
     free(pp_text);
     json_decref(j);
     return rc;
@@ -242,15 +297,17 @@ int hapi_remote__finish_open(hapi_remote *r, const char *model_dir)
     if (!fin)
         return -ENOMEM;
     atomic_init(&fin->rows, 0);
+    fin->r = r;
+    pthread_mutex_init(&fin->lock, NULL);
     const char *config = NULL;
     for (size_t i = 0; i < r->nsources && !config; i++)
         if (atomic_load(&r->sources[i].checked))
             config = r->sources[i].config;
     hapi_error err = { 0 };
-    int rc = config ? finish_load(r, fin, config, model_dir, &err)
+    int rc = config ? finish_load(fin, config, model_dir, &err)
                     : hapi_error_set(&err, -EIO, "no source serves its config");
     if (rc == -ENOMEM) {
-        free(fin);
+        hapi_remote__finish_close(fin);
         return rc;
     }
     if (rc < 0) {
@@ -260,7 +317,9 @@ int hapi_remote__finish_open(hapi_remote *r, const char *model_dir)
         hapi_error_ring_add(r->cfg.errors, ".hapifs/model", rc, fin->why);
     } else {
         hapi_log(HAPI_LOG_INFO, "features=freeze: stages [split, %d) of the storage side's model "
-                 "run here; features in namespace %.12s", fin->freeze, fin->ns_hex[0]);
+                 "run here (%s); features in namespace %.12s", fin->freeze,
+                 fin->model ? "loaded" : "loaded when a split before it is served",
+                 fin->ns_hex[0]);
     }
     r->finish = fin;
     return 0;
@@ -271,6 +330,7 @@ void hapi_remote__finish_close(struct finish *fin)
     if (!fin)
         return;
     hapi_model_free(fin->model);
+    pthread_mutex_destroy(&fin->lock);
     free(fin);
 }
 
@@ -281,15 +341,38 @@ void hapi_remote__finish_close(struct finish *fin)
  * split, or its split is past the freeze stage (the features cannot be taken
  * back to it).
  */
-int hapi_remote__finish_keep(const struct finish *fin, struct dir_index *x, hapi_error *err)
+int hapi_remote__finish_keep(struct finish *fin, struct dir_index *x, hapi_error *err)
 {
-    if (!fin->model)
+    if (fin->code < 0)
         return hapi_error_set(err, fin->code, "%s", fin->why);
     if (x->split < 1 || x->split > fin->freeze)
         return hapi_error_set(err, HAPI_EINVAL, "features=freeze: the storage side's split %d is "
                               "past its freeze stage %d", x->split, fin->freeze);
-    hapi_stage_info info;
-    if (hapi_model_stage(fin->model, x->split - 1, &info) < 0 || info.ndim != x->pack_ndim ||
+    hapi_stage_info info = { 0 };
+    if (x->split == fin->freeze) { /* the rows are the .feat files' */
+        info.ndim = fin->ndim;
+        memcpy(info.shape, fin->shape, sizeof(info.shape));
+    } else {
+        pthread_mutex_lock(&fin->lock);
+        if (!fin->model && fin->load_code == 0) {
+            hapi_error lerr = { 0 };
+            int rc = model_open(fin, 1, &lerr);
+            if (rc < 0)
+                model_failed(fin, rc, lerr.message);
+            else
+                hapi_log(HAPI_LOG_INFO, "features=freeze: the storage side's model loaded for "
+                         "split %d", x->split);
+        }
+        int rc = fin->load_code;
+        if (rc < 0)
+            hapi_error_set(err, rc, "%s", fin->load_why);
+        else
+            hapi_model_stage(fin->model, x->split - 1, &info);
+        pthread_mutex_unlock(&fin->lock);
+        if (rc < 0)
+            return rc;
+    }
+    if (info.ndim != x->pack_ndim ||
         memcmp(info.shape, x->pack_shape, (size_t)info.ndim * sizeof(int64_t)) != 0)
         return hapi_error_set(err, HAPI_ECORRUPT, "features=freeze: the pack's rows are not "
                               "the output of stage %d of this model", x->split);
@@ -333,13 +416,20 @@ int hapi_remote__finish_rows(hapi_remote *r, const struct dir_index *x, const ch
 void hapi_remote_features_get(hapi_remote *r, hapi_remote_features *out)
 {
     memset(out, 0, sizeof(*out));
-    const struct finish *fin = r->finish;
+    struct finish *fin = r->finish;
     if (!fin)
         return;
     _Static_assert(sizeof(out->shape) == sizeof(fin->shape), "HAPI_MAX_DIMS");
     out->finish = 1;
-    out->usable = fin->model != NULL;
+    out->usable = fin->code == 0;
     snprintf(out->why, sizeof(out->why), "%s", fin->why);
+    /* busy: the model is being loaded (seconds): a config read does not wait for it */
+    if (fin->code == 0 && pthread_mutex_trylock(&fin->lock) == 0) {
+        out->usable = fin->load_code == 0;
+        snprintf(out->why, sizeof(out->why), "%s", fin->load_why);
+        out->loaded = fin->model != NULL;
+        pthread_mutex_unlock(&fin->lock);
+    }
     out->freeze = fin->freeze;
     out->ndim = fin->ndim;
     memcpy(out->shape, fin->shape, sizeof(out->shape));

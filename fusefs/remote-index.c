@@ -49,7 +49,7 @@ int hapi_remote__hex_to_ns(const char *hex, hapi_cache_namespace *ns)
  * (features=freeze), what a .feat is made of its rows. Returns 0 or < 0 with
  * why in err.
  */
-static int index_keep(hapi_packindex *pi, const struct finish *fin, struct dir_index *x,
+static int index_keep(hapi_packindex *pi, struct finish *fin, struct dir_index *x,
                       hapi_error *err)
 {
     if (hapi_remote__hex_to_ns(pi->ns_hex, &x->ns) < 0)
@@ -91,7 +91,7 @@ static int index_keep(hapi_packindex *pi, const struct finish *fin, struct dir_i
  * checks (packindex.c) refuse a corrupt or foreign index with why in err.
  */
 static int index_parse(const char *text, size_t len, int src, const char *dir,
-                       const struct finish *fin, struct dir_index **out, hapi_error *err)
+                       struct finish *fin, struct dir_index **out, hapi_error *err)
 {
     hapi_packindex *pi = NULL;
     *out = NULL;

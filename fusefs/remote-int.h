@@ -9,6 +9,7 @@
 #include "source.h"
 #include "warmup.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -178,12 +179,21 @@ struct spill;
 
 /*
  * features=freeze: the storage side's model, loaded here, and what a .feat
- * is then (remote-finish.c). Set up at open, immutable after.
+ * is then (remote-finish.c). Set up at open from the first source's config,
+ * immutable after but for the model: loaded at open when that source's split
+ * is before the freeze point, else at the first index that needs it (lock).
  */
 struct finish {
-    hapi_model *model;            /* NULL: it could not be used (code, why) */
-    int code;
+    hapi_remote *r;
+    int code;                     /* < 0: the config could not be used (why) */
     char why[512];
+    pthread_mutex_t lock;         /* guards the three below */
+    hapi_model *model;            /* NULL: not loaded yet, or it failed (load_code) */
+    int load_code;                /* < 0: the model could not be used (load_why) */
+    char load_why[512];
+    char digest[33];
+    char model_dir[PATH_MAX];
+    int crop;
     int freeze;                   /* a .feat is the output of stages [0, freeze) */
     int ndim;
     int64_t shape[HAPI_MAX_DIMS]; /* of stage freeze - 1's output */
@@ -278,7 +288,7 @@ int hapi_remote__fetch_wait(hapi_remote *r, struct dir_index *x, size_t row, con
 /* remote-finish.c */
 int hapi_remote__finish_open(hapi_remote *r, const char *model_dir);
 void hapi_remote__finish_close(struct finish *fin);
-int hapi_remote__finish_keep(const struct finish *fin, struct dir_index *x, hapi_error *err);
+int hapi_remote__finish_keep(struct finish *fin, struct dir_index *x, hapi_error *err);
 int hapi_remote__finish_rows(hapi_remote *r, const struct dir_index *x, const char *in, size_t n,
                              char *out, hapi_error *err);
 

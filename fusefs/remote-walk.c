@@ -201,7 +201,7 @@ int hapi_remote_evict(hapi_remote *r, const char *path, hapi_error *err)
         for (size_t i = 0; i < r->nsources; i++)
             if (atomic_load(&r->sources[i].checked))
                 n = ns_add(ns, n, &r->sources[i].ns);
-        for (int d = 0; r->finish && r->finish->model && d < 2; d++)
+        for (int d = 0; r->finish && r->finish->code == 0 && d < 2; d++)
             n = ns_add(ns, n, &r->finish->ns[d]); /* features=freeze: every split's */
         pthread_mutex_lock(&r->index_lock);
         for (size_t b = 0; b < INDEX_BUCKETS; b++)

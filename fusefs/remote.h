@@ -172,7 +172,9 @@ void hapi_remote_stats_get(hapi_remote *r, hapi_remote_stats *st);
 /* What a .feat is with features=freeze (see hapi_remote_config.finish). */
 typedef struct hapi_remote_features {
     int finish;                      /* features=freeze */
-    int usable;                      /* its model loaded: else why */
+    int usable;                      /* its config and model can be used: else why */
+    int loaded;                      /* its model is loaded (at open, or by a split before
+                                        the freeze point) */
     char why[512];
     int freeze;                      /* a .feat is the output of stages [0, freeze) */
     int ndim;

@@ -502,8 +502,10 @@ def test_features_freeze_are_the_freeze_points_whatever_the_split(tmp_path, stor
                 print(f"features=freeze from {split} ({dtype}, {precision}): {p} cosine "
                       f"{cosine(got, want[p]):.10f}, max rel "
                       f"{np.max(np.abs(got - want[p])) / np.max(np.abs(want[p])):.2e}")
-        # kept in its cache directory, by digest: a remount does not fetch it again
-        assert len(list((tmp_path / f"rcache-{split}").glob("model-*.pt"))) == 1
+        # kept in its cache directory, by digest: a remount does not fetch it again (at the
+        # freeze point nothing runs here: not fetched at all)
+        kept = list((tmp_path / f"rcache-{split}").glob("model-*.pt"))
+        assert len(kept) == (0 if split == "pool" else 1), (split, kept)
         computed = r.ctl("stats")["feat"]["computed"]
         assert computed == (0 if split == "pool" else len(paths)), (split, computed)
         # what a script sees: the freeze point (train.py runs no trunk); what is sent: the split
@@ -525,7 +527,8 @@ def test_features_freeze_are_the_freeze_points_whatever_the_split(tmp_path, stor
 def test_a_remote_mount_serves_the_freeze_points_features_by_default(tmp_path, storage, mounter):
     """Without features=, a .feat is the freeze point's whatever the storage side's split, and
     precision= and torch_threads= say how the stages before it run here. At the freeze point
-    itself the storage side's bytes pass as they are: nothing is computed here."""
+    itself the storage side's bytes pass as they are: nothing is computed here, and the model
+    is loaded only once the storage side cuts before it."""
     _, ref, paths = storage(name="ref", classes=1, per_class=3, split="pool")
     _, st, _ = storage(name="early", classes=1, per_class=3, split="layer2")
     want = {p: np.load(ref.path / (p + ".feat")) for p in paths}
@@ -540,9 +543,23 @@ def test_a_remote_mount_serves_the_freeze_points_features_by_default(tmp_path, s
     assert config["features"]["mode"] == "freeze", config["features"]
     assert config["features"]["storage_split"]["stage"] == "layer2", config["features"]
     assert r.ctl("stats")["feat"]["computed"] == len(paths)
-    at_freeze = remote(mounter, tmp_path, [ref.path], cache="rcache-ref")
+    at_freeze = remote(mounter, tmp_path, [ref.path], cache="rcache-ref", refresh=0)
     assert feats(at_freeze.path, paths) == feats(ref.path, paths)
     assert at_freeze.ctl("stats")["feat"]["computed"] == 0
+    # nothing to run here: the model is neither fetched nor loaded...
+    assert at_freeze.ctl("config")["features"]["model_loaded"] is False
+    assert not list((tmp_path / "rcache-ref").glob("model-*"))
+    # ...until the storage side cuts earlier: then it is, and the script sees the same shape
+    ctl_write(ref, "split layer2")
+    wait_until(lambda: ref.ctl("config")["split"]["stage"] == "layer2")
+    ctl_write(at_freeze, "evict")  # else its cache, which holds every split's, answers
+    drop_pages(at_freeze.path, paths)
+    for p in paths:
+        got = np.load(at_freeze.path / (p + ".feat"))
+        assert got.shape == want[p].shape and cosine(got, want[p]) >= 1 - 1e-6, p
+    assert at_freeze.ctl("config")["features"]["model_loaded"] is True
+    assert at_freeze.ctl("stats")["feat"]["computed"] == len(paths)
+    assert len(list((tmp_path / "rcache-ref").glob("model-*.pt"))) == 1
 
 
 def test_a_cache_disk_without_room_for_the_model_still_serves_the_freeze_point(
