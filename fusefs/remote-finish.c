@@ -259,7 +259,10 @@ static int finish_load(struct finish *fin, const char *config, const char *model
         goto out;
     }
     memcpy(fin->digest, digest, sizeof(fin->digest));
-    snprintf(fin->model_dir, sizeof(fin->model_dir), "%s", model_dir);
+    if (!(fin->model_dir = strdup(model_dir))) {
+        rc = hapi_error_set(err, -ENOMEM, "out of memory");
+        goto out;
+    }
     fin->freeze = (int)json_integer_value(freeze);
     fin->crop = (int)json_integer_value(crop);
     /* at the freeze point, the config gives its shape: no model is needed yet */
@@ -331,6 +334,7 @@ void hapi_remote__finish_close(struct finish *fin)
         return;
     hapi_model_free(fin->model);
     pthread_mutex_destroy(&fin->lock);
+    free(fin->model_dir);
     free(fin);
 }
 

@@ -9,7 +9,6 @@
 #include "source.h"
 #include "warmup.h"
 
-#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -192,7 +191,7 @@ struct finish {
     int load_code;                /* < 0: the model could not be used (load_why) */
     char load_why[512];
     char digest[33];
-    char model_dir[PATH_MAX];
+    char *model_dir;              /* owned */
     int crop;
     int freeze;                   /* a .feat is the output of stages [0, freeze) */
     int ndim;

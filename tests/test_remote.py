@@ -609,6 +609,32 @@ def test_features_freeze_with_a_model_that_is_not_the_configs_is_eio(tmp_path, s
     assert (r.path / "class0").is_dir()  # the rest of the tree is served
 
 
+def test_a_model_that_cannot_be_used_is_met_when_a_split_before_the_freeze_point_needs_it(
+        tmp_path, storage, mounter):
+    """A source whose config is at the freeze point: the model waits. The first index before
+    the freeze point loads it, and a model that is not the config's then refuses that index
+    (EIO, one line in errors, the reason in the config); the rest of the tree is served."""
+    _, ref, _ = storage(name="ref", classes=1, per_class=2, split="pool")
+    _, st, paths = storage(classes=1, per_class=2, split="layer2")
+    fake = fake_storage(tmp_path, st, "class0")
+    config = json.loads((fake / ".hapifs" / "config").read_text())
+    config["split"] = ref.ctl("config")["split"]  # it says: at the freeze point
+    (fake / ".hapifs" / "config").write_text(json.dumps(config))
+    (fake / ".hapifs" / "model").write_bytes(b"not the model the config names")
+    r = remote(mounter, tmp_path, [fake])
+    assert r.ctl("config")["features"]["model_loaded"] is False
+    assert r.ctl("config")["features"].get("error") is None
+    for p in paths:
+        with pytest.raises(OSError) as e:
+            (r.path / (p + ".feat")).read_bytes()
+        assert e.value.errno == errno.EIO, e.value
+    errors = (r.path / ".hapifs" / "errors").read_text()
+    assert "features=freeze: the storage side's model has digest" in errors, errors
+    assert r.ctl("config")["features"]["error"].startswith("features=freeze: ")
+    assert not list((tmp_path / "rcache").glob("model-*")), "a wrong model was kept"
+    assert (r.path / "class0").is_dir()
+
+
 def test_features_freeze_hold_their_shape_while_the_split_changes(tmp_path, storage, mounter):
     """features=freeze under 6 concurrent readers while the storage side's split goes from the
     stem to the freeze point and back, the compute cache evicted between: every read succeeds,
