@@ -589,6 +589,20 @@ def test_a_cache_disk_without_room_for_the_model_still_serves_the_freeze_point(
         subprocess.run(["umount", str(disk)], check=False)
 
 
+def assert_wrong_model_refused(r, paths, cache):
+    """A model that is not the config's: .feat reads fail with EIO, errors and the config say
+    why, nothing is kept of it, and the rest of the tree is served."""
+    for p in paths:
+        with pytest.raises(OSError) as e:
+            (r.path / (p + ".feat")).read_bytes()
+        assert e.value.errno == errno.EIO, e.value
+    errors = (r.path / ".hapifs" / "errors").read_text()
+    assert "features=freeze: the storage side's model has digest" in errors, errors
+    assert r.ctl("config")["features"]["error"].startswith("features=freeze: ")
+    assert not list((cache).glob("model-*")), "a wrong model was kept"
+    assert (r.path / "class0").is_dir()
+
+
 def test_features_freeze_with_a_model_that_is_not_the_configs_is_eio(tmp_path, storage,
                                                                       mounter):
     """A storage side's model whose digest is not its config's (or none at all): the mount
@@ -598,15 +612,7 @@ def test_features_freeze_with_a_model_that_is_not_the_configs_is_eio(tmp_path, s
     fake = fake_storage(tmp_path, st, "class0")
     (fake / ".hapifs" / "model").write_bytes(b"not the model the config names")
     r = remote(mounter, tmp_path, [fake], features="freeze")
-    for p in paths:
-        with pytest.raises(OSError) as e:
-            (r.path / (p + ".feat")).read_bytes()
-        assert e.value.errno == errno.EIO, e.value
-    errors = (r.path / ".hapifs" / "errors").read_text()
-    assert "features=freeze: the storage side's model has digest" in errors, errors
-    assert r.ctl("config")["features"]["error"].startswith("features=freeze: ")
-    assert not list((tmp_path / "rcache").glob("model-*")), "a wrong model was kept"
-    assert (r.path / "class0").is_dir()  # the rest of the tree is served
+    assert_wrong_model_refused(r, paths, tmp_path / "rcache")
 
 
 def test_a_model_that_cannot_be_used_is_met_when_a_split_before_the_freeze_point_needs_it(
@@ -624,15 +630,7 @@ def test_a_model_that_cannot_be_used_is_met_when_a_split_before_the_freeze_point
     r = remote(mounter, tmp_path, [fake])
     assert r.ctl("config")["features"]["model_loaded"] is False
     assert r.ctl("config")["features"].get("error") is None
-    for p in paths:
-        with pytest.raises(OSError) as e:
-            (r.path / (p + ".feat")).read_bytes()
-        assert e.value.errno == errno.EIO, e.value
-    errors = (r.path / ".hapifs" / "errors").read_text()
-    assert "features=freeze: the storage side's model has digest" in errors, errors
-    assert r.ctl("config")["features"]["error"].startswith("features=freeze: ")
-    assert not list((tmp_path / "rcache").glob("model-*")), "a wrong model was kept"
-    assert (r.path / "class0").is_dir()
+    assert_wrong_model_refused(r, paths, tmp_path / "rcache")
 
 
 def test_features_freeze_hold_their_shape_while_the_split_changes(tmp_path, storage, mounter):
