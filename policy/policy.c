@@ -87,7 +87,8 @@ static int pick_batch(const hapi_policy_input *in, int split)
  * Per file the bytes and the round trips overlap (other readers' requests fill
  * the link while one waits): the larger of the two. In a pack: the row and
  * its index entry; a chunk's round trip is spread over hundreds of rows, and a
- * later epoch is a hit in the compute-side hapifs's cache (no link at all).
+ * later epoch is a hit in the compute-side hapifs's cache (no link at all) of
+ * the freeze point's feature, which that mount computed once (estimate()).
  */
 struct link_cost {
     double bytes_ms, trips_ms; /* per file, the two terms */
@@ -131,6 +132,19 @@ static double reader_cost(const hapi_policy_input *in, double bytes, double *rec
 {
     *received = bytes * in->compute_byte_ns / 1e6;
     return in->compute_file_ms + bytes * in->compute_load_ns / 1e6 + *received;
+}
+
+/*
+ * With packs, a reader's own work per sample in every epoch, in ms: a freeze-point file out of
+ * the compute node's cache (what reader_cost() charges, less the bytes received: a pack's
+ * rows are received by the compute-side daemon, once).
+ */
+static double pack_reader_ms(const hapi_policy_input *in)
+{
+    const hapi_profile_stage *f = &in->profile->stage[in->freeze - 1];
+    double bytes = in->header_bytes + (double)f->out_elems * (in->dtype == HAPI_DTYPE_FP16 ? 2 : 4);
+    double received;
+    return reader_cost(in, bytes, &received) - received;
 }
 
 /* How much slower than a whole CPU this node's cgroup quota makes one thread (1: no quota). */
@@ -218,20 +232,25 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     double compute = c->compute_ms + c->reader_ms, compute_warm = compute - kept * received;
     double file_cold = cold_file_ms(cold_storage + storage_file, l.file_ms, compute, 1 - cached);
     double file_warm = max3(file_warm_storage + storage_file, file_warm_link, compute_warm);
-    /* With packs only the first epoch crosses the link; later epochs are hits in the compute
-       node's own cache (a hit there costs what one here does). The training loop's own cost
-       per sample and the loading are paid whatever the transport. */
-    double pack_cold = max3(cold_storage, l.pack_ms, compute);
-    double pack_warm = fmax(in->hit_ms, compute - received);
+    /* With packs (a compute-side -o remote; its default features=freeze) a row crosses the link
+       once, and the compute tier runs stages [split, freeze) on it once and keeps the freeze
+       point's feature: the first epoch pays the stages and the row's bytes received, every
+       epoch the reader's work on a freeze-point file that is a hit in the compute node's own
+       cache (a hit there costs what one here does). A later epoch does not depend on the
+       split. */
+    double reader_freeze = pack_reader_ms(in);
+    double pack_compute = c->compute_ms + received + reader_freeze;
+    double pack_cold = max3(cold_storage, l.pack_ms, pack_compute);
+    double pack_warm = fmax(in->hit_ms, reader_freeze);
     c->total_file_s = (file_cold + (in->epochs - 1) * file_warm) * samples / 1e3;
     c->total_pack_s = (pack_cold + (in->epochs - 1) * pack_warm) * samples / 1e3;
     int pack = in->transport == HAPI_TRANSPORT_PACK;
     c->link_ms = pack ? l.pack_ms : l.file_ms;
     c->link_warm_ms = pack ? 0 : file_warm_link;
     double cold = pack ? pack_cold : file_cold, warm = pack ? pack_warm : file_warm;
-    c->cold_bound = pack ? bound_of(cold_storage, l.pack_ms, compute)
+    c->cold_bound = pack ? bound_of(cold_storage, l.pack_ms, pack_compute)
                          : bound_of(cold_storage + storage_file, l.file_ms, compute);
-    c->warm_bound = pack ? (in->hit_ms > compute - received ? "storage" : "compute")
+    c->warm_bound = pack ? (in->hit_ms > reader_freeze ? "storage" : "compute")
                          : bound_of(file_warm_storage + storage_file, file_warm_link,
                                     compute_warm);
     c->cold_s = cold * samples / 1e3;

@@ -192,7 +192,9 @@ enum hapi_policy_transport {
                                 round trips per file, every epoch (the compute node keeps
                                 nothing beyond its page cache) */
     HAPI_TRANSPORT_PACK = 1  /* a compute-side hapifs -o remote: a directory's features as one
-                                pack, once; later epochs are hits in the compute node's cache */
+                                pack, once; the compute tier runs [split, freeze) once per
+                                sample (features=freeze, its default) and later epochs are hits
+                                of the freeze point's features in its cache */
 };
 
 /* Everything the choice depends on. The function reads nothing else. */
@@ -291,7 +293,8 @@ typedef struct hapi_policy_choice {
  * The choice. Every candidate split 1..freeze is estimated as a pipeline of
  * three tiers running side by side (storage: decode and stages [0, split);
  * link: the .feat; compute: stages [split, freeze) at compute_stage_ms, or
- * client_speed where those were not measured); an epoch
+ * client_speed where those were not measured: every epoch per file, once with
+ * packs); an epoch
  * takes as long as its slowest tier. A cached sample costs the storage tier
  * only a hit. The winner has the least time over epochs (ties: fewer bytes).
  * batch=auto is the batch (a power of two <= HAPI_POLICY_BATCH_CAP whose

@@ -351,15 +351,22 @@ START_TEST(transport_round_trips_and_packs)
     choose(&in, &c);
     ck_assert_double_eq_tol(c.cand[c.ncand - 1].link_file_ms, 2.0, 1e-9);
 
-    /* read through packs, later epochs are hits on the compute node: never link-bound */
+    /* read through packs, the compute node runs [split, freeze) once per sample and later
+       epochs are hits there of the freeze point's features: never link-bound, the same at
+       every split, and the stages are paid in the first epoch */
     in.transport = HAPI_TRANSPORT_PACK;
+    in.compute_file_ms = 1.5, in.compute_load_ns = 20, in.compute_byte_ns = 36;
     choose(&in, &c);
+    double warm = fmax(in.hit_ms, 1.5 + (128 + 2048 * 2) * 20 / 1e6) * 10000 / 1e3;
     for (int i = 0; i < c.ncand; i++) {
         const hapi_policy_candidate *k = &c.cand[i];
         ck_assert_double_eq_tol(k->total_s, k->total_pack_s, 1e-9);
-        ck_assert_double_eq_tol(k->warm_s, fmax(in.hit_ms, k->compute_ms) * 10000 / 1e3, 1e-6);
+        ck_assert_double_eq_tol(k->warm_s, warm, 1e-6);
         ck_assert_str_ne(k->warm_bound, "link");
+        double received = ((double)k->file_bytes) * 36 / 1e6;
+        ck_assert(k->cold_s >= (k->compute_ms + received + warm * 1e3 / 10000) * 10000 / 1e3 - 1e-6);
     }
+    ck_assert(c.cand[0].compute_ms > 10); /* the stem's candidate: layer1..pool on the compute node */
     char *json = hapi_policy_to_json(&in, &c);
     ck_assert_ptr_nonnull(strstr(json, "\"transport\": \"pack\""));
     ck_assert_ptr_nonnull(strstr(json, "\"total_file_s\""));
