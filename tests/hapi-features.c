@@ -7,8 +7,8 @@
 #include <string.h>
 
 static const char usage[] =
-    "usage: hapi-features MODEL OUTDIR IMAGE... [--split S] [--dtype fp32|fp16] [--fast]\n"
-    "                    [--threads N] [--bf16]\n"
+    "usage: hapi-features MODEL OUTDIR IMAGE... [--split S] [--freeze F] [--dtype fp32|fp16]\n"
+    "                    [--fast] [--threads N] [--bf16]\n"
     "       hapi-features --time MODEL IMAGE... [--split S] [--repeat K] [--batch B]\n"
     "                    [--threads N] [--fast] [--no-optimize] [--bf16]\n"
     "Writes OUTDIR/<basename of IMAGE>.npy for each image; --time prints the cost per\n"
@@ -18,6 +18,7 @@ static const char usage[] =
 
 struct options {
     const char *split;
+    const char *freeze; /* NULL: the model's default (a split past it is refused) */
     int dtype;
     int mode;
     int threads;
@@ -98,8 +99,8 @@ static int open_extractor(const char *model, const struct options *o, hapi_extra
 {
     hapi_error err = {0};
     hapi_extractor_config cfg = {
-        .model_path = model, .split = o->split, .dtype = o->dtype, .mode = o->mode,
-        .threads = o->threads, .precision = o->precision,
+        .model_path = model, .split = o->split, .freeze = o->freeze, .dtype = o->dtype,
+        .mode = o->mode, .threads = o->threads, .precision = o->precision,
     };
     int rc = hapi_extractor_open(&cfg, ex, &err);
     if (rc < 0)
@@ -347,6 +348,9 @@ int main(int argc, char **argv)
         const char *next = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--split") == 0 && next) {
             o.split = next;
+            i++;
+        } else if (strcmp(a, "--freeze") == 0 && next) {
+            o.freeze = next;
             i++;
         } else if (strcmp(a, "--dtype") == 0 && next) {
             if (strcmp(next, "fp32") && strcmp(next, "fp16")) {

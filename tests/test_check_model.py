@@ -6,7 +6,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import EXPORTER, HAPIFS, PYTHON, SOURCE_ROOT, need_hapifs
+from conftest import BUILD_ROOT, EXPORTER, HAPIFS, PYTHON, SOURCE_ROOT, need_hapifs
 
 CHECK = SOURCE_ROOT / "bench" / "check-model"
 
@@ -25,6 +25,25 @@ def test_every_stage_compared(tmp_path):
     stages = json.loads(extra["hapifs.json"])["stages"]
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("  ")][1:]
     assert [row[0] for row in rows] == stages
+    assert all(float(row[-2]) >= 0.99999 for row in rows), r.stdout
+    assert "1 ok, 0 failed" in r.stdout
+
+
+def test_the_c_sides_features_are_compared_too(tmp_path):
+    """--hapi-features: the daemon's own decode, preprocessing and libtorch, without a mount,
+    against eager torchvision at every stage; an extra column per stage, checked by the bound."""
+    tool = BUILD_ROOT / "tests" / "hapi-features"
+    if not tool.exists():
+        pytest.skip(f"{tool} is not built (set HAPI_BUILD_ROOT)")
+    r = run("resnet18", "--input-size", "32", "--images", "2", "--hapi-features", tool)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    head = next(line for line in lines if line.startswith("  stage"))
+    assert "C cos" in head, head
+    rows = [line.split() for line in lines if line.startswith("  ") and line is not head]
+    assert [row[0] for row in rows] == ["stem", "layer1", "layer2", "layer3", "layer4", "pool",
+                                        "fc"], r.stdout
+    # the C side's fp32 features, its own exact-mode preprocessing included, equal eager's
     assert all(float(row[-2]) >= 0.99999 for row in rows), r.stdout
     assert "1 ok, 0 failed" in r.stdout
 
