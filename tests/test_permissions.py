@@ -4,6 +4,7 @@ Each test mounts for real as root and acts as second users made here (useradd), 
 su. Mount points live under a directory every user can search (pytest's own tmp_path is
 root's, mode 0700).
 """
+import fcntl
 import grp
 import json
 import os
@@ -25,16 +26,22 @@ CTL_GROUP = "hapifs-tctl"
 
 
 def ensure_users():
-    try:
-        grp.getgrnam(CTL_GROUP)
-    except KeyError:
-        subprocess.run(["groupadd", "--system", CTL_GROUP], check=True)
-    for name, groups in ((USER, []), (MEMBER, [CTL_GROUP])):
+    """Makes the second users and the group once. Under a lock: tests of two pytest processes
+    (or workers) may ask at once on a fresh machine, and useradd fails for a user that another
+    made meanwhile."""
+    with open("/run/lock/hapifs-tests-users.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            pwd.getpwnam(name)
+            grp.getgrnam(CTL_GROUP)
         except KeyError:
-            subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/bin/sh",
-                            *(["-G", ",".join(groups)] if groups else []), name], check=True)
+            subprocess.run(["groupadd", "--system", CTL_GROUP], check=True)
+        for name, groups in ((USER, []), (MEMBER, [CTL_GROUP])):
+            try:
+                pwd.getpwnam(name)
+            except KeyError:
+                subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/bin/sh",
+                                *(["-G", ",".join(groups)] if groups else []), name],
+                               check=True)
 
 
 def as_user(user, cmd):
