@@ -25,6 +25,36 @@ from hapitools import ctl_json, daemon_pid, is_mounted, load_tool  # noqa: E402,
 SANITIZER_LOGS = os.environ.get("HAPI_SANITIZER_LOGS")
 
 
+def sanitized_elsewhere():
+    """(files, tests left out) of tests/sanitize-quick: what the sanitizer lane runs."""
+    files, left_out = set(), set()
+    for line in (SOURCE_ROOT / "tests" / "sanitize-quick").read_text().splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if words[0] == "-":
+            left_out.add(words[1])
+        else:
+            files.add(words[0])
+    return files, left_out
+
+
+def pytest_collection_modifyitems(config, items):
+    """HAPI_SANITIZED_ELSEWHERE=1 (tools/run-tests, beside the sanitizer lane): the tests that
+    lane runs are deselected here, so that each runs once, against the stricter daemon."""
+    if os.environ.get("HAPI_SANITIZED_ELSEWHERE") != "1":
+        return
+    files, left_out = sanitized_elsewhere()
+    keep, drop = [], []
+    for item in items:
+        path = os.path.relpath(str(item.fspath), SOURCE_ROOT)  # as the file names it
+        test = path + "::" + item.nodeid.split("::", 1)[1]
+        (drop if path in files and test not in left_out else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(autouse=True)
 def sanitizer_reports():
     """Under tools/sanitize: a report written while a test ran (its daemon's, at the latest
