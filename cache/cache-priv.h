@@ -264,6 +264,13 @@ int hapi_cache__databases_init(hapi_cache *c, hapi_error *err);
 int hapi_cache__eviction_goal(hapi_cache *c, uint64_t need, uint64_t *goal);
 int hapi_cache__persist_evictions(hapi_cache *c, bool *full, hapi_error *err);
 void hapi_cache__full_wait(int attempt);
+/* A write's attempts at a full map: whether it unlocked the last transaction's pages, its waits. */
+struct full_state {
+    bool unlocked;
+    int waits;
+    uint64_t from;
+};
+int hapi_cache__full_again(hapi_cache *c, struct full_state *f, hapi_error *err);
 int hapi_cache__evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *err);
 
 #endif

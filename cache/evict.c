@@ -134,6 +134,46 @@ void hapi_cache__full_wait(int attempt)
     nanosleep(&ts, NULL);
 }
 
+/*
+ * What a write that found the map full does before it tries again
+ * (write_lock held). The reusable pages are spent, and what keeps the others
+ * from reuse is, in turn:
+ * - the reader slot of a process that died inside a lookup: it pins that
+ *   snapshot, and every page freed since, until mdb_reader_check() frees it.
+ *   hapi_cache_open() clears the slots of processes dead by then, not of one
+ *   still exiting (a killed daemon, while its successor opens the store) or
+ *   sharing the store, which dies later: its pages filled the map, and
+ *   waiting for lookups never ended (the soak's "evict DIR" failed so). Checked
+ *   every time: the process may die while we wait;
+ * - the last transaction's freed pages, reused only once another commits: a
+ *   write of a few pages (the eviction count) unlocks them, once, and again
+ *   after dead slots were cleared (their pages may need it too);
+ * - lookups held for long: waited for, up to FULL_WAIT_MS in all.
+ * Returns 1 to try again, 0 when there is no room even so, or the hapi code
+ * of an unlocking write that failed otherwise than full (err says why).
+ */
+int hapi_cache__full_again(hapi_cache *c, struct full_state *f, hapi_error *err)
+{
+    int dead = 0;
+    if (mdb_reader_check(c->env, &dead) == 0 && dead > 0) {
+        f->unlocked = false;
+        return 1;
+    }
+    if (!f->unlocked) {
+        bool full;
+        f->unlocked = true;
+        int rc = hapi_cache__persist_evictions(c, &full, err);
+        if (rc || !full)
+            return rc ? rc : 1;
+    }
+    if (f->waits == 0)
+        f->from = hapi_now_ns();
+    if (hapi_now_ns() - f->from >= FULL_WAIT_MS * 1000000ULL)
+        return 0;
+    hapi_cache__full_wait(f->waits++);
+    return 1;
+}
+
 /* What one eviction transaction did: LRU records deleted, entries gone, bytes freed, whether none is left. */
 struct evict_batch {
     uint64_t records;
@@ -239,10 +279,10 @@ static int evict_done(hapi_cache *c, uint64_t total, uint64_t t0, int fail, uint
  */
 int hapi_cache__evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_error *err)
 {
-    uint64_t freed = 0, total = 0, stamp = 0, wait_from = 0;
+    uint64_t freed = 0, total = 0, stamp = 0;
     unsigned batch = EVICT_BATCH;
-    int waits = 0;
-    bool empty = false, skip_apply = false, unlocked = false;
+    struct full_state full = { 0 };
+    bool empty = false, skip_apply = false;
     int rc = 0, fail = 0;
 
     *evicted = 0;
@@ -287,29 +327,16 @@ int hapi_cache__evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_erro
             batch /= 2;
             continue;
         }
-        /*
-         * Even one deletion does not fit: the reusable pages are spent and
-         * the last transaction's freed ones are locked until another commits.
-         * A transaction of a few pages unlocks them, if those pages are left.
-         */
-        if (rc == MDB_MAP_FULL && !unlocked) {
-            unlocked = true;
-            bool full;
-            if ((fail = hapi_cache__persist_evictions(c, &full, err)) != 0)
-                break;
-            if (!full)
-                continue;
-        }
+        /* Even one deletion does not fit: see hapi_cache__full_again(). */
         if (rc == MDB_MAP_FULL) {
-            if (waits == 0)
-                wait_from = hapi_now_ns();
-            if (hapi_now_ns() - wait_from < FULL_WAIT_MS * 1000000ULL) {
-                hapi_cache__full_wait(waits++);
+            int again = hapi_cache__full_again(c, &full, err);
+            if (again > 0)
                 continue;
-            }
-            fail = hapi_error_set(err, HAPI_ECACHE,
-                                  "cache %s: cache full: no room even to evict; lookups held "
-                                  "for long pin the pages eviction frees", c->dir);
+            fail = again < 0 ? again
+                             : hapi_error_set(err, HAPI_ECACHE,
+                                              "cache %s: cache full: no room even to evict; "
+                                              "lookups held for long pin the pages eviction "
+                                              "frees", c->dir);
             break;
         }
         if (rc) {
@@ -321,7 +348,7 @@ int hapi_cache__evict(hapi_cache *c, uint64_t goal, uint64_t *evicted, hapi_erro
         if (applied)
             hapi_cache__drain_done(c);
         skip_apply = false;
-        unlocked = false;
+        full.unlocked = false; /* the wait, FULL_WAIT_MS, is the whole eviction's */
         freed += b.freed;
         total += b.gone;
         empty = b.empty;

@@ -52,37 +52,6 @@ out:
     return rc;
 }
 
-/*
- * What a deletion the operator asked for does when it finds the map full
- * (write_lock held), as hapi_cache__evict() does: the reusable pages are spent, the last
- * transaction's freed ones are locked until another commits, and lookups
- * held for long pin the rest. A write of a few pages unlocks the first
- * (once); then it waits for lookups to end, up to FULL_WAIT_MS in all.
- * Returns true to try again, false when there is no room even so.
- */
-struct full_state {
-    bool unlocked;
-    int waits;
-    uint64_t from;
-};
-
-static bool full_again(hapi_cache *c, struct full_state *f)
-{
-    if (!f->unlocked) {
-        f->unlocked = true;
-        bool full;
-        hapi_error ignored = { 0 };
-        if (hapi_cache__persist_evictions(c, &full, &ignored) == 0 && !full)
-            return true;
-    }
-    if (f->waits == 0)
-        f->from = hapi_now_ns();
-    if (hapi_now_ns() - f->from >= FULL_WAIT_MS * 1000000ULL)
-        return false;
-    hapi_cache__full_wait(f->waits++);
-    return true;
-}
-
 int hapi_cache_evict_path(hapi_cache *c, const hapi_cache_namespace *ns, const char *path,
                           hapi_error *err)
 {
@@ -119,8 +88,16 @@ again:
         rc = mdb_txn_commit(txn);
     else
         mdb_txn_abort(txn);
-    if (rc == MDB_MAP_FULL && full_again(c, &full))
-        goto again;
+    /* The map full: as hapi_cache__evict() does (hapi_cache__full_again()). */
+    if (rc == MDB_MAP_FULL) {
+        int again = hapi_cache__full_again(c, &full, err);
+        if (again > 0)
+            goto again;
+        if (again < 0) {
+            rc = again;
+            goto out;
+        }
+    }
     if (rc) {
         rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : hapi_cache__lmdb_to_code(rc),
                             "cache %s: evict %s: %s", c->dir, path, mdb_strerror(rc));
@@ -218,9 +195,16 @@ int hapi_cache_evict_all(hapi_cache *c, const hapi_cache_namespace *ns, hapi_err
             done = false;
             continue;
         }
-        if (rc == MDB_MAP_FULL && full_again(c, &full)) {
-            done = false;
-            continue;
+        if (rc == MDB_MAP_FULL) {
+            int again = hapi_cache__full_again(c, &full, err);
+            if (again < 0) {
+                rc = again;
+                goto out;
+            }
+            if (again > 0) {
+                done = false;
+                continue;
+            }
         }
         if (rc) {
             rc = hapi_error_set(err, rc > 0 ? HAPI_ECACHE : hapi_cache__lmdb_to_code(rc),

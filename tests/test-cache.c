@@ -1696,6 +1696,82 @@ START_TEST(two_processes_share)
 END_TEST
 
 /*
+ * A process killed inside a lookup leaves its reader slot pinning its
+ * snapshot. hapi_cache_open() clears the slots of dead processes, but not of
+ * one still alive then: a daemon killed mid-lookup that is still exiting
+ * while its successor opens the store (the soak's compute restarts), or any
+ * other process sharing the store. Meanwhile every page freed after that
+ * snapshot stays pinned, and writes fill the map with them; the process dies
+ * and nothing pins them any more but its slot. The soak's "evict DIR" failed
+ * with MDB_MAP_FULL so, its lookups all short: deletions, LRU eviction and
+ * puts must clear such slots when they find the map full, and go on.
+ */
+START_TEST(evict_after_a_dead_reader_filled_the_map)
+{
+    enum { MAP = 2 << 20, B = 8, BIG = 32768, SMALL = 200 }; /* the soak's rows: 32 KB and small */
+    hapi_cache_namespace ns = make_ns(3);
+    static uint8_t bufs[B][BIG];
+    char paths[B][32], last[B][32];
+    hapi_cache_item items[B];
+    hapi_error err = { 0 };
+    int ready[2];
+    ck_assert_int_eq(pipe(ready), 0);
+
+    pid_t reader = fork();
+    ck_assert_int_ge(reader, 0);
+    if (reader == 0) {
+        hapi_cache *rc = NULL;
+        hapi_cache_options opt = { .max_bytes = MAP };
+        hapi_cache_value v;
+        hapi_cache_item it = { .path = "held.jpg", .id = ID, .data = bufs[0], .size = SMALL };
+        char ch = hapi_cache_open(tmp, &opt, &rc, NULL) != 0          ? 'o'
+                  : hapi_cache_put(rc, &ns, &it, 1, NULL) != 0        ? 'p'
+                  : hapi_cache_get(rc, &ns, "held.jpg", &ID, &v) != 1 ? 'g'
+                                                                      : 'h';
+        send_char(ready[1], ch);
+        pause(); /* inside the lookup until killed */
+        _exit(0);
+    }
+    ck_assert_int_eq(recv_char(ready[0]), 'h');
+    hapi_cache *c = open_ok(tmp, MAP);
+    ck_assert_int_eq(hapi_cache__stale_readers_cleared(c), 0); /* alive, so kept */
+
+    /* Every page freed from here on is pinned: the puts fill the map until one fails. */
+    bool full = false;
+    for (int round = 0; round < 4000 && !full; round++) {
+        for (int i = 0; i < B; i++) {
+            snprintf(paths[i], sizeof(paths[i]), "c%02d/i%04d.JPEG", i, round);
+            size_t size = i % 2 ? BIG : SMALL;
+            fill(bufs[i], size, paths[i], 0);
+            items[i] = (hapi_cache_item){ .path = paths[i], .id = ID, .data = bufs[i],
+                                          .size = size };
+        }
+        full = hapi_cache_put(c, &ns, items, B, &err) != 0;
+        if (!full)
+            memcpy(last, paths, sizeof(last));
+    }
+    ck_assert_msg(full, "the map never filled up");
+    ck_assert_int_eq(kill(reader, SIGKILL), 0);
+    ck_assert_int_eq(waitpid(reader, NULL, 0), reader);
+
+    /* Only the dead process's slot pins the pages now, and no lookup is held. */
+    int rc = hapi_cache_evict_path(c, &ns, last[0], &err);
+    ck_assert_msg(rc == 1, "evict %s: %d %s", last[0], rc, err.message);
+    expect_miss(c, &ns, last[0], ID);
+    rc = hapi_cache_evict_path(c, &ns, last[1], &err);
+    ck_assert_msg(rc == 1, "evict %s: %d %s", last[1], rc, err.message);
+    rc = hapi_cache_evict_all(c, &ns, &err);
+    ck_assert_msg(rc >= 1, "evict all: %d %s", rc, err.message);
+    ck_assert_int_eq(check_index(c), 0);
+    put_one(c, &ns, paths[1], ID, bufs[1], BIG);
+    expect_hit(c, &ns, paths[1], ID, bufs[1], BIG);
+    hapi_cache_close(c);
+    close(ready[0]);
+    close(ready[1]);
+}
+END_TEST
+
+/*
  * LMDB's file never shrinks: pages copied while a lookup pins older ones stay
  * in it, free. A store whose LMDB file has grown to nearly the whole map that
  * way, then emptied, must still take slab entries (it refused every one: the
@@ -2326,6 +2402,7 @@ static Suite *cache_suite(void)
     ADD_TCASE(s, flush_applies_the_whole_log);
     ADD_TCASE(s, evict_path_and_all);
     ADD_TCASE(s, evict_in_a_full_map_waits_for_room);
+    ADD_TCASE(s, evict_after_a_dead_reader_filled_the_map);
     ADD_TCASE(s, counters);
     ADD_TCASE(s, upgrade_from_v1);
     ADD_TCASE(s, reset_garbage_store);
