@@ -1,4 +1,4 @@
-"""bench/soak for 60 s: 64 readers of .feat files and packs while the split, the cache, the
+"""bench/soak for 30 s (its 30-minute runs are in docs/deployment.md): 64 readers of .feat files and packs while the split, the cache, the
 warm-up and the source change at random; every byte checked, none wrong, no error unexplained."""
 import json
 import os
@@ -11,12 +11,12 @@ from conftest import BUILD_ROOT, PYTHON, SOURCE_ROOT, need_hapifs
 SOAK = SOURCE_ROOT / "bench" / "soak"
 
 
-def test_soak_60s():
+def test_soak_30s():
     need_hapifs()
     features = BUILD_ROOT / "tests" / "hapi-features"
     if not features.exists():
         pytest.skip(f"{features} is not built (set HAPI_BUILD_ROOT)")
-    r = subprocess.run([PYTHON, str(SOAK), "--seconds", "60"], capture_output=True, text=True,
+    r = subprocess.run([PYTHON, str(SOAK), "--seconds", "30"], capture_output=True, text=True,
                        timeout=900, env=dict(os.environ, HAPI_BUILD_ROOT=str(BUILD_ROOT)))
     out = r.stdout + r.stderr
     print(out)  # all of it, in the report of a failure
@@ -26,7 +26,7 @@ def test_soak_60s():
     assert r.returncode == 0, "the soak failed: see the captured output"
     assert res["wrong"] == 0 and res["unexpected_errors"] == 0
     assert res["daemon_alive"] and res["unmounted"]
-    assert res["seconds"] >= 60 and res["readers"] == 64
+    assert res["seconds"] >= 30 and res["readers"] == 64
     # it read, and checked what it read
     assert res["feat_reads"] > 1000 and res["pack_reads"] > 20
     assert res["features_checked"] > 1000 and res["bytes_checked"] > 0

