@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import Mount, abort_connection, daemon_pid, is_mounted, need_hapifs, wait_gone
+from conftest import Mount, abort_connection, daemon_pid, need_hapifs, wait_gone
 from test_cache_life import ctl_error, ctl_write
 from test_throughput import make_tree
 
