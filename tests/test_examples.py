@@ -6,7 +6,7 @@ import re
 import shlex
 import subprocess
 
-from conftest import BUILD_ROOT, HAPIFS, SOURCE_ROOT, Mount, is_mounted, need_hapifs, wait_gone
+from conftest import BUILD_ROOT, HAPIFS, SOURCE_ROOT, Mount, is_mounted, need_hapifs
 
 EXAMPLES = SOURCE_ROOT / "examples"
 GENERIC = {"allow_other", "_netdev", "nofail", "ro", "rw", "defaults", "noauto", "auto", "user",

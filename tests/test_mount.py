@@ -2,7 +2,6 @@
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (HAPIFS, PYTHON, Mount, daemon_pid, is_mounted, make_image_kinds,
+from conftest import (HAPIFS, Mount, daemon_pid, is_mounted, make_image_kinds,
                       need_hapifs, reference_features, wait_gone)
 
 RESNET_STAGES = ["stem", "layer1", "layer2", "layer3", "layer4", "pool", "fc"]

@@ -3,7 +3,6 @@
 #
 # Run: HAPI_BUILD_ROOT=build /usr/bin/python3 -m pytest -q tests/test_preprocess.py
 # Set HAPI_PARITY_REPORT=FILE to get every measured max abs diff / cosine as JSON lines.
-import io
 import json
 import os
 import struct

@@ -329,7 +329,7 @@ def test_ctl_refuses_bad_commands(tmp_path, models, mounter):
 
 def test_readdirplus_listing_matches_stat(tmp_path, models, mounter):
     src = tmp_path / "src"
-    paths = make_tree(src, classes=2, per_class=5)
+    make_tree(src, classes=2, per_class=5)
     m = mounter(src, model=models())
     for entry in os.scandir(m.path / "class0"):
         st = entry.stat()
