@@ -229,6 +229,21 @@ out:
     return rc;
 }
 
+void hapi_model_append_fp32_stages(const hapi_model *m, int from, int to, char *buf,
+                                   size_t size)
+{
+    const char *sep = " fp32_stages=";
+    for (int i = from; i < to; i++) {
+        hapi_stage_info info;
+        size_t len = strlen(buf);
+        if (hapi_model_stage(m, i, &info) == 0 && info.precision == HAPI_PRECISION_FP32 &&
+            info.check_cosine != 0.0 && len < size) {
+            snprintf(buf + len, size - len, "%s%d", sep, i);
+            sep = ",";
+        }
+    }
+}
+
 /* Appends the valid split words ("1..N or a, b, c") to buf, for error messages. */
 static void describe_stages(hapi_model *model, int limit, char *buf, size_t size)
 {

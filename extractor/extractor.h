@@ -143,7 +143,20 @@ typedef struct hapi_stage_info {
     int ndim;
     int64_t shape[HAPI_MAX_DIMS];
     uint64_t param_bytes;   /* its weights and buffers, as loaded */
+    int precision;          /* enum hapi_precision it runs in: the model's, but where a bf16
+                               model's check moved it to fp32 (HAPI_BF16_MIN_COSINE) */
+    double check_cosine;    /* of a bf16 model, after probe: the cosine of the stage's output
+                               as the model runs against fp32's at the probe's check; 0 else */
 } hapi_stage_info;
+
+/*
+ * A bf16 model's probe runs every stage in fp32 and as the model runs on seeded image-like
+ * inputs of the probed shape; while a stage's output is below this cosine of fp32's, a stage
+ * moves to fp32 for good: that one if it runs in bf16, else the last bf16 one before it. The
+ * features of every split stay within 0.999 of fp32's with a margin for images unlike the
+ * check's.
+ */
+#define HAPI_BF16_MIN_COSINE 0.9995
 
 typedef struct hapi_model_options {
     const char *device;  /* "cpu" (default when NULL or "") or "cuda[:N]" */
@@ -181,10 +194,13 @@ int hapi_model_num_stages(const hapi_model *m) HAPI_NOEXCEPT;
 
 /*
  * Runs one zero sample of shape (channels, height, width) through every stage
- * to learn each stage's output shape (each must return a tensor of the model's
+ * to learn each stage's output shape (each must return a tensor of its
  * precision, float32 or bfloat16, whose first dimension is the batch). Must be called once before
  * hapi_model_stage() reports shapes and before hapi_model_run(); not while
  * another thread uses m. On failure the model keeps its previous state.
+ * The first probe of a bf16 model also checks its outputs against fp32's
+ * (HAPI_BF16_MIN_COSINE): it runs the model once in fp32 and once or more as it
+ * will run; an fp32 copy of the weights, kept since the load, is freed after.
  * Returns 0, HAPI_EINVAL, HAPI_EMODEL (a stage failed: the message names it),
  * HAPI_EOOM.
  */
@@ -196,6 +212,15 @@ int hapi_model_probe(hapi_model *m, int channels, int height, int width,
  * hapi_model_probe() (ndim is 0 before). Returns 0 or HAPI_EINVAL.
  */
 int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info) HAPI_NOEXCEPT;
+
+/*
+ * Appends " fp32_stages=I,J" to buf (NUL-terminated, size bytes in all), naming
+ * the stages in [from, to) that a bf16 model's check moved to fp32; nothing when
+ * there are none (and for an fp32 model). For a cache namespace's description:
+ * such features are not those of the same split all in bf16.
+ */
+void hapi_model_append_fp32_stages(const hapi_model *m, int from, int to, char *buf,
+                                   size_t size);
 
 /*
  * Sets how many threads the calling thread's later inferences use (OpenMP's

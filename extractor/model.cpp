@@ -8,6 +8,7 @@
 
 #include "extractor.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
@@ -34,8 +35,12 @@ struct hapi_model {
     std::string metadata;                    // hapifs.json, verbatim
     std::vector<torch::jit::Module> stages;  // in execution order
     std::vector<hapi_stage_info> info;       // names from load, shapes from probe
+    std::vector<torch::ScalarType> stage_precision;  // what each stage computes in
+    // A bf16 model's stages in fp32, as loaded, from the load to the first probe's check
+    std::vector<torch::jit::Module> reference;
     c10::Device device{c10::kCPU};
-    torch::ScalarType precision = torch::kFloat;  // what the stages compute in
+    torch::ScalarType precision = torch::kFloat;  // the model's: its stages' but where checked
+    bool optimize = false;
     bool probed = false;
     int64_t channels = 0, height = 0, width = 0;  // probed input shape of one sample
 };
@@ -144,17 +149,19 @@ extern "C" void hapi_model_set_threads(int n)
         omp_set_num_threads(n); // the calling thread's own count: at::parallel_for and oneDNN read it
 }
 
-// A batch as a stage takes it: on the model's device, in its precision. A bf16 model gets
-// channels-last maps, the layout oneDNN's bf16 convolutions run in without reorders (other
-// shapes, a ViT's tokens, as they are).
-torch::Tensor model_input(const hapi_model *m, torch::Tensor x)
+// A batch as stage i takes it: on the model's device, in the stage's precision. A bf16 stage
+// gets channels-last maps, the layout oneDNN's bf16 convolutions run in without reorders
+// (other shapes, a ViT's tokens, as they are). Between stages of one precision: as it is.
+torch::Tensor stage_input(const hapi_model *m, size_t i, torch::Tensor x)
 {
     if (!m->device.is_cpu())
         x = x.to(m->device);
-    if (x.scalar_type() != m->precision)
-        x = x.to(m->precision);
-    if (m->precision != torch::kFloat && x.dim() == 4)
-        x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    torch::ScalarType p = m->stage_precision[i];
+    if (x.scalar_type() != p) {
+        x = x.to(p);
+        if (p != torch::kFloat && x.dim() == 4)
+            x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    }
     return x;
 }
 
@@ -287,6 +294,29 @@ void rewrite_bf16_block(torch::jit::Graph &g, torch::jit::Block *block)
     }
 }
 
+// A stage as it will run: cast to bf16 where asked; with optimize, frozen (batch-norm folded,
+// attributes inlined), then optimized for inference unless that would compute an activation
+// wrong, then a bf16 stage's slow ops moved (rewrite_bf16_block). Takes the stage's module
+// over: a bf16 cast changes its weights in place.
+torch::jit::Module prepare_stage(torch::jit::Module stage, torch::ScalarType precision,
+                                 bool optimize, const c10::Device &device)
+{
+    if (precision == torch::kBFloat16)
+        to_bf16(stage);
+    if (!optimize)
+        return stage;
+    stage = torch::jit::freeze(stage);
+    // fp32 only: a bf16 graph gets no oneDNN tensors (see the function)
+    if (precision != torch::kFloat ||
+        !has_mkldnn_unsafe_activation(stage.get_method("forward").graph()->block()))
+        stage = torch::jit::optimize_for_inference(stage);
+    if (precision == torch::kBFloat16 && device.is_cpu()) {
+        std::shared_ptr<torch::jit::Graph> g = stage.get_method("forward").graph();
+        rewrite_bf16_block(*g, g->block());
+    }
+    return stage;
+}
+
 int64_t sample_elements(const hapi_stage_info &info)
 {
     int64_t n = 1;
@@ -342,6 +372,7 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
     m->device = *device;
     m->precision = precision == HAPI_PRECISION_BF16 ? torch::kBFloat16 : torch::kFloat;
     bool optimize = opt && opt->optimize;
+    m->optimize = optimize;
     top.eval();
     for (const auto &child : top.named_children()) {
         hapi_stage_info info{};
@@ -359,23 +390,12 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
         for (const auto &t : stage.buffers())
             info.param_bytes += (uint64_t)t.numel() * t.element_size();
         stage.eval();
+        // the first probe checks bf16 against these (model_check_bf16)
         if (m->precision == torch::kBFloat16)
-            to_bf16(stage);
-        if (optimize) {
-            // freeze() folds batch-norm into convolutions and inlines attributes;
-            // optimize_for_inference() then fuses and picks inference kernels, unless it
-            // would compute an activation wrong.
-            stage = torch::jit::freeze(stage);
-            // fp32 only: a bf16 graph gets no oneDNN tensors (see the function)
-            if (m->precision != torch::kFloat ||
-                !has_mkldnn_unsafe_activation(stage.get_method("forward").graph()->block()))
-                stage = torch::jit::optimize_for_inference(stage);
-            if (m->precision == torch::kBFloat16 && m->device.is_cpu()) {
-                std::shared_ptr<torch::jit::Graph> g = stage.get_method("forward").graph();
-                rewrite_bf16_block(*g, g->block());
-            }
-        }
-        m->stages.push_back(std::move(stage));
+            m->reference.push_back(stage.deepcopy());
+        info.precision = precision;
+        m->stages.push_back(prepare_stage(stage, m->precision, optimize, m->device));
+        m->stage_precision.push_back(m->precision);
         m->info.push_back(info);
     }
     if (m->stages.empty())
@@ -385,12 +405,116 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
     return 0;
 }
 
+// The lowest cosine of a sample of a against the same sample of b (same shapes, batch first),
+// summed in double; 1 where both are zero.
+double min_cosine(const torch::Tensor &a, const torch::Tensor &b)
+{
+    torch::Tensor x = a.cpu().to(torch::kDouble).reshape({a.size(0), -1});
+    torch::Tensor y = b.cpu().to(torch::kDouble).reshape({b.size(0), -1});
+    double lowest = 1.0;
+    for (int64_t k = 0; k < x.size(0); k++) {
+        double dot = (x[k] * y[k]).sum().item<double>();
+        double nx = x[k].norm().item<double>(), ny = y[k].norm().item<double>();
+        double c = nx > 0 && ny > 0 ? dot / (nx * ny) : (nx == ny ? 1.0 : 0.0);
+        lowest = std::min(lowest, c);
+    }
+    return lowest;
+}
+
+// Runs stage i of a probe or check on x, its errors named.
+int run_stage(torch::jit::Module &stage, const hapi_stage_info &info, const torch::Tensor &x,
+              torch::jit::IValue *y, hapi_error *err)
+{
+    try {
+        *y = stage.forward({x});
+    } catch (const c10::Error &e) {
+        std::string what = std::string("stage ") + info.name;
+        return error_from_c10(e, HAPI_EMODEL, what.c_str(), err);
+    } catch (const std::runtime_error &e) {
+        // The TorchScript interpreter rethrows an op's error as a runtime_error.
+        return stage_error(e, info.name, err);
+    }
+    if (!y->isTensor())
+        return hapi_error_set(err, HAPI_EMODEL, "stage %s returned a %s, not a tensor", info.name,
+                              y->tagKind().c_str());
+    return 0;
+}
+
+// The check of a bf16 model (HAPI_BF16_MIN_COSINE in extractor.h), on the first probe: two
+// seeded image-like samples (smooth noise at a sixteenth of the size, bilinearly enlarged,
+// with a little fine noise: a normalized photo's range and spectrum, roughly) run through the
+// fp32 reference once, and through the model as it will run. While some stage's output is
+// below the bound against the reference's, the first such stage moves to fp32 if it runs in
+// bf16, else the last bf16 stage before it does (a later stage may magnify an earlier one's
+// rounding: Swin V2's does), and the model runs again from the moved stage. Fills info's
+// precision and check_cosine; commits only when it succeeds.
+int model_check_bf16(hapi_model *m, std::vector<hapi_stage_info> &info, hapi_error *err)
+{
+    size_t n = m->stages.size();
+    std::vector<torch::jit::Module> stages = m->stages;
+    std::vector<torch::ScalarType> precision = m->stage_precision;
+    std::vector<torch::Tensor> want(n), in(n + 1);  // the reference's outputs; the model's
+    c10::InferenceMode guard;
+    {
+        at::Generator gen = at::detail::createCPUGenerator(20261207);
+        int64_t h = m->height, w = m->width;
+        torch::Tensor coarse = torch::randn({2, m->channels, h / 16 + 2, w / 16 + 2}, gen,
+                                            torch::kFloat);
+        in[0] = at::upsample_bilinear2d(coarse, {h, w}, false) +
+                0.1 * torch::randn({2, m->channels, h, w}, gen, torch::kFloat);
+        if (!m->device.is_cpu())
+            in[0] = in[0].to(m->device);
+    }
+    torch::Tensor x = in[0];
+    for (size_t i = 0; i < n; i++) {
+        torch::jit::IValue y;
+        int rc = run_stage(m->reference[i], info[i], x, &y, err);
+        if (rc < 0)
+            return rc;
+        x = want[i] = y.toTensor().to(torch::kFloat);
+    }
+    for (size_t from = 0;;) {
+        size_t low = n;
+        for (size_t i = from; i < n && low == n; i++) {
+            torch::Tensor x = in[i].to(precision[i]);
+            if (precision[i] != torch::kFloat && x.dim() == 4)
+                x = x.contiguous(at::MemoryFormat::ChannelsLast);
+            torch::jit::IValue y;
+            int rc = run_stage(stages[i], info[i], x, &y, err);
+            if (rc < 0)
+                return rc;
+            in[i + 1] = y.toTensor();
+            info[i].check_cosine = min_cosine(in[i + 1], want[i]);
+            if (info[i].check_cosine < HAPI_BF16_MIN_COSINE)
+                low = i;
+        }
+        size_t move = low;
+        while (move < n && precision[move] == torch::kFloat)
+            move = move ? move - 1 : n;  // the last bf16 stage at or before low, if any
+        if (move == n)
+            break;  // every stage right, or those below the bound in fp32 from the start
+        {
+            c10::InferenceMode off(false);  // frozen weights are ordinary tensors
+            stages[move] = prepare_stage(m->reference[move], torch::kFloat, m->optimize,
+                                         m->device);
+        }
+        precision[move] = torch::kFloat;
+        info[move].precision = HAPI_PRECISION_FP32;
+        from = move;
+    }
+    m->stages = std::move(stages);
+    m->stage_precision = std::move(precision);
+    m->reference.clear();
+    return 0;
+}
+
 int model_probe(hapi_model *m, int channels, int height, int width, hapi_error *err)
 {
     c10::InferenceMode guard;
-    torch::Tensor x = model_input(m, torch::zeros({1, channels, height, width}, torch::kFloat));
+    torch::Tensor x = torch::zeros({1, channels, height, width}, torch::kFloat);
     std::vector<hapi_stage_info> info = m->info;
     for (size_t i = 0; i < m->stages.size(); i++) {
+        x = stage_input(m, i, x);
         torch::jit::IValue y;
         try {
             y = m->stages[i].forward({x});
@@ -411,18 +535,28 @@ int model_probe(hapi_model *m, int channels, int height, int width, hapi_error *
                                   "the batch (1) first and at most %d more", info[i].name,
                                   (int)x.dim(), x.dim() ? (long long)x.size(0) : 0LL,
                                   HAPI_MAX_DIMS);
-        if (x.scalar_type() != m->precision)
+        if (x.scalar_type() != m->stage_precision[i])
             return hapi_error_set(err, HAPI_EMODEL, "stage %s: output is %s, not %s",
                                   info[i].name, c10::toString(x.scalar_type()),
-                                  c10::toString(m->precision));
+                                  c10::toString(m->stage_precision[i]));
         info[i].ndim = (int)x.dim() - 1;
         for (int d = 0; d < info[i].ndim; d++)
             info[i].shape[d] = x.size(d + 1);
     }
-    m->info = std::move(info);
+    int64_t old_c = m->channels, old_h = m->height, old_w = m->width;
     m->channels = channels;
     m->height = height;
     m->width = width;
+    if (!m->reference.empty()) {
+        int rc = model_check_bf16(m, info, err);
+        if (rc < 0) {
+            m->channels = old_c;
+            m->height = old_h;
+            m->width = old_w;
+            return rc;
+        }
+    }
+    m->info = std::move(info);
     m->probed = true;
     return 0;
 }
@@ -457,12 +591,11 @@ int model_run_range(hapi_model *m, int from, int to, const void *input, int in_d
 
     c10::InferenceMode guard;
     // The caller's buffer is wrapped, not copied; staged models never write to their input.
-    torch::Tensor x = model_input(
-        m, torch::from_blob(const_cast<void *>(input), in_sizes,
-                            in_dtype == HAPI_DTYPE_FP16 ? torch::kHalf : torch::kFloat));
+    torch::Tensor x = torch::from_blob(const_cast<void *>(input), in_sizes,
+                                       in_dtype == HAPI_DTYPE_FP16 ? torch::kHalf : torch::kFloat);
     for (int i = from; i < to; i++) {
         try {
-            x = m->stages[i].forward({x}).toTensor();
+            x = m->stages[i].forward({stage_input(m, i, x)}).toTensor();
         } catch (const c10::Error &e) {
             std::string what = std::string("stage ") + m->info[i].name;
             return error_from_c10(e, HAPI_EMODEL, what.c_str(), err);
@@ -490,9 +623,9 @@ int model_measure(hapi_model *m, int batch, hapi_model_hook_fn hook, void *ctx,
     if (batch < 1 || !stage_ns)
         return hapi_error_set(err, HAPI_EINVAL, "measure: bad batch (%d) or null buffer", batch);
     c10::InferenceMode guard;
-    torch::Tensor x = model_input(m, torch::randn({batch, m->channels, m->height, m->width},
-                                                  torch::kFloat));
+    torch::Tensor x = torch::randn({batch, m->channels, m->height, m->width}, torch::kFloat);
     for (size_t i = 0; i < m->stages.size(); i++) {
+        x = stage_input(m, i, x);
         if (hook)
             hook(ctx, (int)i, 0);
         uint64_t t0 = hapi_now_ns();

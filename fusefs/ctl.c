@@ -126,9 +126,15 @@ static json_t *render_config(hapi_ctl *c)
     int n = hapi_model_num_stages(m);
     for (int i = 0; stages && i < n; i++) {
         hapi_stage_info info;
-        if (hapi_model_stage(m, i, &info) == 0)
-            json_array_append_new(stages, json_pack("{s:i, s:s, s:o}", "index", i, "name",
-                                                    info.name, "shape", shape_json(&info)));
+        if (hapi_model_stage(m, i, &info) < 0)
+            continue;
+        json_t *st = json_pack("{s:i, s:s, s:o, s:s}", "index", i, "name", info.name, "shape",
+                               shape_json(&info), "precision",
+                               info.precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32");
+        /* a bf16 model's check at the probe: what moved a stage to fp32, or kept it in bf16 */
+        if (st && o->precision == HAPI_PRECISION_BF16)
+            json_object_set_new(st, "check_cosine", json_real(info.check_cosine));
+        json_array_append_new(stages, st);
     }
     json_t *split = render_split(c);
     char rate[32];

@@ -89,6 +89,32 @@ static int join_node(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
     return 0;
 }
 
+/* What a bf16 model's check at the probe found (HAPI_BF16_MIN_COSINE): the stages it moved
+   to fp32, and how close to fp32 the model runs. */
+static void log_bf16_check(hapi_model *m)
+{
+    char moved[512] = "";
+    double lowest = 1.0;
+    int n = hapi_model_num_stages(m);
+    for (int i = 0; i < n; i++) {
+        hapi_stage_info info;
+        if (hapi_model_stage(m, i, &info) < 0)
+            continue;
+        if (info.check_cosine < lowest)
+            lowest = info.check_cosine;
+        size_t len = strlen(moved);
+        if (info.precision == HAPI_PRECISION_FP32 && len < sizeof(moved))
+            snprintf(moved + len, sizeof(moved) - len, "%s%s", len ? ", " : "", info.name);
+    }
+    if (moved[0])
+        hapi_log(HAPI_LOG_INFO, "precision=bf16: stages %s run in fp32: in bf16 the features "
+                 "fell below cosine %g of fp32's on the check's inputs; every stage's is %.6f "
+                 "or more", moved, HAPI_BF16_MIN_COSINE, lowest);
+    else
+        hapi_log(HAPI_LOG_INFO, "precision=bf16: every stage in bf16, its features at cosine "
+                 "%.6f or more of fp32's on the check's inputs", lowest);
+}
+
 /* A storage mount's lowest layers: the source, the node's share, the model, the cache. */
 static int init_lower(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
 {
@@ -112,6 +138,8 @@ static int init_lower(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
     hapi_extractor_keep_heap(opt->mem_budget);
     if ((rc = hapi_extractor_open(&cfg, &fs->ex, err)) < 0)
         return rc;
+    if (opt->precision == HAPI_PRECISION_BF16)
+        log_bf16_check(hapi_extractor_model(fs->ex));
     hapi_cache_options copt = { .max_bytes = opt->cache_size, .reset = opt->cache_reset };
     return hapi_cache_open(opt->cache_dir, &copt, &fs->cache, err);
 }

@@ -26,8 +26,11 @@ struct hapi_views {
 
 void hapi_views_namespace(const hapi_views *vs, int split, hapi_cache_namespace *ns)
 {
-    hapi_cache_namespace_make(hapi_extractor_model_digest(vs->ex), split, vs->dtype, vs->ns_desc,
-                              ns);
+    /* and the stages before the split that a bf16 model's check moved to fp32 */
+    char desc[sizeof(vs->ns_desc) + 128];
+    snprintf(desc, sizeof(desc), "%s", vs->ns_desc);
+    hapi_model_append_fp32_stages(hapi_extractor_model(vs->ex), 0, split, desc, sizeof(desc));
+    hapi_cache_namespace_make(hapi_extractor_model_digest(vs->ex), split, vs->dtype, desc, ns);
 }
 
 int hapi_views_new(hapi_extractor *ex, int dtype, int precision, hapi_views **out,

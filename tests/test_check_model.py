@@ -68,15 +68,20 @@ def test_an_archive_that_is_not_its_model_fails(tmp_path):
 
 def table(stdout):
     """The per-stage lines of check-model's table: {stage: {column: value}}, the columns named
-    cosine, rel, fp32_cos, fp32_abs, bf16_cos, bf16_abs, ref (those there are)."""
+    cosine, rel, fp32_cos, fp32_abs, bf16_cos, bf16_abs, ref, bf16_runs (the precision a bf16
+    mount ran the stage in), check_cos (those there are)."""
     lines = [line for line in stdout.splitlines() if line.startswith("  ")]
     head = lines[0]
     for words, name in (("max rel err", "rel"), ("max |ref|", "ref"), ("fp32 cos", "fp32_cos"),
                         ("fp32 abs err", "fp32_abs"), ("bf16 cos", "bf16_cos"),
-                        ("bf16 abs err", "bf16_abs")):
+                        ("bf16 abs err", "bf16_abs"), ("bf16 runs in", "bf16_runs"),
+                        ("(check cos)", "check_cos")):
         head = head.replace(words, name)
-    numeric = head.split()[2:]  # after stage and shape, whose "(64, 8, 8)" has blanks
-    return {line.split()[0]: dict(zip(numeric, map(float, line.split()[-len(numeric):])))
+    named = head.split()[2:]  # after stage and shape, whose "(64, 8, 8)" has blanks
+
+    def value(word):
+        return word if word in ("bf16", "fp32") else float(word)
+    return {line.split()[0]: dict(zip(named, map(value, line.split()[-len(named):])))
             for line in lines[1:]}
 
 
@@ -84,7 +89,8 @@ def table(stdout):
 def test_mounted_features_match_eager_in_fp32_and_bf16(tmp_path, arch, size):
     """Every stage read through a mount (the daemon's own decode, bilinear or bicubic resize,
     libtorch) against eager torchvision: fp32 within cosine 0.99999, bf16 within 0.999 and
-    really computed in bf16 (an error well above fp32's)."""
+    really computed in bf16 (an error well above fp32's), every stage kept in bf16 by the
+    mount's check."""
     need_hapifs()
     r = run(arch, "--input-size", size, "--images", "2", "--mount", "--hapifs", HAPIFS,
             "--keep", tmp_path)
@@ -97,6 +103,7 @@ def test_mounted_features_match_eager_in_fp32_and_bf16(tmp_path, arch, size):
         assert row["fp32_cos"] >= 0.99999 and row["bf16_cos"] >= 0.999, (stage, row)
         assert row["fp32_abs"] <= 1e-4 * row["ref"], (stage, row)
         assert row["bf16_abs"] > 10 * row["fp32_abs"], (stage, row)
+        assert row["bf16_runs"] == "bf16" and 0.9995 <= row["check_cos"] <= 1.0 + 1e-9, row
     assert "mounted in fp32" in r.stdout and "1 ok, 0 failed" in r.stdout
 
 

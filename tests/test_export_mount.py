@@ -74,32 +74,46 @@ def make():
 '''
 
 
-def test_a_users_module_is_served_as_its_eager_forward(tmp_path, tree, mounter):
-    """A module of the user's (FILE.py:FUNCTION, cut by --stages, its weights from a file)
-    served by a real mount in fp32 and bf16: every stage equals the module's own eager
-    computation on the image as torchvision + PIL preprocess it."""
+def user_module(tmp_path, name, text, seed):
+    """The module make() of text returns, written to tmp_path/NAME.py and imported, its
+    weights drawn after torch.manual_seed(seed), in eval mode."""
     import importlib.util
     import torch
-    src, made = tree
-    (tmp_path / "tiny.py").write_text(TINY_MODULE)
-    spec = importlib.util.spec_from_file_location("tiny", tmp_path / "tiny.py")
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    torch.manual_seed(5)
-    model = tiny.make().eval()
-    bn = model.stem[1]
-    bn.running_mean.uniform_(-0.5, 0.5)
-    bn.running_var.uniform_(0.5, 2.0)
-    torch.save(model.state_dict(), tmp_path / "tiny.pth")
-    archive = tmp_path / "tiny.pt"
-    r = subprocess.run([PYTHON, str(EXPORTER), "--module", f"{tmp_path / 'tiny.py'}:make",
-                        "--stages", "stem,block,gated=mul", "--weights", str(tmp_path / "tiny.pth"),
+    (tmp_path / f"{name}.py").write_text(text)
+    spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(seed)
+    return module.make().eval()
+
+
+def export_module(tmp_path, name, model, stages):
+    """hapifs-export-model --module tmp_path/NAME.py:make --stages STAGES at 32 px, with
+    model's weights saved to a file: the archive's path and its hapifs.json."""
+    import torch
+    torch.save(model.state_dict(), tmp_path / f"{name}.pth")
+    archive = tmp_path / f"{name}.pt"
+    r = subprocess.run([PYTHON, str(EXPORTER), "--module", f"{tmp_path / name}.py:make",
+                        "--stages", stages, "--weights", str(tmp_path / f"{name}.pth"),
                         "--input-size", "32", "-o", str(archive), "-q"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     extra = {"hapifs.json": ""}
     torch.jit.load(str(archive), _extra_files=extra)
-    meta = json.loads(extra["hapifs.json"])
+    return archive, json.loads(extra["hapifs.json"])
+
+
+def test_a_users_module_is_served_as_its_eager_forward(tmp_path, tree, mounter):
+    """A module of the user's (FILE.py:FUNCTION, cut by --stages, its weights from a file)
+    served by a real mount in fp32 and bf16: every stage equals the module's own eager
+    computation on the image as torchvision + PIL preprocess it."""
+    import torch
+    src, made = tree
+    model = user_module(tmp_path, "tiny", TINY_MODULE, seed=5)
+    bn = model.stem[1]
+    bn.running_mean.uniform_(-0.5, 0.5)
+    bn.running_var.uniform_(0.5, 2.0)
+    archive, meta = export_module(tmp_path, "tiny", model, "stem,block,gated=mul")
     assert meta["arch"] == "module:tiny.py:make"
     assert meta["stages"] == ["stem", "block", "gated", "head"]
 
@@ -127,3 +141,68 @@ def test_a_users_module_is_served_as_its_eager_forward(tmp_path, tree, mounter):
                 assert cos >= bound and err <= (1e-4 if precision == "fp32" else 3e-2), \
                     (precision, stage, p, cos, err)
         m.unmount()
+
+
+FRAGILE_MODULE = '''
+from torch import nn
+
+
+class Offset(nn.Module):
+    """An offset put on and taken off: exact in fp32; in bf16, whose step is 2 at 300, the
+    activations are lost in the rounding."""
+
+    def forward(self, x):
+        return (x + 300.0) - 300.0
+
+
+class Fragile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU())
+        self.offset = Offset()
+        self.body = nn.Sequential(nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.body(self.offset(self.stem(x)))
+        return self.head(x.mean((2, 3)))
+
+
+def make():
+    return Fragile()
+'''
+
+
+def test_a_stage_bf16_cannot_carry_runs_in_fp32(tmp_path, tree, mounter):
+    """precision=bf16 on a module with a stage that bf16 cannot compute: the probe's check
+    moves that stage to fp32 (and only it), .hapifs/config and the log say so, and every
+    split's features stay within cosine 0.999 of the module's own eager fp32 forward."""
+    import torch
+    src, made = tree
+    model = user_module(tmp_path, "fragile", FRAGILE_MODULE, seed=7)
+    archive, meta = export_module(tmp_path, "fragile", model, "stem,offset,body")
+    assert meta["stages"] == ["stem", "offset", "body", "head"]
+
+    def eager(x):
+        with torch.no_grad():
+            s = model.stem(x)
+            o = model.offset(s)
+            b = model.body(o)
+            return {"stem": s, "offset": o, "body": b, "head": model.head(b.mean((2, 3)))}
+    want = {p: {k: v[0].numpy() for k, v in eager(reference_input(meta, src / p)).items()}
+            for p in made}
+    m = mounter(src, model=archive, split="stem", freeze=4, dtype="fp32", precision="bf16",
+                cache=str(tmp_path / "cache"))
+    stages = {s["name"]: s for s in m.ctl("config")["model"]["stages"]}
+    assert {k: s["precision"] for k, s in stages.items()} == \
+        {"stem": "bf16", "offset": "fp32", "body": "bf16", "head": "bf16"}, stages
+    assert all(0.9995 <= s["check_cosine"] <= 1.0 + 1e-9 for s in stages.values()), stages
+    assert "precision=bf16: stages offset run in fp32" in m.log_text()
+    for stage in meta["stages"]:
+        (m.path / ".hapifs" / "ctl").write_text(f"split {stage}\n")
+        for p in made:
+            got = np.load(m.path / (p + ".feat"))
+            g, w = got.ravel().astype(np.float64), want[p][stage].ravel().astype(np.float64)
+            cos = g @ w / (np.linalg.norm(g) * np.linalg.norm(w))
+            assert cos >= 0.999, (stage, p, cos)
+    m.unmount()
