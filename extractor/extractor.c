@@ -39,8 +39,7 @@ struct hapi_extractor {
 /* Beyond this, an input size is a typo, not a model. */
 #define HAPI_META_MAX_SIZE 8192
 
-/* XXH3-128 of a file's bytes, read in chunks so a large model never sits twice in memory. */
-static int digest_file(const char *path, uint8_t digest[16], hapi_error *err)
+int hapi_file_digest(const char *path, uint8_t digest[16], hapi_error *err)
 {
     enum { CHUNK = 1 << 20 };
     int rc = 0;
@@ -314,7 +313,7 @@ int hapi_extractor_open(const hapi_extractor_config *cfg, hapi_extractor **out, 
         return hapi_error_set(err, -ENOMEM, "out of memory");
 
     /* Digest first: an unreadable file is reported as such, before libtorch sees it. */
-    if ((rc = digest_file(cfg->model_path, ex->digest, err)) < 0)
+    if ((rc = hapi_file_digest(cfg->model_path, ex->digest, err)) < 0)
         goto fail;
     hapi_model_options opt = {.device = cfg->device, .threads = cfg->threads, .optimize = 1,
                               .precision = cfg->precision};

@@ -362,6 +362,10 @@ size_t hapi_extractor_split_bytes(const hapi_extractor *ex, int split);
 /* XXH3-128 of the model file's bytes. */
 const uint8_t *hapi_extractor_model_digest(const hapi_extractor *ex);
 
+/* XXH3-128 of a file's bytes (read in chunks, so a large model never sits twice in memory),
+   as hapi_extractor_model_digest() gives it. Returns 0, -errno or -ENOMEM (says which). */
+int hapi_file_digest(const char *path, uint8_t digest[16], hapi_error *err);
+
 /*
  * Decodes, preprocesses and runs one image's bytes, writing
  * hapi_extractor_sample_bytes() bytes to out. dec is the calling thread's

@@ -144,7 +144,7 @@ static json_t *render_config(hapi_ctl *c)
     json_t *compute_stages = json_array();
     for (int i = 0; compute_stages && i < ts.compute_nstages; i++)
         json_array_append_new(compute_stages, json_real(ts.compute_stage_ms[i]));
-    return json_pack(
+    json_t *config = json_pack(
         "{s:s, s:o, s:o, s:{s:o, s:s, s:s, s:s?, s:s?, s:s, s:o}, s:o, "
         "s:{s:s, s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:o, s:s, s:I}, "
         "s:{s:s, s:f, s:s, s:f, s:o, s:f, s:b, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
@@ -181,6 +181,18 @@ static json_t *render_config(hapi_ctl *c)
           "batch_wait_ms", o->batch_wait_us / 1000,
           "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget,
           "prefetch", o->prefetch == HAPI_PREFETCH_DIR ? "dir" : "off");
+    /* precision=auto: what was measured (or read back) to choose */
+    const hapi_precision_choice *pa = c->cfg.precision_auto;
+    char *text = pa ? hapi_precision_choice_to_json(pa) : NULL;
+    json_t *choice = text ? json_loads(text, 0, NULL) : NULL;
+    free(text);
+    if (choice && config) {
+        json_object_set_new(choice, "stored", json_boolean(pa->stored));
+        json_object_set_new(json_object_get(config, "model"), "precision_auto", choice);
+    } else {
+        json_decref(choice);
+    }
+    return config;
 }
 
 static json_t *render_warm(hapi_ctl *c)

@@ -59,6 +59,7 @@ typedef struct hapi_ctl_config {
     const int *epochs;           /* the kernel forgets every name at one notice (hapi_fs.epochs) */
     const atomic_uint_fast64_t *epoch_notices; /* and how many it was sent */
     uint64_t started_ns;
+    const hapi_precision_choice *precision_auto; /* precision=auto's measures; NULL: none */
 } hapi_ctl_config;
 
 typedef struct hapi_ctl hapi_ctl;

@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <linux/fuse.h> /* struct fuse_out_header: a notice libfuse 3.14 cannot send */
 #include <math.h>
 #include <pthread.h>
@@ -116,13 +117,9 @@ static void log_bf16_check(hapi_model *m)
 }
 
 /* A storage mount's lowest layers: the source, the node's share, the model, the cache. */
-static int init_lower(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
+static int open_extractor(const hapi_fs_options *opt, int precision, hapi_extractor **out,
+                          hapi_error *err)
 {
-    int rc;
-    if ((rc = hapi_source_open(opt->source, &fs->source, err)) < 0)
-        return rc;
-    if ((rc = join_node(fs, opt, err)) < 0)
-        return rc;
     hapi_extractor_config cfg = {
         .model_path = opt->model,
         .split = opt->split,
@@ -132,16 +129,116 @@ static int init_lower(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
         .max_pixels = opt->max_pixels,
         .threads = opt->torch_threads,
         .device = opt->device,
-        .precision = opt->precision,
+        .precision = precision,
     };
+    int rc = hapi_extractor_open(&cfg, out, err);
+    if (rc == 0 && precision == HAPI_PRECISION_BF16)
+        log_bf16_check(hapi_extractor_model(*out));
+    return rc;
+}
+
+/* Where precision=auto's choice for this model, BLAS and thread count is kept: path, of
+   PATH_MAX + 300 bytes. */
+static void choice_path(const hapi_fs_options *opt, const uint8_t digest[16], char *path)
+{
+    char hex[33];
+    hapi_hex(digest, 16, hex);
+    snprintf(path, PATH_MAX + 300, "%s/precision-%s-cpu-%s-t%d.json", opt->cache_dir, hex,
+             hapi_model_blas(), opt->torch_threads);
+}
+
+/*
+ * precision=auto (policy.h): the choice kept in the cache directory for this model if there
+ * is one (and profile_redo does not ask again), else fp32 and bf16 both loaded and timed, the
+ * faster kept. A device other than the CPU runs fp32 (bf16 is the CPU's). Sets
+ * opt->precision to the one chosen and fs->ex to its extractor.
+ */
+static int open_auto(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
+{
+    hapi_precision_choice *c = &fs->precision_auto;
+    int rc;
+    uint8_t digest[16];
+    char path[PATH_MAX + 300];
+    opt->precision = HAPI_PRECISION_FP32;
+    if (strcmp(opt->device, "cpu") != 0) {
+        hapi_log(HAPI_LOG_INFO, "precision=auto on %s: fp32 (bf16 runs on the CPU only)",
+                 opt->device);
+        return open_extractor(opt, HAPI_PRECISION_FP32, &fs->ex, err);
+    }
+    if ((rc = hapi_file_digest(opt->model, digest, err)) < 0)
+        return rc;
+    choice_path(opt, digest, path);
+    hapi_error lerr = { 0 };
+    if (!opt->profile_redo && (rc = hapi_precision_choice_load(path, c, &lerr)) == 0) {
+        opt->precision = c->precision;
+        hapi_log(HAPI_LOG_INFO, "precision=auto: %s, as chosen before (%s): %s",
+                 c->precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32", path, c->why);
+        return open_extractor(opt, c->precision, &fs->ex, err);
+    }
+    if (!opt->profile_redo && rc != -ENOENT)
+        hapi_log(HAPI_LOG_WARNING, "precision=auto: %s; choosing again", lerr.message);
+    hapi_extractor *ex[2] = { NULL, NULL };
+    if ((rc = open_extractor(opt, HAPI_PRECISION_FP32, &ex[0], err)) < 0)
+        return rc;
+    if ((rc = open_extractor(opt, HAPI_PRECISION_BF16, &ex[1], &lerr)) < 0) {
+        /* bf16 cannot load here (libtorch without it): fp32, said once, nothing stored */
+        hapi_log(HAPI_LOG_WARNING, "precision=auto: fp32, as bf16 does not load: %s",
+                 lerr.message);
+        memset(c, 0, sizeof(*c));
+        fs->ex = ex[0];
+        return 0;
+    }
+    rc = hapi_precision_choose(hapi_extractor_model(ex[0]), hapi_extractor_model(ex[1]),
+                               hapi_extractor_meta(ex[0])->input_size,
+                               hapi_extractor_freeze(ex[0]), c, err);
+    if (rc < 0) {
+        hapi_extractor_close(ex[0]);
+        hapi_extractor_close(ex[1]);
+        return rc;
+    }
+    opt->precision = c->precision;
+    fs->ex = ex[c->precision == HAPI_PRECISION_BF16];
+    hapi_extractor_close(ex[c->precision != HAPI_PRECISION_BF16]);
+    hapi_log(HAPI_LOG_INFO, "precision=auto: %s, measured in %.1f s (%.1f s on the pruned): %s",
+             c->precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32", c->seconds,
+             c->pruned_seconds, c->why);
+    return 0;
+}
+
+/* Stores precision=auto's fresh choice beside the profiles, once the cache directory is. */
+static void keep_choice(hapi_fs *fs, const hapi_fs_options *opt)
+{
+    hapi_precision_choice *c = &fs->precision_auto;
+    char path[PATH_MAX + 300];
+    hapi_error serr = { 0 };
+    if (c->batch == 0 || c->stored)
+        return;
+    choice_path(opt, hapi_extractor_model_digest(fs->ex), path);
+    char *text = hapi_precision_choice_to_json(c);
+    if (!text || hapi_policy_save_text(path, text, &serr) < 0)
+        hapi_log(HAPI_LOG_WARNING, "precision=auto: the choice is not kept: %s",
+                 text ? serr.message : "out of memory");
+    free(text);
+}
+
+static int init_lower(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
+{
+    int rc;
+    if ((rc = hapi_source_open(opt->source, &fs->source, err)) < 0)
+        return rc;
+    if ((rc = join_node(fs, opt, err)) < 0)
+        return rc;
     /* A batch's tensors reuse the last one's memory, up to the budget (extractor.h). */
     hapi_extractor_keep_heap(opt->mem_budget);
-    if ((rc = hapi_extractor_open(&cfg, &fs->ex, err)) < 0)
+    rc = opt->precision == HAPI_PRECISION_AUTO ? open_auto(fs, opt, err)
+                                               : open_extractor(opt, opt->precision, &fs->ex, err);
+    if (rc < 0)
         return rc;
-    if (opt->precision == HAPI_PRECISION_BF16)
-        log_bf16_check(hapi_extractor_model(fs->ex));
     hapi_cache_options copt = { .max_bytes = opt->cache_size, .reset = opt->cache_reset };
-    return hapi_cache_open(opt->cache_dir, &copt, &fs->cache, err);
+    if ((rc = hapi_cache_open(opt->cache_dir, &copt, &fs->cache, err)) < 0)
+        return rc;
+    keep_choice(fs, opt);
+    return 0;
 }
 
 /*
@@ -239,6 +336,7 @@ static int init_control(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err
         .no_open = fs->no_open, .uring = &fs->uring, .epochs = &fs->epochs,
         .epoch_notices = &fs->epoch_notices,
         .started_ns = fs->started_ns,
+        .precision_auto = fs->precision_auto.batch ? &fs->precision_auto : NULL,
     };
     if ((rc = hapi_ctl_new(&ccfg, &fs->ctl)) < 0)
         return hapi_error_set(err, rc, "out of memory");

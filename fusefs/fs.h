@@ -45,6 +45,7 @@ typedef struct hapi_fs {
     int model_fd;                /* the model file loaded (read-only), -1 if unreadable */
     hapi_source *source;
     hapi_extractor *ex;
+    hapi_precision_choice precision_auto; /* precision=auto's choice (its batch 0: none) */
     hapi_cache *cache;
     hapi_error_ring *errors;
     hapi_views *views;

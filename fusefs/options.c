@@ -246,8 +246,9 @@ void hapi_fs_usage(const char *prog)
            "    freeze=N|NAME        stages before this are frozen (default: from the model)\n"
            "    dtype=fp16|fp32      feature type (default fp16)\n"
            "    preprocess=exact|fast  torchvision-exact decode, or DCT-scaled decode (default exact)\n"
-           "    precision=fp32|bf16  arithmetic of the model: fp32 (default), or bfloat16 on the CPU,\n"
-           "                         ~4x faster on CPUs with AMX or AVX512-BF16 (cosine 0.9998)\n"
+           "    precision=fp32|bf16|auto  arithmetic of the model: fp32 (default), or bfloat16 on\n"
+           "                         the CPU, ~4x faster with AMX or AVX512-BF16 (cosine 0.9995\n"
+           "                         or in fp32), or auto: both timed at mount, the faster kept\n"
            "    cache=DIR            feature cache directory (default " HAPI_DEFAULT_CACHE_DIR ")\n"
            "    cache_size=SIZE      bound on the cache, e.g. 20G (default: 1/4 of free space)\n"
            "    cache_reset=0|1      replace a corrupt or foreign cache instead of failing\n"
@@ -358,6 +359,12 @@ static const struct word_choice preprocess_words[] = {
 static const struct word_choice precision_words[] = {
     { "fp32", HAPI_PRECISION_FP32 }, { "float32", HAPI_PRECISION_FP32 },
     { "bf16", HAPI_PRECISION_BF16 }, { "bfloat16", HAPI_PRECISION_BF16 },
+};
+/* a storage mount's: precision=auto measures its own model at mount */
+static const struct word_choice storage_precision_words[] = {
+    { "fp32", HAPI_PRECISION_FP32 }, { "float32", HAPI_PRECISION_FP32 },
+    { "bf16", HAPI_PRECISION_BF16 }, { "bfloat16", HAPI_PRECISION_BF16 },
+    { "auto", HAPI_PRECISION_AUTO },
 };
 static const struct word_choice prefetch_words[] = {
     { "dir", HAPI_PREFETCH_DIR }, { "off", HAPI_PREFETCH_OFF },
@@ -820,8 +827,8 @@ static int validate_model(struct raw_options *raw, hapi_fs_options *o, hapi_erro
                          err)) < 0 ||
         (rc = parse_word("preprocess", raw->preprocess, WORDS(preprocess_words), "exact or fast",
                          &o->mode, err)) < 0 ||
-        (rc = parse_word("precision", raw->precision, WORDS(precision_words), "fp32 or bf16",
-                         &o->precision, err)) < 0 ||
+        (rc = parse_word("precision", raw->precision, WORDS(storage_precision_words),
+                         "fp32, bf16 or auto", &o->precision, err)) < 0 ||
         (rc = parse_word("prefetch", raw->prefetch, WORDS(prefetch_words), "dir or off",
                          &o->prefetch, err)) < 0)
         return rc;

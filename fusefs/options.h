@@ -9,6 +9,10 @@
 #include "hapi.h"
 
 /* Everything the command line says, validated. Strings are owned (malloc). */
+/* precision=auto: a value of hapi_fs_options.precision beside enum hapi_precision's, never
+   given to the extractor (policy.h, hapi_precision_choose()). */
+#define HAPI_PRECISION_AUTO 2
+
 typedef struct hapi_fs_options {
     char *source;          /* absolute, resolved */
     char *mountpoint;      /* absolute, resolved */
@@ -20,7 +24,8 @@ typedef struct hapi_fs_options {
     char *device;          /* "cpu" or "cuda[:N]" */
     int dtype;             /* enum hapi_dtype */
     int mode;              /* enum hapi_preprocess_mode */
-    int precision;         /* enum hapi_precision */
+    int precision;         /* enum hapi_precision, or HAPI_PRECISION_AUTO until the mount
+                              has chosen (hapi_fs_init() sets the one chosen) */
     uint64_t max_pixels;
     uint64_t cache_size;   /* bytes */
     int cache_reset;       /* replace a corrupt or foreign cache store */

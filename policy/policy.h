@@ -113,6 +113,10 @@ int hapi_profile_sweep_again(int sweeps, int lowered, double elapsed_s, double s
 /* Stores a profile atomically (a temporary file renamed). Returns 0 or -errno. */
 int hapi_profile_save(const char *path, const hapi_profile *p, hapi_error *err);
 
+/* Stores text and a newline at path atomically (a temporary file, synced, renamed). Returns 0
+   or -errno. */
+int hapi_policy_save_text(const char *path, const char *text, hapi_error *err);
+
 /*
  * Milliseconds per sample of stages [from, to) at batch (interpolated between
  * the measured batches; the largest measured beyond them).
@@ -389,6 +393,61 @@ const hapi_policy_input_spec *hapi_policy_input_find(const char *name);
  * as snprintf does. Thread-safe.
  */
 int hapi_policy_input_help(const hapi_policy_input_spec *s, char *buf, size_t size);
+
+/* ------------------------------------------------------------ precision=auto */
+
+/*
+ * precision=auto: the arithmetic a mount's model runs in, chosen by measuring both
+ * candidates on this node. bf16 is loaded with its check (HAPI_BF16_MIN_COSINE), so it meets
+ * the fidelity bound by construction (stages it cannot carry run in fp32); what is measured
+ * is speed: stages [0, to) on HAPI_PRECISION_BATCH random samples of the probed shape, each
+ * candidate once to warm up, then HAPI_PRECISION_ROUNDS rounds taking turns. A candidate is
+ * pruned as soon as it is clearly slower than the other: its warm-up over
+ * HAPI_PRECISION_PRUNE_WARMUP times the other's (one-time costs are in both), or its best
+ * timed batch over HAPI_PRECISION_PRUNE times the other's best. Of two survivors, bf16 is
+ * chosen when its median is at most HAPI_PRECISION_MARGIN of fp32's: fp32 is the reference,
+ * and bf16 must pay for its rounding.
+ */
+#define HAPI_PRECISION_BATCH 8
+#define HAPI_PRECISION_ROUNDS 3
+#define HAPI_PRECISION_PRUNE_WARMUP 2.0
+#define HAPI_PRECISION_PRUNE 1.5
+#define HAPI_PRECISION_MARGIN 0.95
+
+typedef struct hapi_precision_choice {
+    int precision;        /* enum hapi_precision chosen */
+    int stored;           /* read from the cache directory, not measured this mount */
+    int batch;            /* samples a timed run */
+    int to;               /* stages [0, to) timed */
+    double ms[2];         /* per sample, median of the timed runs, by enum hapi_precision; 0:
+                             none timed (pruned at the warm-up) */
+    double warmup_ms[2];  /* per sample, the first run of each */
+    int runs[2];          /* timed runs of each */
+    int pruned;           /* the precision pruned, or -1 */
+    double seconds;       /* spent running both, warm-ups included */
+    double pruned_seconds; /* of which on the pruned one */
+    int bf16_moved;       /* stages of [0, to) bf16's check moved to fp32 */
+    double bf16_min_cosine; /* the lowest check_cosine of [0, to) in bf16 */
+    char cpu[96];         /* the CPU measured on (/proc/cpuinfo's model name): a choice
+                             read back on another is made again */
+    char why[256];        /* one sentence */
+} hapi_precision_choice;
+
+/*
+ * Times fp32 and bf16 (two models of one archive, loaded with the same threads and probed at
+ * 3 x size x size) over stages [0, to) as described above and fills *out. Runs on the calling
+ * thread. Returns 0, HAPI_EINVAL, -ENOMEM, or a model error (HAPI_EOOM, HAPI_EMODEL).
+ */
+int hapi_precision_choose(hapi_model *fp32, hapi_model *bf16, int size, int to,
+                          hapi_precision_choice *out, hapi_error *err);
+
+/* The choice as JSON text (malloc'd, caller frees), or NULL when out of memory. */
+char *hapi_precision_choice_to_json(const hapi_precision_choice *c);
+
+/* Reads a choice stored with hapi_policy_save_text(hapi_precision_choice_to_json()); sets
+   stored. Returns 0, -ENOENT (none), or HAPI_EINVAL (unreadable, or measured on another
+   CPU: says which). */
+int hapi_precision_choice_load(const char *path, hapi_precision_choice *out, hapi_error *err);
 
 /*
  * Parses text as the input called name and checks it against the table's range. Fills *out

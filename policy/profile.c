@@ -680,9 +680,16 @@ int hapi_profile_load(const char *path, hapi_profile *out, hapi_error *err)
 int hapi_profile_save(const char *path, const hapi_profile *p, hapi_error *err)
 {
     char *text = hapi_profile_to_json(p);
-    char tmp[4096];
     if (!text)
         return hapi_error_set(err, -ENOMEM, "out of memory");
+    int rc = hapi_policy_save_text(path, text, err);
+    free(text);
+    return rc;
+}
+
+int hapi_policy_save_text(const char *path, const char *text, hapi_error *err)
+{
+    char tmp[4096];
     snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
     FILE *f = fopen(tmp, "w");
     int rc = 0;
@@ -694,6 +701,5 @@ int hapi_profile_save(const char *path, const hapi_profile *p, hapi_error *err)
         rc = hapi_error_set(err, -errno, "%s: %s", path, strerror(errno));
     if (rc < 0)
         unlink(tmp);
-    free(text);
     return rc;
 }

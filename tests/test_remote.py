@@ -721,6 +721,9 @@ def test_remote_refuses_storage_options(tmp_path, storage, mounter, models):
         with pytest.raises(RuntimeError, match=f"{option}= on a remote mount goes with "
                            "features=freeze: features=split runs no stage here"):
             remote(mounter, tmp_path, [st.path], features="split", **{option: value})
+    # precision=auto measures a storage mount's own model: not the compute side's option
+    with pytest.raises(RuntimeError, match="precision=auto: expected fp32 or bf16"):
+        remote(mounter, tmp_path, [st.path], precision="auto")
     with pytest.raises(RuntimeError, match="features=fast: expected split or freeze"):
         remote(mounter, tmp_path, [st.path], features="fast")
 
