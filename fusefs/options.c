@@ -302,7 +302,7 @@ void hapi_fs_usage(const char *prog)
            "    refresh=SECONDS      a directory's index (names, identities, namespace) is read\n"
            "                         again after this long: the bound on serving features of a\n"
            "                         changed image or an old split (default 30, 0 = every use)\n"
-           "    fetch_threads=N      packs fetched at once (default 4)\n"
+           "    fetch_threads=N      packs fetched at once (default 2 a source, 4 at least)\n"
            "    features=freeze|split\n"
            "                         what a .feat is: the freeze point's, whatever the storage\n"
            "                         side's split (default; the stages [split, freeze) of the\n"
@@ -761,7 +761,8 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
                                err)) < 0)
         return rc;
     o->refresh_ms = refresh_s * 1000;
-    o->fetch_threads = 4;
+    /* two a source (a node's next pack asked while it computes one), four at least */
+    o->fetch_threads = o->nroots * 2 > 4 ? (int)(o->nroots * 2) : 4;
     if ((rc = parse_int_option("fetch_threads", raw->fetch_threads, 1, 256, NULL,
                                &o->fetch_threads, err)) < 0)
         return rc;

@@ -424,6 +424,36 @@ out:
     return rc;
 }
 
+/*
+ * The queued fetch to start, unlinked: of the readers' (or, when none is queued, the warm-up's),
+ * the first in queue order from a source with the fewest packs being fetched. Several storage
+ * nodes compute a directory's features each for its shard: taking the queue's head alone left
+ * nodes idle while every thread fetched from others (4 nodes at a quarter of a CPU each used
+ * 0.66 CPU of 1). Under fetch_lock; the queue is not empty.
+ */
+static struct fetch *queue_take_locked(hapi_remote *r)
+{
+    struct fetch **best = NULL, *best_prev = NULL, *prev = NULL;
+    int least = INT_MAX;
+    for (struct fetch **link = &r->queue_head; *link; prev = *link, link = &(*link)->queue_next) {
+        struct fetch *f = *link;
+        if (best && f->warm && !(*best)->warm)
+            break; /* a reader's fetch before any of the warm-up's */
+        int n = r->sources[f->index->src].fetching;
+        if (n < least) {
+            best = link, best_prev = prev, least = n;
+            if (n == 0)
+                break;
+        }
+    }
+    struct fetch *f = *best;
+    *best = f->queue_next;
+    if (r->queue_tail == f)
+        r->queue_tail = best_prev;
+    f->queue_next = NULL;
+    return f;
+}
+
 void *hapi_remote__fetch_thread(void *arg)
 {
     hapi_remote *r = arg;
@@ -434,12 +464,10 @@ void *hapi_remote__fetch_thread(void *arg)
             pthread_cond_wait(&r->queue_cond, &r->fetch_lock);
         if (r->stopping)
             break;
-        struct fetch *f = r->queue_head;
-        r->queue_head = f->queue_next;
-        if (!r->queue_head)
-            r->queue_tail = NULL;
+        struct fetch *f = queue_take_locked(r);
         f->started = 1;
         f->refs++;
+        r->sources[f->index->src].fetching++;
         pthread_mutex_unlock(&r->fetch_lock);
 
         hapi_error err = { 0 };
@@ -463,6 +491,7 @@ void *hapi_remote__fetch_thread(void *arg)
             free(pack);
         }
         pthread_mutex_lock(&r->fetch_lock);
+        r->sources[x->src].fetching--;
         f->finished = 1;
         f->code = rc;
         for (struct waiter *w = f->waiters; w; w = w->next)

@@ -93,6 +93,7 @@ struct remote_source {
         atomic_uint_fast64_t index_reads, index_checks, index_bytes, packs, pack_bytes, rows,
             rows_failed, fetch_failures, file_reads;
     } stats;
+    int fetching;                 /* under the remote's fetch_lock: its packs being fetched */
     char last_error[512];         /* under lock */
     uint64_t root_gen;            /* under lock: the last root's gen */
     /* under lock: when it last showed its .hapifs/config, through which root (see hapi_remote__serving()) */
