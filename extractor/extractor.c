@@ -228,6 +228,11 @@ out:
     return rc;
 }
 
+const char *hapi_precision_name(int precision)
+{
+    return precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32";
+}
+
 void hapi_model_append_fp32_stages(const hapi_model *m, int from, int to, char *buf,
                                    size_t size)
 {

@@ -134,6 +134,9 @@ enum hapi_precision {
                                 AMX / AVX512-BF16 kernels, ~4x faster where the CPU has them */
 };
 
+/* A precision as options, logs and .hapifs/config spell it: "bf16", else "fp32". */
+const char *hapi_precision_name(int precision);
+
 #define HAPI_MAX_DIMS 8
 #define HAPI_STAGE_NAME_MAX 64
 

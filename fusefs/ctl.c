@@ -130,7 +130,7 @@ static json_t *render_config(hapi_ctl *c)
             continue;
         json_t *st = json_pack("{s:i, s:s, s:o, s:s}", "index", i, "name", info.name, "shape",
                                shape_json(&info), "precision",
-                               info.precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32");
+                               hapi_precision_name(info.precision));
         /* a bf16 model's check at the probe: what moved a stage to fp32, or kept it in bf16 */
         if (st && o->precision == HAPI_PRECISION_BF16)
             json_object_set_new(st, "check_cosine", json_real(info.check_cosine));
@@ -157,7 +157,7 @@ static json_t *render_config(hapi_ctl *c)
           /* random weights show here, so features of an untrained model are never a surprise */
           "weights", meta->weights[0] ? meta->weights : NULL,
           "weights_enum", meta->weights_enum[0] ? meta->weights_enum : NULL,
-          "precision", o->precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32", "stages", stages,
+          "precision", hapi_precision_name(o->precision), "stages", stages,
         "split", split,
         "preprocess",
           "mode", pp->mode == HAPI_PREPROCESS_FAST ? "fast" : "exact",

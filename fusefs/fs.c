@@ -116,7 +116,7 @@ static void log_bf16_check(hapi_model *m)
                  "%.6f or more of fp32's on the check's inputs", lowest);
 }
 
-/* A storage mount's lowest layers: the source, the node's share, the model, the cache. */
+/* The model at precision, as the mount's options say; a bf16 one's check logged. */
 static int open_extractor(const hapi_fs_options *opt, int precision, hapi_extractor **out,
                           hapi_error *err)
 {
@@ -172,7 +172,7 @@ static int open_auto(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     if (!opt->profile_redo && (rc = hapi_precision_choice_load(path, c, &lerr)) == 0) {
         opt->precision = c->precision;
         hapi_log(HAPI_LOG_INFO, "precision=auto: %s, as chosen before (%s): %s",
-                 c->precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32", path, c->why);
+                 hapi_precision_name(c->precision), path, c->why);
         return open_extractor(opt, c->precision, &fs->ex, err);
     }
     if (!opt->profile_redo && rc != -ENOENT)
@@ -200,7 +200,7 @@ static int open_auto(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     fs->ex = ex[c->precision == HAPI_PRECISION_BF16];
     hapi_extractor_close(ex[c->precision != HAPI_PRECISION_BF16]);
     hapi_log(HAPI_LOG_INFO, "precision=auto: %s, measured in %.1f s (%.1f s on the pruned): %s",
-             c->precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32", c->seconds,
+             hapi_precision_name(c->precision), c->seconds,
              c->pruned_seconds, c->why);
     return 0;
 }
@@ -221,6 +221,7 @@ static void keep_choice(hapi_fs *fs, const hapi_fs_options *opt)
     free(text);
 }
 
+/* A storage mount's lowest layers: the source, the node's share, the model, the cache. */
 static int init_lower(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
 {
     int rc;

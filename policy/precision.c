@@ -11,11 +11,6 @@
 
 enum { FP32 = HAPI_PRECISION_FP32, BF16 = HAPI_PRECISION_BF16 };
 
-static const char *name_of(int precision)
-{
-    return precision == BF16 ? "bf16" : "fp32";
-}
-
 /* This machine's CPU model name, "" if /proc/cpuinfo does not say. */
 static void cpu_model(char *buf, size_t size)
 {
@@ -155,9 +150,10 @@ int hapi_precision_choose(hapi_model *fp32, hapi_model *bf16, int size, int to,
         out->precision = out->pruned == BF16 ? FP32 : BF16;
         const double *v = out->runs[out->pruned] ? out->ms : out->warmup_ms;
         snprintf(out->why, sizeof(out->why),
-                 "%s pruned: %.3g ms a sample%s against %s's %.3g", name_of(out->pruned),
+                 "%s pruned: %.3g ms a sample%s against %s's %.3g",
+                 hapi_precision_name(out->pruned),
                  v[out->pruned], out->runs[out->pruned] ? "" : " at the warm-up",
-                 name_of(out->precision), v[out->precision]);
+                 hapi_precision_name(out->precision), v[out->precision]);
     } else {
         out->precision = out->ms[BF16] <= HAPI_PRECISION_MARGIN * out->ms[FP32] ? BF16 : FP32;
         snprintf(out->why, sizeof(out->why),
@@ -177,11 +173,12 @@ char *hapi_precision_choice_to_json(const hapi_precision_choice *c)
     json_t *j = json_pack(
         "{s:i, s:s, s:s, s:i, s:i, s:{s:f, s:f}, s:{s:f, s:f}, s:{s:i, s:i}, s:s?, s:f, s:f, "
         "s:i, s:f, s:s}",
-        "version", 1, "cpu", c->cpu, "chosen", name_of(c->precision), "batch", c->batch, "to", c->to,
+        "version", 1, "cpu", c->cpu, "chosen", hapi_precision_name(c->precision), "batch",
+        c->batch, "to", c->to,
         "ms", "fp32", c->ms[FP32], "bf16", c->ms[BF16],
         "warmup_ms", "fp32", c->warmup_ms[FP32], "bf16", c->warmup_ms[BF16],
         "runs", "fp32", c->runs[FP32], "bf16", c->runs[BF16],
-        "pruned", c->pruned >= 0 ? name_of(c->pruned) : NULL, "seconds", c->seconds,
+        "pruned", c->pruned >= 0 ? hapi_precision_name(c->pruned) : NULL, "seconds", c->seconds,
         "pruned_seconds", c->pruned_seconds, "bf16_moved", c->bf16_moved, "bf16_min_cosine",
         c->bf16_min_cosine, "why", c->why);
     char *text = j ? json_dumps(j, JSON_INDENT(1) | JSON_SORT_KEYS) : NULL;
