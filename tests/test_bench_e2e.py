@@ -5,21 +5,18 @@ A smoke test of the benchmark, not of its figures' size: it checks that both run
 image in every epoch, that hapifs's later epoch moved no pack over the link, and that the table
 agrees with the JSON."""
 import json
-import os
 import subprocess
 
 import pytest
 
-from test_cluster import need_cluster
+from test_cluster import need_tiers
 from conftest import PYTHON, SOURCE_ROOT
 
 BENCH = SOURCE_ROOT / "bench" / "bench-e2e"
 
 
 def test_bench_e2e_quick(tmp_path):
-    need_cluster()
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("the tiers need a CPU each")
+    need_tiers()
     out = tmp_path / "e2e.json"
     r = subprocess.run([PYTHON, str(BENCH), "--quick", "--work", str(tmp_path / "work"),
                         "--json", str(out)], capture_output=True, text=True, timeout=900)

@@ -9,16 +9,14 @@ import subprocess
 
 import pytest
 
-from test_cluster import need_cluster
+from test_cluster import need_tiers
 from conftest import PYTHON, SOURCE_ROOT
 
 BENCH = SOURCE_ROOT / "bench" / "bench-nodes"
 
 
 def test_bench_nodes_quick(tmp_path):
-    need_cluster()
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("the tiers need a CPU each")
+    need_tiers()
     out = tmp_path / "nodes.json"
     r = subprocess.run([PYTHON, str(BENCH), "--quick", "--work", str(tmp_path / "work"),
                         "--json", str(out)], capture_output=True, text=True, timeout=600)

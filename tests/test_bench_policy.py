@@ -8,21 +8,18 @@ and the summary are printed and agree with the JSON.
 """
 import json
 import math
-import os
 import subprocess
 
 import pytest
 
-from test_cluster import need_cluster
+from test_cluster import need_tiers
 from conftest import PYTHON, SOURCE_ROOT, load_tool
 
 BENCH = SOURCE_ROOT / "bench" / "bench-policy"
 
 
 def test_grid_quick(tmp_path):
-    need_cluster()
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("the grid's tiers need a CPU each")
+    need_tiers()
     out = tmp_path / "grid.json"
     # --splits: the last frozen split, then stem, in that order (and the pick after them);
     # --ties 1: those within 10% of the best once more; --cutoff 0: every run to its end (the

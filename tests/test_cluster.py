@@ -47,6 +47,13 @@ def need_cluster():
     subprocess.run(["ip", "netns", "del", probe], check=False)
 
 
+def need_tiers():
+    """need_cluster(), and a CPU for each tier (hapifs-cluster --storage-cpus/--compute-cpus)."""
+    need_cluster()
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the tiers need a CPU each")
+
+
 def make_dataset(root, classes=4, per_class=6, seed=0):
     """Class folders of small JPEGs (and a PNG each) of assorted sizes; returns relative paths."""
     from PIL import Image
