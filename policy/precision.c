@@ -196,24 +196,26 @@ int hapi_precision_choice_load(const char *path, hapi_precision_choice *out, hap
     if (!j)
         return hapi_error_set(err, HAPI_EINVAL, "%s: %s", path, jerr.text);
     const char *chosen = NULL, *pruned = NULL, *why = NULL, *cpu = NULL;
+    json_t *pruned_j = NULL; /* a string, or null when neither was pruned */
     char here[sizeof(out->cpu)];
     cpu_model(here, sizeof(here));
     int version = 0;
     int rc = json_unpack_ex(
         j, &jerr, 0,
-        "{s:i, s:s, s:s, s:i, s:i, s:{s:F, s:F}, s:{s:F, s:F}, s:{s:i, s:i}, s?s, s:F, s:F, "
+        "{s:i, s:s, s:s, s:i, s:i, s:{s:F, s:F}, s:{s:F, s:F}, s:{s:i, s:i}, s?o, s:F, s:F, "
         "s:i, s:F, s:s}",
         "version", &version, "cpu", &cpu, "chosen", &chosen, "batch", &out->batch, "to", &out->to,
         "ms", "fp32", &out->ms[FP32], "bf16", &out->ms[BF16],
         "warmup_ms", "fp32", &out->warmup_ms[FP32], "bf16", &out->warmup_ms[BF16],
         "runs", "fp32", &out->runs[FP32], "bf16", &out->runs[BF16],
-        "pruned", &pruned, "seconds", &out->seconds, "pruned_seconds", &out->pruned_seconds,
+        "pruned", &pruned_j, "seconds", &out->seconds, "pruned_seconds", &out->pruned_seconds,
         "bf16_moved", &out->bf16_moved, "bf16_min_cosine", &out->bf16_min_cosine, "why", &why);
     if (rc == 0 && (version != 1 || (strcmp(chosen, "fp32") != 0 && strcmp(chosen, "bf16") != 0)))
         rc = -1, snprintf(jerr.text, sizeof(jerr.text), "version %d, chosen %s", version, chosen);
     else if (rc == 0 && strcmp(cpu, here) != 0)
         rc = -1, snprintf(jerr.text, sizeof(jerr.text), "measured on another CPU (%s)", cpu);
     if (rc == 0) {
+        pruned = json_string_value(pruned_j);
         out->precision = strcmp(chosen, "bf16") == 0 ? BF16 : FP32;
         out->pruned = !pruned ? -1 : strcmp(pruned, "bf16") == 0 ? BF16 : FP32;
         snprintf(out->why, sizeof(out->why), "%s", why);

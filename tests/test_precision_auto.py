@@ -71,3 +71,11 @@ def test_auto_times_both_keeps_the_faster_and_remembers(tmp_path, models, mounte
     check_rule(fresh)
     assert "measured on another CPU (Another CPU); choosing again" in m.log_text()
     m.unmount()
+
+    # a choice where neither was pruned ("pruned": null) is read back too
+    text = json.loads(stored.read_text())
+    stored.write_text(json.dumps(dict(text, pruned=None, pruned_seconds=0.0)))
+    m = mounter(src, model=model, split="layer2", precision="auto", cache=str(tmp_path / "a"))
+    back = m.ctl("config")["model"]["precision_auto"]
+    assert back["stored"] is True and back["pruned"] is None, back
+    m.unmount()
