@@ -5,7 +5,9 @@
  * the median milliseconds per image of each batch. bench/bench-blas runs it
  * once per BLAS (LD_LIBRARY_PATH picks the libblas.so.3). Not installed.
  *
- *   model-time MODEL [--batches 1,8] [--reps 3] [--warmups 2] [--threads N] [--bf16]
+ *   model-time MODEL [--batches 1,8] [--reps 3] [--warmups 2] [--threads N] [--bf16|--int8]
+ *
+ * --int8 calibrates on seeded image-like samples (a mount calibrates on its own images).
  */
 #include "extractor.h"
 
@@ -26,14 +28,15 @@ static int cmp_u64(const void *a, const void *b)
 static int usage(void)
 {
     fprintf(stderr, "usage: model-time MODEL [--batches 1,8] [--reps 3] [--warmups 2] "
-                    "[--threads N] [--bf16]\n");
+                    "[--threads N] [--bf16|--int8]\n");
     return 2;
 }
 
 int main(int argc, char **argv)
 {
     const char *model = NULL;
-    int batches[MAX_BATCHES] = { 1, 8 }, nbatches = 2, reps = 3, warmups = 2, bf16 = 0;
+    int batches[MAX_BATCHES] = { 1, 8 }, nbatches = 2, reps = 3, warmups = 2;
+    int precision = HAPI_PRECISION_FP32;
     int threads = (int)sysconf(_SC_NPROCESSORS_ONLN); /* the daemon's default torch_threads */
 
     for (int i = 1; i < argc; i++) {
@@ -62,7 +65,9 @@ int main(int argc, char **argv)
             if (threads < 1)
                 return usage();
         } else if (strcmp(argv[i], "--bf16") == 0) {
-            bf16 = 1;
+            precision = HAPI_PRECISION_BF16;
+        } else if (strcmp(argv[i], "--int8") == 0) {
+            precision = HAPI_PRECISION_INT8;
         } else if (argv[i][0] != '-' && !model) {
             model = argv[i];
         } else {
@@ -74,7 +79,7 @@ int main(int argc, char **argv)
 
     hapi_extractor_config cfg = {
         .model_path = model, .dtype = HAPI_DTYPE_FP32, .mode = HAPI_PREPROCESS_EXACT,
-        .threads = threads, .precision = bf16 ? HAPI_PRECISION_BF16 : HAPI_PRECISION_FP32,
+        .threads = threads, .precision = precision,
     };
     hapi_extractor_keep_heap(1ull << 30); /* as the daemon runs at its default mem= */
     hapi_extractor *ex = NULL;
@@ -111,14 +116,16 @@ int main(int argc, char **argv)
     }
 
     printf("{\"blas\": \"%s\", \"threads\": %d, \"precision\": \"%s\", \"reps\": %d, "
-           "\"batches\": [", hapi_model_blas(), threads, bf16 ? "bf16" : "fp32", reps);
+           "\"batches\": [", hapi_model_blas(), threads, hapi_precision_name(precision), reps);
     for (int k = 0; k < nbatches; k++)
         printf("%s%d", k ? ", " : "", batches[k]);
     printf("], \"stages\": [");
     for (int i = 0; i < n; i++) {
         hapi_stage_info info;
         hapi_model_stage(m, i, &info);
-        printf("%s\n  {\"name\": \"%s\", \"ms_per_image\": [", i ? "," : "", info.name);
+        printf("%s\n  {\"name\": \"%s\", \"precision\": \"%s\", \"check_cosine\": %.6f, "
+               "\"ms_per_image\": [", i ? "," : "", info.name, hapi_precision_name(info.precision),
+               info.check_cosine);
         for (int k = 0; k < nbatches; k++)
             printf("%s%.3f", k ? ", " : "", ms[(size_t)i * MAX_BATCHES + (size_t)k]);
         printf("]}");

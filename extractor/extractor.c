@@ -12,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -27,6 +29,7 @@ struct hapi_extractor {
     hapi_stage_info output; /* stage split - 1 */
     size_t sample_bytes;
     uint8_t digest[16];     /* XXH3-128 of the model file, canonical (big-endian) bytes */
+    hapi_calibration calibration; /* of an int8 model */
 };
 
 /*
@@ -230,7 +233,8 @@ out:
 
 const char *hapi_precision_name(int precision)
 {
-    return precision == HAPI_PRECISION_BF16 ? "bf16" : "fp32";
+    return precision == HAPI_PRECISION_BF16 ? "bf16" : precision == HAPI_PRECISION_INT8 ? "int8"
+                                                                                  : "fp32";
 }
 
 void hapi_model_append_fp32_stages(const hapi_model *m, int from, int to, char *buf,
@@ -246,6 +250,129 @@ void hapi_model_append_fp32_stages(const hapi_model *m, int from, int to, char *
             sep = ",";
         }
     }
+}
+
+/* ------------------------------------------------------------ calibration */
+
+enum { CALIB_MAX_DEPTH = 16, CALIB_MAX_BYTES = 64 << 20 };
+
+/* Reads path whole (up to CALIB_MAX_BYTES) into *data (malloc'd); its size, or -1. */
+static ssize_t read_whole(const char *path, void **data)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    struct stat st;
+    ssize_t got = -1;
+    *data = NULL;
+    if (fd < 0)
+        return -1;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0 &&
+        st.st_size <= CALIB_MAX_BYTES && (*data = malloc((size_t)st.st_size))) {
+        got = 0;
+        while (got < st.st_size) {
+            ssize_t r = read(fd, (char *)*data + got, (size_t)(st.st_size - got));
+            if (r <= 0)
+                break;
+            got += r;
+        }
+        if (got != st.st_size)
+            got = -1;
+    }
+    close(fd);
+    if (got < 0) {
+        free(*data);
+        *data = NULL;
+    }
+    return got;
+}
+
+static int calib_filter(const struct dirent *d) { return d->d_name[0] != '.'; }
+
+/*
+ * Preprocesses the images under dir in name order, depth first (entries sorted, hidden ones
+ * skipped, files that do not decode passed over), into out until c->images reaches want.
+ */
+static void calib_walk(const char *dir, int depth, hapi_decoder *dec, const hapi_preprocess *pp,
+                       size_t sample, float *out, int want, hapi_calibration *c)
+{
+    struct dirent **names = NULL;
+    int n = scandir(dir, &names, calib_filter, alphasort);
+    for (int i = 0; i < n; i++) {
+        char path[PATH_MAX];
+        if (c->images < want &&
+            snprintf(path, sizeof(path), "%s/%s", dir, names[i]->d_name) < (int)sizeof(path)) {
+            struct stat st;
+            if (lstat(path, &st) == 0 && S_ISDIR(st.st_mode) && depth < CALIB_MAX_DEPTH) {
+                calib_walk(path, depth + 1, dec, pp, sample, out, want, c);
+            } else if (S_ISREG(st.st_mode) && hapi_image_name_is_image(names[i]->d_name)) {
+                void *data;
+                ssize_t size = read_whole(path, &data);
+                hapi_error err = { 0 };
+                if (size > 0 && hapi_image_load(dec, data, (size_t)size, pp,
+                                                out + (size_t)c->images * sample, &err) == 0)
+                    c->images++;
+                free(data);
+            }
+        }
+        free(names[i]);
+    }
+    free(names);
+}
+
+/* Seeded image-like samples (a coarse random grid of 16x16 blocks with a little fine noise, in
+   a normalized photo's range), for a source without images. */
+static void calib_synthetic(float *out, int count, int channels, int side)
+{
+    uint64_t s = 20261207;
+    for (int k = 0; k < count; k++)
+        for (int ch = 0; ch < channels; ch++) {
+            float coarse[64][64];
+            for (int y = 0; y < 64; y++)
+                for (int x = 0; x < 64; x++) {
+                    s = s * 6364136223846793005ull + 1442695040888963407ull;
+                    coarse[y][x] = (float)((double)(s >> 11) / 9007199254740992.0) * 4.0f - 2.0f;
+                }
+            for (int y = 0; y < side; y++)
+                for (int x = 0; x < side; x++) {
+                    s = s * 6364136223846793005ull + 1442695040888963407ull;
+                    float fine = (float)((double)(s >> 11) / 9007199254740992.0) * 0.2f - 0.1f;
+                    *out++ = coarse[(y / 16) % 64][(x / 16) % 64] + fine;
+                }
+        }
+}
+
+/* An int8 model's calibration: the first images under cfg->calibrate_dir, or seeded samples. */
+static int calibrate(hapi_extractor *ex, const char *dir, hapi_error *err)
+{
+    hapi_calibration *c = &ex->calibration;
+    size_t side = (size_t)ex->meta.input_size, sample = 3 * side * side;
+    float *samples = malloc(HAPI_INT8_CALIBRATION_IMAGES * sample * sizeof(float));
+    hapi_decoder *dec = NULL;
+    if (!samples)
+        return hapi_error_set(err, -ENOMEM, "out of memory for the calibration samples");
+    memset(c, 0, sizeof(*c));
+    if (dir && *dir && hapi_decoder_new(&dec) == 0) {
+        calib_walk(dir, 0, dec, &ex->preprocess, sample, samples, HAPI_INT8_CALIBRATION_IMAGES,
+                   c);
+        hapi_decoder_free(dec);
+    }
+    int n = c->images;
+    if (n == 0) {
+        n = HAPI_INT8_CALIBRATION_IMAGES;
+        calib_synthetic(samples, n, 3, (int)side);
+    }
+    XXH128_canonical_t canon;
+    XXH128_canonicalFromHash(&canon, XXH3_128bits(samples, (size_t)n * sample * sizeof(float)));
+    memcpy(c->digest, canon.digest, sizeof(c->digest));
+    uint64_t t0 = hapi_now_ns();
+    int rc = hapi_model_calibrate(ex->model, samples, n, err);
+    c->seconds = (double)(hapi_now_ns() - t0) / 1e9;
+    free(samples);
+    return rc;
+}
+
+const hapi_calibration *hapi_extractor_calibration(const hapi_extractor *ex)
+{
+    return &ex->calibration;
 }
 
 /* Appends the valid split words ("1..N or a, b, c") to buf, for error messages. */
@@ -354,10 +481,6 @@ int hapi_extractor_open(const hapi_extractor_config *cfg, hapi_extractor **out, 
     /* Probe last: it runs every stage once, which a bad split need not wait for. */
     if ((rc = hapi_model_probe(ex->model, 3, ex->meta.input_size, ex->meta.input_size, err)) < 0)
         goto fail;
-    hapi_model_stage(ex->model, ex->split - 1, &ex->output);
-    ex->dtype = cfg->dtype;
-    ex->sample_bytes = hapi_extractor_split_bytes(ex, ex->split);
-
     ex->preprocess = (hapi_preprocess){
         .resize = ex->meta.resize_size,
         .crop = ex->meta.input_size,
@@ -367,6 +490,12 @@ int hapi_extractor_open(const hapi_extractor_config *cfg, hapi_extractor **out, 
     };
     memcpy(ex->preprocess.mean, ex->meta.mean, sizeof(ex->meta.mean));
     memcpy(ex->preprocess.std, ex->meta.std, sizeof(ex->meta.std));
+    if (cfg->precision == HAPI_PRECISION_INT8 &&
+        (rc = calibrate(ex, cfg->calibrate_dir, err)) < 0)
+        goto fail;
+    hapi_model_stage(ex->model, ex->split - 1, &ex->output);
+    ex->dtype = cfg->dtype;
+    ex->sample_bytes = hapi_extractor_split_bytes(ex, ex->split);
     *out = ex;
     return 0;
 fail:

@@ -130,11 +130,14 @@ enum hapi_dtype { HAPI_DTYPE_FP32 = 0, HAPI_DTYPE_FP16 = 1 };
 /* The arithmetic the stages run in; outputs are converted to the asked dtype either way. */
 enum hapi_precision {
     HAPI_PRECISION_FP32 = 0, /* the reference */
-    HAPI_PRECISION_BF16 = 1  /* weights and activations in bfloat16 (CPU only): oneDNN's
+    HAPI_PRECISION_BF16 = 1, /* weights and activations in bfloat16 (CPU only): oneDNN's
                                 AMX / AVX512-BF16 kernels, ~4x faster where the CPU has them */
+    HAPI_PRECISION_INT8 = 2  /* convolutions and linear layers in int8 (CPU only, oneDNN's
+                                quantized engine), calibrated on sample images
+                                (hapi_model_calibrate); stage inputs and outputs in fp32 */
 };
 
-/* A precision as options, logs and .hapifs/config spell it: "bf16", else "fp32". */
+/* A precision as options, logs and .hapifs/config spell it: "bf16", "int8", else "fp32". */
 const char *hapi_precision_name(int precision);
 
 #define HAPI_MAX_DIMS 8
@@ -148,8 +151,10 @@ typedef struct hapi_stage_info {
     uint64_t param_bytes;   /* its weights and buffers, as loaded */
     int precision;          /* enum hapi_precision it runs in: the model's, but where a bf16
                                model's check moved it to fp32 (HAPI_BF16_MIN_COSINE) */
-    double check_cosine;    /* of a bf16 model, after probe: the cosine of the stage's output
-                               as the model runs against fp32's at the probe's check; 0 else */
+    double check_cosine;    /* of a bf16 model after probe, of an int8 one after calibration:
+                               the lowest cosine of the stage's output as the model runs
+                               against fp32's on the check's samples; 0 else (and for an int8
+                               stage with nothing to quantize) */
 } hapi_stage_info;
 
 /*
@@ -161,6 +166,15 @@ typedef struct hapi_stage_info {
  */
 #define HAPI_BF16_MIN_COSINE 0.9995
 
+/*
+ * An int8 model's calibration quantizes each stage on fp32's inputs to it for the calibration
+ * samples, and keeps the stage in int8 while the model's output there stays at this cosine or
+ * more of fp32's on those samples; else (or where nothing in it quantizes) the stage runs in
+ * fp32. Samples: the first HAPI_INT8_CALIBRATION_IMAGES images of the mount's source.
+ */
+#define HAPI_INT8_MIN_COSINE 0.995
+#define HAPI_INT8_CALIBRATION_IMAGES 32
+
 typedef struct hapi_model_options {
     const char *device;  /* "cpu" (default when NULL or "") or "cuda[:N]" */
     int threads;         /* intra-op threads, process-wide (libtorch's setting); the
@@ -169,7 +183,7 @@ typedef struct hapi_model_options {
     int optimize;        /* nonzero: freeze and optimize_for_inference each stage
                             (batch-norm folded: outputs change in the last digits;
                             load takes longer, inference is faster) */
-    int precision;       /* enum hapi_precision; bf16 is refused on CUDA */
+    int precision;       /* enum hapi_precision; bf16 and int8 are refused on CUDA */
 } hapi_model_options;
 
 /*
@@ -209,6 +223,18 @@ int hapi_model_num_stages(const hapi_model *m) HAPI_NOEXCEPT;
  */
 int hapi_model_probe(hapi_model *m, int channels, int height, int width,
                      hapi_error *err) HAPI_NOEXCEPT;
+
+/*
+ * Quantizes an int8 model (HAPI_INT8_MIN_COSINE): n samples of the probed input shape (CHW
+ * fp32, batch-major) run through each stage in fp32 and quantized; stages that would not stay
+ * within the bound, or hold nothing to quantize, stay fp32. After hapi_model_probe(), before
+ * hapi_model_run(), once, not while another thread uses m; until then an int8 model runs in
+ * fp32. The fp32 copy of the weights kept since the load is freed after. Returns 0,
+ * HAPI_EINVAL (not an int8 model, not probed, calibrated already, n < 1), HAPI_EMODEL,
+ * HAPI_EOOM.
+ */
+int hapi_model_calibrate(hapi_model *m, const float *samples, int n,
+                         hapi_error *err) HAPI_NOEXCEPT;
 
 /*
  * Describes stage index (0-based). Names are known after load; shapes after
@@ -296,7 +322,16 @@ typedef struct hapi_extractor_config {
     int threads;            /* libtorch intra-op threads, 0 = default */
     const char *device;     /* NULL = "cpu" */
     int precision;          /* enum hapi_precision */
+    const char *calibrate_dir; /* int8: its first images calibrate (NULL/"" or none there:
+                                  seeded image-like samples) */
 } hapi_extractor_config;
+
+/* How an int8 model was calibrated. */
+typedef struct hapi_calibration {
+    int images;             /* of calibrate_dir; 0: HAPI_INT8_CALIBRATION_IMAGES seeded samples */
+    uint8_t digest[16];     /* XXH3-128 of the preprocessed samples: part of the namespace */
+    double seconds;         /* the quantization's time */
+} hapi_calibration;
 
 typedef struct hapi_extractor hapi_extractor;
 
@@ -362,6 +397,8 @@ const hapi_stage_info *hapi_extractor_output(const hapi_extractor *ex);
 size_t hapi_extractor_sample_bytes(const hapi_extractor *ex);
 /* The same at another split (1..num_stages), in ex's dtype; 0 for a bad split. */
 size_t hapi_extractor_split_bytes(const hapi_extractor *ex, int split);
+/* An int8 model's calibration; zeros for another precision. */
+const hapi_calibration *hapi_extractor_calibration(const hapi_extractor *ex);
 /* XXH3-128 of the model file's bytes. */
 const uint8_t *hapi_extractor_model_digest(const hapi_extractor *ex);
 

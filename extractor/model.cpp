@@ -17,6 +17,10 @@
 #include <torch/cuda.h>
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/fold_conv_bn.h>
+#include <torch/csrc/jit/passes/quantization/finalize.h>
+#include <torch/csrc/jit/passes/quantization/insert_observers.h>
+#include <torch/csrc/jit/passes/quantization/insert_quant_dequant.h>
 #include <torch/script.h>
 
 #include <algorithm>
@@ -36,8 +40,11 @@ struct hapi_model {
     std::vector<torch::jit::Module> stages;  // in execution order
     std::vector<hapi_stage_info> info;       // names from load, shapes from probe
     std::vector<torch::ScalarType> stage_precision;  // what each stage computes in
-    // A bf16 model's stages in fp32, as loaded, from the load to the first probe's check
+    // A bf16 model's stages in fp32, as loaded, from the load to the first probe's check; an
+    // int8 model's, from the load to its calibration (hapi_model_calibrate)
     std::vector<torch::jit::Module> reference;
+    bool int8 = false;        // precision int8: stages quantized at calibration
+    bool calibrated = false;
     c10::Device device{c10::kCPU};
     torch::ScalarType precision = torch::kFloat;  // the model's: its stages' but where checked
     bool optimize = false;
@@ -345,11 +352,18 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
     if (device->is_cuda() && !torch::cuda::is_available())
         return hapi_error_set(err, HAPI_EINVAL, "device '%s': CUDA is not available", device_name);
     int precision = opt ? opt->precision : HAPI_PRECISION_FP32;
-    if (precision != HAPI_PRECISION_FP32 && precision != HAPI_PRECISION_BF16)
+    if (precision != HAPI_PRECISION_FP32 && precision != HAPI_PRECISION_BF16 &&
+        precision != HAPI_PRECISION_INT8)
         return hapi_error_set(err, HAPI_EINVAL, "unknown precision %d", precision);
-    if (precision == HAPI_PRECISION_BF16 && !device->is_cpu())
-        return hapi_error_set(err, HAPI_EINVAL,
-                              "precision bf16 runs on the CPU only (device '%s')", device_name);
+    if (precision != HAPI_PRECISION_FP32 && !device->is_cpu())
+        return hapi_error_set(err, HAPI_EINVAL, "precision %s runs on the CPU only (device '%s')",
+                              hapi_precision_name(precision), device_name);
+    if (precision == HAPI_PRECISION_INT8) {
+        const auto &engines = at::globalContext().supportedQEngines();
+        if (std::find(engines.begin(), engines.end(), at::QEngine::ONEDNN) == engines.end())
+            return hapi_error_set(err, HAPI_EINVAL,
+                                  "precision int8: this libtorch has no oneDNN quantized engine");
+    }
     configure_threads(opt ? opt->threads : 0);
 
     torch::jit::ExtraFilesMap extra{{kMetadataName, ""}};
@@ -371,6 +385,7 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
     m->metadata = extra[kMetadataName];
     m->device = *device;
     m->precision = precision == HAPI_PRECISION_BF16 ? torch::kBFloat16 : torch::kFloat;
+    m->int8 = precision == HAPI_PRECISION_INT8;
     bool optimize = opt && opt->optimize;
     m->optimize = optimize;
     top.eval();
@@ -391,9 +406,10 @@ int model_load(const char *path, const hapi_model_options *opt, hapi_model **out
             info.param_bytes += (uint64_t)t.numel() * t.element_size();
         stage.eval();
         // the first probe checks bf16 against these (model_check_bf16)
-        if (m->precision == torch::kBFloat16)
+        if (m->precision == torch::kBFloat16 || m->int8)
             m->reference.push_back(stage.deepcopy());
-        info.precision = precision;
+        // an int8 model runs in fp32 until its calibration quantizes its stages
+        info.precision = m->int8 ? HAPI_PRECISION_FP32 : precision;
         m->stages.push_back(prepare_stage(stage, m->precision, optimize, m->device));
         m->stage_precision.push_back(m->precision);
         m->info.push_back(info);
@@ -508,6 +524,137 @@ int model_check_bf16(hapi_model *m, std::vector<hapi_stage_info> &info, hapi_err
     return 0;
 }
 
+// A min-max observer in TorchScript, of the kind the graph-mode quantization passes call:
+// forward() keeps the range of what passes through, calculate_qparams() turns it into a scale
+// and a zero point. Activations: per tensor, quint8 over [0, 255], affine; weights: per output
+// channel (axis 0), qint8, symmetric, the zero point 0 that oneDNN's int8 kernels take.
+torch::jit::Module make_observer(bool weight)
+{
+    torch::jit::Module obs(weight ? "__torch__.hapi.WeightObserver" : "__torch__.hapi.ActObserver");
+    obs.register_attribute("dtype", c10::IntType::get(),
+                           (int64_t)(weight ? c10::kQInt8 : c10::kQUInt8));
+    obs.register_attribute("qscheme", c10::IntType::get(),
+                           (int64_t)(weight ? c10::kPerChannelSymmetric : c10::kPerTensorAffine));
+    obs.register_attribute("ch_axis", c10::IntType::get(), (int64_t)0);
+    obs.register_attribute("min_val", c10::TensorType::get(), torch::empty({0}));
+    obs.register_attribute("max_val", c10::TensorType::get(), torch::empty({0}));
+    obs.register_attribute("per_channel", c10::BoolType::get(), weight);
+    obs.define(R"(
+def forward(self, x: Tensor) -> Tensor:
+    if x.numel() == 0:
+        return x
+    d = x.detach().float()
+    if self.per_channel:
+        lo = torch.amin(d.flatten(1), 1)
+        hi = torch.amax(d.flatten(1), 1)
+    else:
+        lo = torch.min(d).reshape([1])
+        hi = torch.max(d).reshape([1])
+    if self.min_val.numel() == 0:
+        self.min_val = lo
+        self.max_val = hi
+    else:
+        self.min_val = torch.min(lo, self.min_val)
+        self.max_val = torch.max(hi, self.max_val)
+    return x
+
+def calculate_qparams(self) -> Tuple[Tensor, Tensor]:
+    if self.min_val.numel() == 0:
+        return torch.ones([1]), torch.zeros([1]).long()
+    lo = torch.clamp(self.min_val, max=0.0)
+    hi = torch.clamp(self.max_val, min=0.0)
+    if self.per_channel:
+        scale = torch.clamp(torch.max(-lo, hi) / 127.5, min=1.1920929e-07)
+        return scale, torch.zeros_like(scale).long()
+    scale = torch.clamp((hi - lo) / 255.0, min=1.1920929e-07)
+    return scale, torch.clamp(torch.round(-lo / scale), 0, 255).long()
+)");
+    return obs;
+}
+
+// Whether a graph (its blocks too) runs some quantized op.
+bool runs_quantized(const torch::jit::Block *block)
+{
+    for (const torch::jit::Node *n : block->nodes()) {
+        if (std::strncmp(n->kind().toQualString(), "quantized::", 11) == 0)
+            return true;
+        for (const torch::jit::Block *b : n->blocks())
+            if (runs_quantized(b))
+                return true;
+    }
+    return false;
+}
+
+// Stage `stage` (fp32, as loaded) quantized with libtorch's graph-mode passes: batch-norm
+// folded into the convolutions, observers inserted, run on x (the stage's fp32 inputs, in
+// batches of 8), then quantize and dequantize ops put in and fused into oneDNN's int8 kernels
+// (quantized::conv2d_relu, add_relu, linear, ...), frozen. What the passes cannot quantize
+// stays fp32 inside the stage; its input and output stay fp32. Throws what the passes throw.
+torch::jit::Module quantize_stage(const torch::jit::Module &stage, const torch::Tensor &x)
+{
+    using namespace torch::jit;
+    Module q = FoldConvBatchNorm(stage.deepcopy());
+    QConfigDict qconfig{{"", std::make_tuple(make_observer(false), make_observer(true))}};
+    q = InsertObservers(q, "forward", qconfig, true, QuantType::STATIC);
+    for (int64_t at = 0; at < x.size(0); at += 8)
+        q.forward({x.slice(0, at, std::min<int64_t>(at + 8, x.size(0)))});
+    q = InsertQuantDeQuant(q, "forward", true, false, QuantType::STATIC);
+    return Finalize(q, QuantType::STATIC, {});
+}
+
+// The calibration of an int8 model (hapi_model_calibrate): every stage quantized on the fp32
+// model's inputs to it for the calibration samples; kept where the features of the model as it
+// will run stay at HAPI_INT8_MIN_COSINE or more of fp32's on those samples, else the stage
+// runs in fp32 (as does one the passes cannot quantize). Fills info's precision and
+// check_cosine; commits only when it succeeds.
+int model_calibrate_int8(hapi_model *m, const torch::Tensor &samples, hapi_error *err)
+{
+    size_t n = m->stages.size();
+    std::vector<torch::jit::Module> stages = m->stages;
+    std::vector<hapi_stage_info> info = m->info;
+    torch::NoGradGuard no_grad;
+    at::globalContext().setQEngine(at::QEngine::ONEDNN);
+    torch::Tensor want = samples, got = samples;  // fp32's input to stage i; the model's
+    for (size_t i = 0; i < n; i++) {
+        torch::jit::IValue y;
+        int rc = run_stage(stages[i], info[i], want, &y, err);  // fp32 until replaced
+        if (rc < 0)
+            return rc;
+        torch::Tensor next_want = y.toTensor();
+        torch::Tensor next_got;
+        double cosine = -1.0;
+        bool failed = false;  // the passes threw: the stage holds what they cannot quantize
+        try {
+            torch::jit::Module q = quantize_stage(m->reference[i], want);
+            if (runs_quantized(q.get_method("forward").graph()->block())) {
+                next_got = q.forward({got}).toTensor();
+                cosine = min_cosine(next_got, next_want);
+                if (cosine >= HAPI_INT8_MIN_COSINE) {
+                    stages[i] = q;
+                    info[i].precision = HAPI_PRECISION_INT8;
+                }
+            }
+        } catch (const std::exception &) {
+            failed = true;
+        }
+        if (info[i].precision != HAPI_PRECISION_INT8) {
+            if ((rc = run_stage(stages[i], info[i], got, &y, err)) < 0)
+                return rc;
+            next_got = y.toTensor();
+            // 0: nothing to quantize (a pooling stage), as fp32 models report
+            cosine = cosine < 0 && !failed ? 0.0 : min_cosine(next_got, next_want);
+        }
+        info[i].check_cosine = cosine;
+        want = next_want;
+        got = next_got;
+    }
+    m->stages = std::move(stages);
+    m->info = std::move(info);
+    m->reference.clear();
+    m->calibrated = true;
+    return 0;
+}
+
 int model_probe(hapi_model *m, int channels, int height, int width, hapi_error *err)
 {
     c10::InferenceMode guard;
@@ -547,7 +694,7 @@ int model_probe(hapi_model *m, int channels, int height, int width, hapi_error *
     m->channels = channels;
     m->height = height;
     m->width = width;
-    if (!m->reference.empty()) {
+    if (!m->reference.empty() && m->precision == torch::kBFloat16) {
         int rc = model_check_bf16(m, info, err);
         if (rc < 0) {
             m->channels = old_c;
@@ -710,6 +857,23 @@ int hapi_model_probe(hapi_model *m, int channels, int height, int width, hapi_er
         return model_probe(m, channels, height, width, err);
     }
     HAPI_MODEL_CATCH("probe")
+}
+
+int hapi_model_calibrate(hapi_model *m, const float *samples, int n, hapi_error *err) noexcept
+{
+    if (!m || !m->int8 || !m->probed || m->calibrated || !samples || n < 1)
+        return hapi_error_set(err, HAPI_EINVAL, "calibrate: %s",
+                              !m || !m->int8 ? "not an int8 model"
+                              : !m->probed   ? "before hapi_model_probe()"
+                              : m->calibrated ? "calibrated already" : "no samples");
+    try {
+        c10::InferenceMode off(false);  // the quantized weights are ordinary tensors
+        torch::Tensor x = torch::from_blob(const_cast<float *>(samples),
+                                           {n, m->channels, m->height, m->width}, torch::kFloat)
+                              .clone();
+        return model_calibrate_int8(m, x, err);
+    }
+    HAPI_MODEL_CATCH("calibrate")
 }
 
 int hapi_model_stage(const hapi_model *m, int index, hapi_stage_info *info) noexcept

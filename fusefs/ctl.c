@@ -131,8 +131,9 @@ static json_t *render_config(hapi_ctl *c)
         json_t *st = json_pack("{s:i, s:s, s:o, s:s}", "index", i, "name", info.name, "shape",
                                shape_json(&info), "precision",
                                hapi_precision_name(info.precision));
-        /* a bf16 model's check at the probe: what moved a stage to fp32, or kept it in bf16 */
-        if (st && o->precision == HAPI_PRECISION_BF16)
+        /* a bf16 model's check at the probe, an int8 one's at its calibration: what moved a
+           stage to fp32, or kept it in bf16 or int8 */
+        if (st && (o->precision == HAPI_PRECISION_BF16 || o->precision == HAPI_PRECISION_INT8))
             json_object_set_new(st, "check_cosine", json_real(info.check_cosine));
         json_array_append_new(stages, st);
     }
@@ -191,6 +192,17 @@ static json_t *render_config(hapi_ctl *c)
         json_object_set_new(json_object_get(config, "model"), "precision_auto", choice);
     } else {
         json_decref(choice);
+    }
+    /* precision=int8: what calibrated it */
+    if (config && o->precision == HAPI_PRECISION_INT8) {
+        const hapi_calibration *cal = hapi_extractor_calibration(c->cfg.ex);
+        char hex[33];
+        hapi_hex(cal->digest, 16, hex);
+        json_object_set_new(json_object_get(config, "model"), "int8_calibration",
+                            json_pack("{s:i, s:s, s:s, s:f, s:f}", "images", cal->images,
+                                      "samples", cal->images ? "source" : "seeded",
+                                      "digest", hex, "seconds", cal->seconds,
+                                      "min_cosine", HAPI_INT8_MIN_COSINE));
     }
     return config;
 }

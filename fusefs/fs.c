@@ -90,23 +90,36 @@ static int join_node(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err)
     return 0;
 }
 
-/* What a bf16 model's check at the probe found (HAPI_BF16_MIN_COSINE): the stages it moved
-   to fp32, and how close to fp32 the model runs. */
-static void log_bf16_check(hapi_model *m)
+/*
+ * The names of m's stages that run in precision into `in`, of the others into `out` (", "
+ * between them, each of size bytes), and the lowest cosine against fp32 of a stage's
+ * features at the bf16 check or the int8 calibration (1 when none was measured).
+ */
+static double stages_in(hapi_model *m, int precision, char *in, char *out, size_t size)
 {
-    char moved[512] = "";
     double lowest = 1.0;
     int n = hapi_model_num_stages(m);
+    in[0] = out[0] = '\0';
     for (int i = 0; i < n; i++) {
         hapi_stage_info info;
         if (hapi_model_stage(m, i, &info) < 0)
             continue;
-        if (info.check_cosine < lowest)
+        char *list = info.precision == precision ? in : out;
+        size_t len = strlen(list);
+        if (len < size)
+            snprintf(list + len, size - len, "%s%s", len ? ", " : "", info.name);
+        if (info.check_cosine != 0.0 && info.check_cosine < lowest)
             lowest = info.check_cosine;
-        size_t len = strlen(moved);
-        if (info.precision == HAPI_PRECISION_FP32 && len < sizeof(moved))
-            snprintf(moved + len, sizeof(moved) - len, "%s%s", len ? ", " : "", info.name);
     }
+    return lowest;
+}
+
+/* What a bf16 model's check at the probe found (HAPI_BF16_MIN_COSINE): the stages it moved
+   to fp32, and how close to fp32 the model runs. */
+static void log_bf16_check(hapi_model *m)
+{
+    char kept[512], moved[512];
+    double lowest = stages_in(m, HAPI_PRECISION_BF16, kept, moved, sizeof(kept));
     if (moved[0])
         hapi_log(HAPI_LOG_INFO, "precision=bf16: stages %s run in fp32: in bf16 the features "
                  "fell below cosine %g of fp32's on the check's inputs; every stage's is %.6f "
@@ -116,7 +129,26 @@ static void log_bf16_check(hapi_model *m)
                  "%.6f or more of fp32's on the check's inputs", lowest);
 }
 
-/* The model at precision, as the mount's options say; a bf16 one's check logged. */
+/* How an int8 model was calibrated (HAPI_INT8_MIN_COSINE): on what, which stages run in int8,
+   how close to fp32. */
+static void log_int8_calibration(const hapi_extractor *ex, const char *source)
+{
+    const hapi_calibration *c = hapi_extractor_calibration(ex);
+    char int8[512], fp32[512], on[PATH_MAX + 64];
+    double lowest = stages_in(hapi_extractor_model(ex), HAPI_PRECISION_INT8, int8, fp32,
+                              sizeof(int8));
+    if (c->images > 0)
+        snprintf(on, sizeof(on), "the first %d images of %s", c->images, source);
+    else
+        snprintf(on, sizeof(on), "%d seeded image-like samples (no image in %s)",
+                 HAPI_INT8_CALIBRATION_IMAGES, source);
+    hapi_log(HAPI_LOG_INFO, "precision=int8: calibrated on %s in %.1f s; int8: %s; fp32: %s; "
+             "features at cosine %.6f or more of fp32's there", on, c->seconds,
+             int8[0] ? int8 : "none", fp32[0] ? fp32 : "none", lowest);
+}
+
+/* The model at precision, as the mount's options say; a bf16 one's check logged, an int8
+   one calibrated on the source's first images. */
 static int open_extractor(const hapi_fs_options *opt, int precision, hapi_extractor **out,
                           hapi_error *err)
 {
@@ -130,10 +162,13 @@ static int open_extractor(const hapi_fs_options *opt, int precision, hapi_extrac
         .threads = opt->torch_threads,
         .device = opt->device,
         .precision = precision,
+        .calibrate_dir = opt->source,
     };
     int rc = hapi_extractor_open(&cfg, out, err);
     if (rc == 0 && precision == HAPI_PRECISION_BF16)
         log_bf16_check(hapi_extractor_model(*out));
+    if (rc == 0 && precision == HAPI_PRECISION_INT8)
+        log_int8_calibration(*out, opt->source);
     return rc;
 }
 

@@ -246,9 +246,11 @@ void hapi_fs_usage(const char *prog)
            "    freeze=N|NAME        stages before this are frozen (default: from the model)\n"
            "    dtype=fp16|fp32      feature type (default fp16)\n"
            "    preprocess=exact|fast  torchvision-exact decode, or DCT-scaled decode (default exact)\n"
-           "    precision=fp32|bf16|auto  arithmetic of the model: fp32 (default), or bfloat16 on\n"
-           "                         the CPU, ~4x faster with AMX or AVX512-BF16 (cosine 0.9995\n"
-           "                         or in fp32), or auto: both timed at mount, the faster kept\n"
+           "    precision=fp32|bf16|int8|auto  arithmetic of the model: fp32 (default), or bfloat16\n"
+           "                         on the CPU, ~4x faster with AMX or AVX512-BF16 (cosine 0.9995\n"
+           "                         or in fp32), or int8 on the CPU, calibrated on the source's\n"
+           "                         first 32 images (cosine 0.995 or in fp32), or auto: fp32 and\n"
+           "                         bf16 timed at mount, the faster kept\n"
            "    cache=DIR            feature cache directory (default " HAPI_DEFAULT_CACHE_DIR ")\n"
            "    cache_size=SIZE      bound on the cache, e.g. 20G (default: 1/4 of free space)\n"
            "    cache_reset=0|1      replace a corrupt or foreign cache instead of failing\n"
@@ -360,11 +362,11 @@ static const struct word_choice precision_words[] = {
     { "fp32", HAPI_PRECISION_FP32 }, { "float32", HAPI_PRECISION_FP32 },
     { "bf16", HAPI_PRECISION_BF16 }, { "bfloat16", HAPI_PRECISION_BF16 },
 };
-/* a storage mount's: precision=auto measures its own model at mount */
+/* a storage mount's: int8 calibrates on its source's images, auto measures its own model */
 static const struct word_choice storage_precision_words[] = {
     { "fp32", HAPI_PRECISION_FP32 }, { "float32", HAPI_PRECISION_FP32 },
     { "bf16", HAPI_PRECISION_BF16 }, { "bfloat16", HAPI_PRECISION_BF16 },
-    { "auto", HAPI_PRECISION_AUTO },
+    { "int8", HAPI_PRECISION_INT8 }, { "auto", HAPI_PRECISION_AUTO },
 };
 static const struct word_choice prefetch_words[] = {
     { "dir", HAPI_PREFETCH_DIR }, { "off", HAPI_PREFETCH_OFF },
@@ -829,13 +831,14 @@ static int validate_model(struct raw_options *raw, hapi_fs_options *o, hapi_erro
         (rc = parse_word("preprocess", raw->preprocess, WORDS(preprocess_words), "exact or fast",
                          &o->mode, err)) < 0 ||
         (rc = parse_word("precision", raw->precision, WORDS(storage_precision_words),
-                         "fp32, bf16 or auto", &o->precision, err)) < 0 ||
+                         "fp32, bf16, int8 or auto", &o->precision, err)) < 0 ||
         (rc = parse_word("prefetch", raw->prefetch, WORDS(prefetch_words), "dir or off",
                          &o->prefetch, err)) < 0)
         return rc;
-    if (o->precision == HAPI_PRECISION_BF16 && strcmp(o->device, "cpu") != 0)
-        return hapi_error_set(err, HAPI_EINVAL, "precision=bf16 runs on the CPU only, not %s",
-                              o->device);
+    if ((o->precision == HAPI_PRECISION_BF16 || o->precision == HAPI_PRECISION_INT8) &&
+        strcmp(o->device, "cpu") != 0)
+        return hapi_error_set(err, HAPI_EINVAL, "precision=%s runs on the CPU only, not %s",
+                              hapi_precision_name(o->precision), o->device);
     return 0;
 }
 

@@ -11,7 +11,7 @@
 /* Everything the command line says, validated. Strings are owned (malloc). */
 /* precision=auto: a value of hapi_fs_options.precision beside enum hapi_precision's, never
    given to the extractor (policy.h, hapi_precision_choose()). */
-#define HAPI_PRECISION_AUTO 2
+#define HAPI_PRECISION_AUTO 3
 
 typedef struct hapi_fs_options {
     char *source;          /* absolute, resolved */

@@ -58,6 +58,14 @@ int hapi_views_new(hapi_extractor *ex, int dtype, int precision, hapi_views **ou
        fp32 description stays as it was, so existing caches keep their features. */
     if (precision == HAPI_PRECISION_BF16)
         strncat(vs->ns_desc, " precision=bf16", sizeof(vs->ns_desc) - strlen(vs->ns_desc) - 1);
+    /* int8 features depend on the calibration's samples too: their digest names them */
+    if (precision == HAPI_PRECISION_INT8) {
+        char hex[33];
+        size_t len = strlen(vs->ns_desc);
+        hapi_hex(hapi_extractor_calibration(ex)->digest, 16, hex);
+        snprintf(vs->ns_desc + len, sizeof(vs->ns_desc) - len, " precision=int8 calibration=%s",
+                 hex);
+    }
     /* The model digest covers hapifs.json, which names the filter; the namespace says so too,
        so that it never rests on how the digest is taken. Bilinear keeps its old description. */
     if (pp->interpolation != HAPI_INTERP_BILINEAR) {

@@ -154,8 +154,9 @@ def test_bf16_parity_and_namespace(tmp_path, models, mounter):
 
 
 @pytest.mark.parametrize("opts,why", [
-    ({"precision": "fp8"}, "precision=fp8: expected fp32, bf16 or auto"),
+    ({"precision": "fp8"}, "precision=fp8: expected fp32, bf16, int8 or auto"),
     ({"precision": "bf16", "device": "cuda"}, "precision=bf16 runs on the CPU only"),
+    ({"precision": "int8", "device": "cuda"}, "precision=int8 runs on the CPU only"),
 ])
 def test_bad_precision_is_refused(tmp_path, models, mounter, opts, why):
     (tmp_path / "src").mkdir()
