@@ -156,13 +156,14 @@ static int get_profile(hapi_tune *t, hapi_profile *prof, int *reused, hapi_error
     char name[256], path[PATH_MAX + 300];
     const uint8_t *digest = hapi_extractor_model_digest(t->cfg.ex);
     /*
-     * A bf16 model is another machine as far as timing goes, and so is another
-     * BLAS on a CPU (linear layers 22x apart): each has its own profile.
+     * A bf16 or int8 model is another machine as far as timing goes, and so is
+     * another BLAS on a CPU (linear layers 22x apart): each has its own profile.
      */
     char device[128];
     int cpu = strncmp(t->cfg.opt->device, "cuda", 4) != 0;
-    snprintf(device, sizeof(device), "%s%s%s%s", t->cfg.opt->device,
-             t->cfg.opt->precision == HAPI_PRECISION_BF16 ? "-bf16" : "", cpu ? "-" : "",
+    int fp32 = t->cfg.opt->precision == HAPI_PRECISION_FP32;
+    snprintf(device, sizeof(device), "%s%s%s%s%s", t->cfg.opt->device, fp32 ? "" : "-",
+             fp32 ? "" : hapi_precision_name(t->cfg.opt->precision), cpu ? "-" : "",
              cpu ? hapi_model_blas() : "");
     hapi_profile_file_name(digest, device, t->cfg.opt->torch_threads, name, sizeof(name));
     snprintf(path, sizeof(path), "%s/%s", t->cfg.opt->cache_dir, name);
