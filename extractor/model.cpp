@@ -602,51 +602,70 @@ torch::jit::Module quantize_stage(const torch::jit::Module &stage, const torch::
     return Finalize(q, QuantType::STATIC, {});
 }
 
-// The calibration of an int8 model (hapi_model_calibrate): every stage quantized on the fp32
-// model's inputs to it for the calibration samples; kept where the features of the model as it
-// will run stay at HAPI_INT8_MIN_COSINE or more of fp32's on those samples, else the stage
-// runs in fp32 (as does one the passes cannot quantize). Fills info's precision and
-// check_cosine; commits only when it succeeds.
+// The calibration of an int8 model (hapi_model_calibrate): every stage quantized on fp32's
+// inputs to it for all the samples (a stage the passes cannot quantize, or with nothing to
+// quantize, stays fp32); then, on the first kCheckSamples of them, the model as it will run
+// against fp32 stage by stage, and while some stage's features are below HAPI_INT8_MIN_COSINE,
+// a stage moves to fp32: that one if it runs in int8, else the last int8 stage before it (a
+// later stage may magnify an earlier one's rounding: ViT's final norm and class token do), and
+// the model runs again from it. Fills info's precision and check_cosine; commits only when it
+// succeeds.
 int model_calibrate_int8(hapi_model *m, const torch::Tensor &samples, hapi_error *err)
 {
+    const int64_t kCheckSamples = 8;
     size_t n = m->stages.size();
-    std::vector<torch::jit::Module> stages = m->stages;
+    std::vector<torch::jit::Module> stages = m->stages, quantized(n);
     std::vector<hapi_stage_info> info = m->info;
+    std::vector<torch::Tensor> want(n), in(n + 1);  // fp32's outputs; the model's inputs
+    std::vector<bool> int8(n, false);
     torch::NoGradGuard no_grad;
     at::globalContext().setQEngine(at::QEngine::ONEDNN);
-    torch::Tensor want = samples, got = samples;  // fp32's input to stage i; the model's
+    torch::Tensor x = samples;  // fp32's input to stage i, every sample
     for (size_t i = 0; i < n; i++) {
-        torch::jit::IValue y;
-        int rc = run_stage(stages[i], info[i], want, &y, err);  // fp32 until replaced
-        if (rc < 0)
-            return rc;
-        torch::Tensor next_want = y.toTensor();
-        torch::Tensor next_got;
-        double cosine = -1.0;
-        bool failed = false;  // the passes threw: the stage holds what they cannot quantize
         try {
-            torch::jit::Module q = quantize_stage(m->reference[i], want);
+            torch::jit::Module q = quantize_stage(m->reference[i], x);
             if (runs_quantized(q.get_method("forward").graph()->block())) {
-                next_got = q.forward({got}).toTensor();
-                cosine = min_cosine(next_got, next_want);
-                if (cosine >= HAPI_INT8_MIN_COSINE) {
-                    stages[i] = q;
-                    info[i].precision = HAPI_PRECISION_INT8;
-                }
+                quantized[i] = q;
+                int8[i] = true;
             }
         } catch (const std::exception &) {
-            failed = true;
+            // the passes cannot quantize what the stage holds: it runs in fp32
         }
-        if (info[i].precision != HAPI_PRECISION_INT8) {
-            if ((rc = run_stage(stages[i], info[i], got, &y, err)) < 0)
+        torch::jit::IValue y;
+        int rc = run_stage(stages[i], info[i], x, &y, err);
+        if (rc < 0)
+            return rc;
+        x = y.toTensor();
+        want[i] = x.slice(0, 0, std::min(kCheckSamples, x.size(0)));
+    }
+    in[0] = samples.slice(0, 0, std::min(kCheckSamples, samples.size(0)));
+    for (size_t from = 0;;) {
+        size_t low = n;
+        for (size_t i = from; i < n && low == n; i++) {
+            torch::jit::IValue y;
+            int rc = run_stage(int8[i] ? quantized[i] : stages[i], info[i], in[i], &y, err);
+            if (rc < 0)
                 return rc;
-            next_got = y.toTensor();
-            // 0: nothing to quantize (a pooling stage), as fp32 models report
-            cosine = cosine < 0 && !failed ? 0.0 : min_cosine(next_got, next_want);
+            in[i + 1] = y.toTensor();
+            // an fp32 stage on fp32 inputs computes fp32's features: 0, as fp32 models report
+            bool exact = !int8[i] && std::find(int8.begin(), int8.begin() + i, true) ==
+                                         int8.begin() + i;
+            info[i].check_cosine = exact ? 0.0 : min_cosine(in[i + 1], want[i]);
+            if (!exact && info[i].check_cosine < HAPI_INT8_MIN_COSINE)
+                low = i;
         }
-        info[i].check_cosine = cosine;
-        want = next_want;
-        got = next_got;
+        size_t move = low;
+        while (move < n && !int8[move])
+            move = move ? move - 1 : n;  // the last int8 stage at or before low, if any
+        if (move == n)
+            break;  // every stage right, or no int8 stage left to move
+        int8[move] = false;
+        from = move;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (int8[i])
+            stages[i] = quantized[i];
+        info[i].precision = int8[i] ? HAPI_PRECISION_INT8 : HAPI_PRECISION_FP32;
     }
     m->stages = std::move(stages);
     m->info = std::move(info);
