@@ -19,20 +19,22 @@
 
 /*
  * The namespace a .feat of dtype lives in: the model (its digest), its
- * preprocessing, the freeze stage, the dtype and the precision the stages
- * run in here, not the split. Features
+ * preprocessing, the freeze stage, the dtype, the precision the stages
+ * run in here and, where not fp32, the storage side's (with an int8
+ * calibration's digest: storage_precision, "" for fp32), not the split. Features
  * reached through different splits share it: they agree within the rounding
  * of the split's dtype (fp32: to 1e-5 relative; fp16: cosine above
  * 0.9999999 on the test models; tests/test-model.c), and a split change on
  * the storage side must not change what a training script reads.
  */
 static void finish_ns(const char *digest, const char *preprocess, int freeze, int dtype,
-                      int precision, hapi_cache_namespace *ns, char hex[33])
+                      int precision, const char *storage_precision, hapi_cache_namespace *ns,
+                      char hex[33])
 {
     char text[4096]; /* the preprocessing's JSON is a few hundred bytes */
     int n = snprintf(text, sizeof(text),
-                     "hapifs-finish/1 model=%s freeze=%d dtype=%d precision=%d preprocess=%s",
-                     digest, freeze, dtype, precision, preprocess);
+                     "hapifs-finish/1 model=%s freeze=%d dtype=%d precision=%d preprocess=%s%s",
+                     digest, freeze, dtype, precision, preprocess, storage_precision);
     XXH128_hash_t h = XXH3_128bits(text, n < (int)sizeof(text) ? (size_t)n : sizeof(text) - 1);
     XXH128_canonical_t c;
     XXH128_canonicalFromHash(&c, h);
@@ -249,6 +251,16 @@ static int finish_load(struct finish *fin, const char *config, const char *model
     json_t *freeze = json_object_get(split, "freeze"), *crop = json_object_get(pp, "crop");
     json_t *index = json_object_get(split, "index"), *shape = json_object_get(split, "shape");
     char *pp_text = pp ? json_dumps(pp, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+    /* the storage side's arithmetic changes the rows it sends: bf16, int8 and its samples */
+    json_t *model = json_object_get(j, "model");
+    const char *sp = json_string_value(json_object_get(model, "precision"));
+    const char *cal = json_string_value(json_object_get(json_object_get(model,
+                                                                        "int8_calibration"),
+                                                        "digest"));
+    char storage_precision[96] = "";
+    if (sp && strcmp(sp, "fp32") != 0)
+        snprintf(storage_precision, sizeof(storage_precision), " storage_precision=%.8s%s%.32s",
+                 sp, cal ? ":" : "", cal ? cal : "");
     int rc = 0;
     if (!digest || strlen(digest) != 32 || strspn(digest, "0123456789abcdef") != 32 ||
         !json_is_integer(freeze) || json_integer_value(freeze) < 1 ||
@@ -281,7 +293,7 @@ static int finish_load(struct finish *fin, const char *config, const char *model
         goto out;
     for (int d = 0; d < 2; d++)
         finish_ns(digest, pp_text, fin->freeze, d ? HAPI_DTYPE_FP16 : HAPI_DTYPE_FP32,
-                  fin->r->cfg.precision, &fin->ns[d], fin->ns_hex[d]);
+                  fin->r->cfg.precision, storage_precision, &fin->ns[d], fin->ns_hex[d]);
 out:
     free(pp_text);
     json_decref(j);

@@ -567,6 +567,20 @@ def test_a_remote_mount_serves_the_freeze_points_features_by_default(tmp_path, s
     assert len(list((tmp_path / "rcache-ref").glob("model-*.pt"))) == 1
 
 
+def test_an_int8_storage_side_is_finished_in_a_namespace_of_its_own(tmp_path, storage, mounter):
+    """Rows an int8 storage side sends differ from fp32's beyond rounding: the freeze point's
+    features finished from them live in a namespace of their own (naming the calibration),
+    within cosine 0.99 of those finished from fp32 rows."""
+    _, f32, paths = storage(name="f", classes=1, per_class=3, split="layer2")
+    _, q8, _ = storage(name="q", classes=1, per_class=3, split="layer2", precision="int8")
+    rf = remote(mounter, tmp_path, [f32.path], cache="rf")
+    rq = remote(mounter, tmp_path, [q8.path], cache="rq")
+    for p in paths:
+        got, want = np.load(rq.path / (p + ".feat")), np.load(rf.path / (p + ".feat"))
+        assert got.shape == want.shape and cosine(got, want) >= 0.99, (p, cosine(got, want))
+    assert rq.ctl("config")["features"]["namespace"] != rf.ctl("config")["features"]["namespace"]
+
+
 def test_a_cache_disk_without_room_for_the_model_still_serves_the_freeze_point(
         tmp_path, storage, mounter):
     """The default (features=freeze) on a cache directory too small for the model: the model
