@@ -24,6 +24,7 @@
 #include <torch/script.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -45,6 +46,12 @@ struct hapi_model {
     std::vector<torch::jit::Module> reference;
     bool int8 = false;        // precision int8: stages quantized at calibration
     bool calibrated = false;
+    // Of an int8 model: chain[i] when stages i and i + 1 both run in int8 and pass the
+    // quantized tensor between them (no dequantize and quantize at the boundary: libtorch
+    // 1.13 without FBGEMM does those a value at a time); then chained[i] holds stage i's
+    // variants taking a quantized input (bit 0 of the index) and/or returning one (bit 1).
+    std::vector<bool> chain;
+    std::vector<std::array<torch::jit::Module, 4>> chained;
     c10::Device device{c10::kCPU};
     torch::ScalarType precision = torch::kFloat;  // the model's: its stages' but where checked
     bool optimize = false;
@@ -602,6 +609,68 @@ torch::jit::Module quantize_stage(const torch::jit::Module &stage, const torch::
     return Finalize(q, QuantType::STATIC, {});
 }
 
+// The node quantizing a stage's input (aten::quantize_per_tensor, its only user), or null.
+torch::jit::Node *input_quantize(const std::shared_ptr<torch::jit::Graph> &g)
+{
+    static const c10::Symbol quantize = c10::Symbol::fromQualString("aten::quantize_per_tensor");
+    if (g->inputs().size() != 2 || g->inputs()[1]->uses().size() != 1)
+        return nullptr;
+    torch::jit::Node *n = g->inputs()[1]->uses()[0].user;
+    return n->kind() == quantize && n->inputs().size() == 4 && n->input(0) == g->inputs()[1]
+               ? n : nullptr;
+}
+
+// The node dequantizing what a stage returns (aten::dequantize), or null.
+torch::jit::Node *output_dequantize(const std::shared_ptr<torch::jit::Graph> &g)
+{
+    static const c10::Symbol dequantize = c10::Symbol::fromQualString("aten::dequantize");
+    if (g->outputs().size() != 1)
+        return nullptr;
+    torch::jit::Node *n = g->outputs()[0]->node();
+    return n->kind() == dequantize && n->inputs().size() == 1 &&
+                   g->outputs()[0]->uses().size() == 1
+               ? n : nullptr;
+}
+
+// A copy of quantized stage q that takes its input quantized (in) and/or returns its output
+// quantized (out): the boundary's quantize or dequantize node left out.
+torch::jit::Module stage_variant(const torch::jit::Module &q, bool in, bool out)
+{
+    torch::jit::Module v = q.clone();
+    std::shared_ptr<torch::jit::Graph> g = v.get_method("forward").graph();
+    if (torch::jit::Node *n = in ? input_quantize(g) : nullptr) {
+        n->output()->replaceAllUsesWith(g->inputs()[1]);
+        n->destroy();
+    }
+    if (torch::jit::Node *n = out ? output_dequantize(g) : nullptr) {
+        g->return_node()->replaceInput(0, n->input(0));
+        n->destroy();
+    }
+    return v;
+}
+
+// Chains the int8 stages i, i + 1 of quantized where it can (hapi_model.chain): stage i + 1's
+// input is quantized with the scale and zero point of stage i's output (run on x, fp32's input
+// to stage i), so that passing the quantized tensor on computes what dequantizing and
+// quantizing again would; returns whether it could.
+bool chain_stages(torch::jit::Module &a, torch::jit::Module &b, const torch::Tensor &x)
+{
+    std::shared_ptr<torch::jit::Graph> gb = b.get_method("forward").graph();
+    torch::jit::Node *n = input_quantize(gb);
+    if (!n || !output_dequantize(a.get_method("forward").graph()))
+        return false;
+    torch::jit::Module a_out = stage_variant(a, false, true);
+    torch::jit::IValue y = a_out.forward({x.slice(0, 0, 1)});
+    if (!y.isTensor() || !y.toTensor().is_quantized() ||
+        y.toTensor().qscheme() != c10::kPerTensorAffine ||
+        y.toTensor().scalar_type() != c10::kQUInt8)
+        return false;
+    torch::jit::WithInsertPoint guard(n);
+    n->replaceInput(1, gb->insertConstant(y.toTensor().q_scale()));
+    n->replaceInput(2, gb->insertConstant(y.toTensor().q_zero_point()));
+    return true;
+}
+
 // The calibration of an int8 model (hapi_model_calibrate): every stage quantized on fp32's
 // inputs to it for all the samples (a stage the passes cannot quantize, or with nothing to
 // quantize, stays fp32); then, on the first kCheckSamples of them, the model as it will run
@@ -638,6 +707,19 @@ int model_calibrate_int8(hapi_model *m, const torch::Tensor &samples, hapi_error
         x = y.toTensor();
         want[i] = x.slice(0, 0, std::min(kCheckSamples, x.size(0)));
     }
+    // consecutive int8 stages pass quantized tensors on (chain_stages), from the check on
+    std::vector<bool> chain(n, false);
+    std::vector<torch::Tensor> fp32_in(n);
+    for (size_t i = 0; i < n; i++)
+        fp32_in[i] = i ? want[i - 1] : samples;
+    for (size_t i = 0; i + 1 < n; i++)
+        if (int8[i] && int8[i + 1]) {
+            try {
+                chain[i] = chain_stages(quantized[i], quantized[i + 1], fp32_in[i]);
+            } catch (const std::exception &) {
+                chain[i] = false;  // each runs on its own, dequantized between
+            }
+        }
     in[0] = samples.slice(0, 0, std::min(kCheckSamples, samples.size(0)));
     for (size_t from = 0;;) {
         size_t low = n;
@@ -662,11 +744,25 @@ int model_calibrate_int8(hapi_model *m, const torch::Tensor &samples, hapi_error
         int8[move] = false;
         from = move;
     }
+    std::vector<std::array<torch::jit::Module, 4>> chained(n);
     for (size_t i = 0; i < n; i++) {
         if (int8[i])
             stages[i] = quantized[i];
         info[i].precision = int8[i] ? HAPI_PRECISION_INT8 : HAPI_PRECISION_FP32;
+        chain[i] = chain[i] && int8[i] && int8[i + 1];
     }
+    for (size_t i = 0; i < n; i++) {
+        bool in_q = i > 0 && chain[i - 1], out_q = chain[i];
+        chained[i][0] = stages[i];
+        if (in_q)
+            chained[i][1] = stage_variant(stages[i], true, false);
+        if (out_q)
+            chained[i][2] = stage_variant(stages[i], false, true);
+        if (in_q && out_q)
+            chained[i][3] = stage_variant(stages[i], true, true);
+    }
+    m->chain = std::move(chain);
+    m->chained = std::move(chained);
     m->stages = std::move(stages);
     m->info = std::move(info);
     m->reference.clear();
@@ -727,6 +823,17 @@ int model_probe(hapi_model *m, int channels, int height, int width, hapi_error *
     return 0;
 }
 
+// Runs stage i of [.., to) on x: quantized (*quantized) when the stage before passed it on,
+// and passing its own output on quantized when it chains to stage i + 1 < to (hapi_model.chain).
+torch::Tensor run_chained(hapi_model *m, int i, int to, const torch::Tensor &x, bool *quantized)
+{
+    bool in_q = *quantized, out_q = !m->chain.empty() && m->chain[i] && i + 1 < to;
+    torch::jit::Module &stage = in_q || out_q ? m->chained[i][in_q | out_q << 1] : m->stages[i];
+    torch::Tensor y = stage.forward({in_q ? x : stage_input(m, (size_t)i, x)}).toTensor();
+    *quantized = out_q;
+    return y;
+}
+
 int model_run_range(hapi_model *m, int from, int to, const void *input, int in_dtype, int batch,
                     int dtype, void *output, size_t output_size, hapi_error *err)
 {
@@ -759,9 +866,10 @@ int model_run_range(hapi_model *m, int from, int to, const void *input, int in_d
     // The caller's buffer is wrapped, not copied; staged models never write to their input.
     torch::Tensor x = torch::from_blob(const_cast<void *>(input), in_sizes,
                                        in_dtype == HAPI_DTYPE_FP16 ? torch::kHalf : torch::kFloat);
+    bool quantized = false;  // x is an int8 stage's output, passed on as it is (chain)
     for (int i = from; i < to; i++) {
         try {
-            x = m->stages[i].forward({stage_input(m, i, x)}).toTensor();
+            x = run_chained(m, i, to, x, &quantized);
         } catch (const c10::Error &e) {
             std::string what = std::string("stage ") + m->info[i].name;
             return error_from_c10(e, HAPI_EMODEL, what.c_str(), err);
@@ -790,13 +898,15 @@ int model_measure(hapi_model *m, int batch, hapi_model_hook_fn hook, void *ctx,
         return hapi_error_set(err, HAPI_EINVAL, "measure: bad batch (%d) or null buffer", batch);
     c10::InferenceMode guard;
     torch::Tensor x = torch::randn({batch, m->channels, m->height, m->width}, torch::kFloat);
+    bool quantized = false;
     for (size_t i = 0; i < m->stages.size(); i++) {
-        x = stage_input(m, i, x);
+        if (!quantized)
+            x = stage_input(m, i, x);  // outside the timed part
         if (hook)
             hook(ctx, (int)i, 0);
         uint64_t t0 = hapi_now_ns();
         try {
-            torch::Tensor y = m->stages[i].forward({x}).toTensor();
+            torch::Tensor y = run_chained(m, (int)i, (int)m->stages.size(), x, &quantized);
             if (!m->device.is_cpu())
                 y = y.cpu();  // waits for the device, so the time is the stage's
             x = y;

@@ -444,7 +444,9 @@ static float *run_range_fp32(hapi_model *m, int from, int to, const void *in, in
 
 /*
  * A feature of split s run through [s, to) is what [0, to) gives in one go: equal from fp32
- * features, within fp16's rounding from fp16 ones; for maps (ResNet), tokens (ViT) and bf16.
+ * features, within fp16's rounding from fp16 ones; for maps (ResNet), tokens (ViT), bf16 and
+ * int8 (whose one go passes quantized tensors between its stages: it must equal dequantizing
+ * at s and quantizing again).
  */
 START_TEST(test_run_range_finishes_a_split)
 {
@@ -455,6 +457,7 @@ START_TEST(test_run_range_finishes_a_split)
         {r18_path, 64, R18_INPUT, 6, HAPI_PRECISION_FP32},
         {vit_path, 32, VIT_INPUT, 14, HAPI_PRECISION_FP32},
         {r18_path, 64, R18_INPUT, 6, HAPI_PRECISION_BF16},
+        {r18_path, 64, R18_INPUT, 6, HAPI_PRECISION_INT8},
     };
     for (size_t k = 0; k < sizeof(models) / sizeof(models[0]); k++) {
         hapi_error err = {0};
@@ -464,7 +467,20 @@ START_TEST(test_run_range_finishes_a_split)
         ck_assert_msg(rc == 0, "load: %d %s", rc, err.message);
         ck_assert_int_eq(hapi_model_probe(m, 3, models[k].size, models[k].size, &err), 0);
         int to = models[k].to, bf16 = models[k].precision == HAPI_PRECISION_BF16;
+        int int8 = models[k].precision == HAPI_PRECISION_INT8;
         float *in = det_input((size_t)2 * models[k].input);
+        if (int8) {
+            float *samples = det_input((size_t)8 * models[k].input);
+            rc = hapi_model_calibrate(m, samples, 8, &err);
+            ck_assert_msg(rc == 0, "calibrate: %d %s", rc, err.message);
+            ck_assert_int_eq(hapi_model_calibrate(m, samples, 8, &err), HAPI_EINVAL);
+            free(samples);
+            hapi_stage_info info;
+            ck_assert_int_eq(hapi_model_stage(m, 1, &info), 0);
+            ck_assert_int_eq(info.precision, HAPI_PRECISION_INT8);
+        } else {
+            ck_assert_int_eq(hapi_model_calibrate(m, in, 1, &err), HAPI_EINVAL);
+        }
         float *whole = run_fp32(m, to, in, 2);
         size_t n = 2 * stage_elements(m, to);
         /* [0, to) from the image itself */
@@ -478,6 +494,9 @@ START_TEST(test_run_range_finishes_a_split)
             double cos = cosine(rest, whole, n);
             if (bf16) /* each run rounds to bf16 where the stages meet, as one run does */
                 ck_assert_msg(cos >= 0.9999, "bf16 [%d, %d): cosine %.7f", s, to, cos);
+            else if (int8) /* quantized again at s with the scale it was dequantized with */
+                ck_assert_msg(max_rel_diff(rest, whole, n) <= 1e-5,
+                              "int8 [%d, %d) differs: %g", s, to, max_rel_diff(rest, whole, n));
             else
                 ck_assert_msg(max_rel_diff(rest, whole, n) <= 1e-5, "fp32 [%d, %d) differs", s,
                               to);
@@ -486,11 +505,13 @@ START_TEST(test_run_range_finishes_a_split)
             ck_assert_int_eq(hapi_model_run(m, s, in, 2, HAPI_DTYPE_FP16, half, fn * 2, &err), 0);
             float *from_half = run_range_fp32(m, s, to, half, HAPI_DTYPE_FP16, 2);
             double hcos = cosine(from_half, whole, n);
-            ck_assert_msg(hcos >= 0.9999, "fp16 feature [%d, %d): cosine %.7f", s, to, hcos);
+            /* int8: a value fp16 moves across a step boundary quantizes a step away */
+            ck_assert_msg(hcos >= (int8 ? 0.999 : 0.9999), "fp16 feature [%d, %d): cosine %.7f",
+                          s, to, hcos);
             if (getenv("HAPI_TEST_VERBOSE"))
-                fprintf(stderr, "%s%s [%d, %d): cosine %.9f, from fp16 %.9f\n",
-                        models[k].path == vit_path ? "vit" : "r18", bf16 ? " bf16" : "", s, to,
-                        cos, hcos);
+                fprintf(stderr, "%s %s [%d, %d): cosine %.9f, from fp16 %.9f\n",
+                        models[k].path == vit_path ? "vit" : "r18",
+                        hapi_precision_name(models[k].precision), s, to, cos, hcos);
             free(from_half);
             free(half);
             free(rest);
