@@ -367,6 +367,9 @@ static int calibrate(hapi_extractor *ex, const char *dir, hapi_error *err)
     int rc = hapi_model_calibrate(ex->model, samples, n, err);
     c->seconds = (double)(hapi_now_ns() - t0) / 1e9;
     free(samples);
+    /* the calibration's activations and the fp32 copy of the weights are free now: give them
+       back (hapi_extractor_keep_heap() keeps up to the budget otherwise) */
+    malloc_trim(0);
     return rc;
 }
 
