@@ -1,10 +1,13 @@
 /* error.c — the shared error space: descriptions and the status object. */
 #include "hapi.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 _Static_assert(HAPI_ERROR_MESSAGE_MAX >= PATH_MAX + 256,
                "a hapi_error message holds a whole path and the words around it");
@@ -104,4 +107,37 @@ void hapi_deadline_after_ns(struct timespec *ts, uint64_t ns)
     uint64_t at = hapi_now_ns() + ns;
     ts->tv_sec = (time_t)(at / 1000000000u);
     ts->tv_nsec = (long)(at % 1000000000u);
+}
+
+int hapi_read_all(int fd, size_t hint, char **data, size_t *size)
+{
+    size_t cap = hint + 1, used = 0;
+    char *buf = malloc(cap);
+    if (!buf)
+        return -ENOMEM;
+    for (;;) {
+        if (used == cap) {
+            char *bigger = realloc(buf, cap * 2);
+            if (!bigger) {
+                free(buf);
+                return -ENOMEM;
+            }
+            buf = bigger;
+            cap *= 2;
+        }
+        ssize_t r = pread(fd, buf + used, cap - used, (off_t)used);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            int rc = -errno;
+            free(buf);
+            return rc;
+        }
+        if (r == 0)
+            break;
+        used += (size_t)r;
+    }
+    *data = buf;
+    *size = used;
+    return 0;
 }

@@ -73,6 +73,12 @@ void hapi_hex(const void *bytes, size_t n, char *out);
  */
 int hapi_unhex(const char *hex, size_t n, void *out);
 
+/*
+ * Reads fd to its end from offset 0 into a malloc'd buffer (*data, the caller frees) of at
+ * least hint + 1 bytes, so that a NUL fits after the *size bytes read. Returns 0 or -errno.
+ */
+int hapi_read_all(int fd, size_t hint, char **data, size_t *size);
+
 /* Monotonic clock in nanoseconds. */
 uint64_t hapi_now_ns(void);
 

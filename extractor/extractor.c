@@ -256,33 +256,26 @@ void hapi_model_append_fp32_stages(const hapi_model *m, int from, int to, char *
 
 enum { CALIB_MAX_DEPTH = 16, CALIB_MAX_BYTES = 64 << 20 };
 
-/* Reads path whole (up to CALIB_MAX_BYTES) into *data (malloc'd); its size, or -1. */
-static ssize_t read_whole(const char *path, void **data)
+/* Reads path whole (a regular file of up to CALIB_MAX_BYTES) into *data (malloc'd); its size,
+   or -1. */
+static ssize_t read_whole(const char *path, char **data)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     struct stat st;
-    ssize_t got = -1;
+    size_t size = 0;
     *data = NULL;
     if (fd < 0)
         return -1;
-    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0 &&
-        st.st_size <= CALIB_MAX_BYTES && (*data = malloc((size_t)st.st_size))) {
-        got = 0;
-        while (got < st.st_size) {
-            ssize_t r = read(fd, (char *)*data + got, (size_t)(st.st_size - got));
-            if (r <= 0)
-                break;
-            got += r;
-        }
-        if (got != st.st_size)
-            got = -1;
-    }
+    int ok = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0 &&
+             st.st_size <= CALIB_MAX_BYTES &&
+             hapi_read_all(fd, (size_t)st.st_size, data, &size) == 0 &&
+             size == (size_t)st.st_size; /* not one that changed while read */
     close(fd);
-    if (got < 0) {
+    if (!ok) {
         free(*data);
         *data = NULL;
     }
-    return got;
+    return ok ? (ssize_t)size : -1;
 }
 
 static int calib_filter(const struct dirent *d) { return d->d_name[0] != '.'; }
@@ -304,7 +297,7 @@ static void calib_walk(const char *dir, int depth, hapi_decoder *dec, const hapi
             if (lstat(path, &st) == 0 && S_ISDIR(st.st_mode) && depth < CALIB_MAX_DEPTH) {
                 calib_walk(path, depth + 1, dec, pp, sample, out, want, c);
             } else if (S_ISREG(st.st_mode) && hapi_image_name_is_image(names[i]->d_name)) {
-                void *data;
+                char *data;
                 ssize_t size = read_whole(path, &data);
                 hapi_error err = { 0 };
                 if (size > 0 && hapi_image_load(dec, data, (size_t)size, pp,

@@ -709,13 +709,10 @@ int model_calibrate_int8(hapi_model *m, const torch::Tensor &samples, hapi_error
     }
     // consecutive int8 stages pass quantized tensors on (chain_stages), from the check on
     std::vector<bool> chain(n, false);
-    std::vector<torch::Tensor> fp32_in(n);
-    for (size_t i = 0; i < n; i++)
-        fp32_in[i] = i ? want[i - 1] : samples;
     for (size_t i = 0; i + 1 < n; i++)
         if (int8[i] && int8[i + 1]) {
             try {
-                chain[i] = chain_stages(quantized[i], quantized[i + 1], fp32_in[i]);
+                chain[i] = chain_stages(quantized[i], quantized[i + 1], i ? want[i - 1] : samples);
             } catch (const std::exception &) {
                 chain[i] = false;  // each runs on its own, dequantized between
             }

@@ -159,40 +159,6 @@ int hapi_source_identity(const hapi_source *s, const char *path, hapi_source_id 
     return rc;
 }
 
-/* Reads fd to its end into a malloc'd buffer of at least hint + 1 bytes. Returns 0 or -errno. */
-static int read_all(int fd, size_t hint, char **data, size_t *size)
-{
-    size_t cap = hint + 1, used = 0;
-    char *buf = malloc(cap);
-    if (!buf)
-        return -ENOMEM;
-    for (;;) {
-        if (used == cap) {
-            char *bigger = realloc(buf, cap * 2);
-            if (!bigger) {
-                free(buf);
-                return -ENOMEM;
-            }
-            buf = bigger;
-            cap *= 2;
-        }
-        ssize_t r = pread(fd, buf + used, cap - used, (off_t)used);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0) {
-            int rc = -errno;
-            free(buf);
-            return rc;
-        }
-        if (r == 0)
-            break;
-        used += (size_t)r;
-    }
-    *data = buf;
-    *size = used;
-    return 0;
-}
-
 int hapi_cred_read_groups(pid_t pid, gid_t *groups, int max)
 {
     char path[64];
@@ -202,11 +168,11 @@ int hapi_cred_read_groups(pid_t pid, gid_t *groups, int max)
         return -errno;
     char *buf;
     size_t used;
-    int rc = read_all(fd, 4096, &buf, &used); /* a status is a few KiB */
+    int rc = hapi_read_all(fd, 4096, &buf, &used); /* a status is a few KiB */
     close(fd);
     if (rc < 0)
         return rc;
-    buf[used] = '\0'; /* read_all leaves room for it */
+    buf[used] = '\0'; /* hapi_read_all leaves room for it */
     const char *line = strstr(buf, "\nGroups:");
     int count = line ? 0 : -EIO;
     for (const char *p = line ? line + 8 : ""; *p && *p != '\n';) {
@@ -246,7 +212,7 @@ int hapi_source_load(const hapi_source *s, const char *path, void **data, size_t
         }
         char *buf = NULL;
         size_t used = 0;
-        int rc = read_all(fd, (size_t)before.st_size, &buf, &used);
+        int rc = hapi_read_all(fd, (size_t)before.st_size, &buf, &used);
         if (rc == 0 && fstat(fd, &after) < 0) {
             rc = -errno;
             free(buf);
