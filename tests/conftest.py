@@ -185,12 +185,30 @@ def reference_input(meta, image_path):
     return tf(Image.open(image_path).convert("RGB")).unsqueeze(0)
 
 
+_loaded = {}  # (path, inode, size, mtime) -> (module, meta): the last few archives loaded
+
+
+def loaded_archive(archive):
+    """The archive's TorchScript module and its hapifs.json, loaded once while the file is
+    unchanged (a load, and the first runs of a freshly loaded module, cost more than the
+    reference's runs themselves)."""
+    import torch
+    st = os.stat(archive)
+    key = (str(archive), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _loaded:
+        extra = {"hapifs.json": ""}
+        model = torch.jit.load(str(archive), map_location="cpu", _extra_files=extra)
+        while len(_loaded) >= 4:
+            _loaded.pop(next(iter(_loaded)))
+        _loaded[key] = (model, json.loads(extra["hapifs.json"]))
+    return _loaded[key]
+
+
 def reference_features(archive, image_path, split, meta=None):
     """torchvision + PIL preprocessing, then the staged model's stages [0, split), in fp32."""
     import torch
-    extra = {"hapifs.json": ""}
-    model = torch.jit.load(str(archive), map_location="cpu", _extra_files=extra)
-    x = reference_input(json.loads(extra["hapifs.json"]), image_path)
+    model, meta_of_archive = loaded_archive(archive)
+    x = reference_input(meta_of_archive, image_path)
     with torch.no_grad():
         for i, (_, stage) in enumerate(model.named_children()):
             if i >= split:
