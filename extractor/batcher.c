@@ -19,7 +19,8 @@
  *
  * One mutex guards all of it. Work outside the lock: loading, decoding and
  * preprocessing (decode threads), copying tensors into the batch and running
- * the model (the inference thread), and the sink.
+ * the model (the inference threads: cfg.workers, each taking its own batches),
+ * and the sink.
  *
  * A job is freed when its last reference goes: the batcher holds one until
  * DONE, each ticket holds one.
@@ -57,6 +58,7 @@ struct hapi_batcher {
     size_t tensor_floats;
     size_t sample_bytes;
     int split, dtype;
+    int workers;                  /* inference threads (cfg.workers, at least 1) */
 
     pthread_mutex_t lock;
     pthread_cond_t work_cond;     /* decode threads: jobs queued or memory freed */
@@ -83,8 +85,8 @@ struct hapi_batcher {
     int decoders_reported;        /* of those, how many said whether their decoder started */
     int decoders_running;         /* ... and how many have one */
     pthread_cond_t start_cond;    /* hapi_batcher_new: a decode thread reported */
-    pthread_t inference;
-    int inference_started;
+    pthread_t *inference;         /* cfg.workers threads */
+    int ninference;               /* created */
 };
 
 /* ------------------------------------------------------------------ lists */
@@ -537,11 +539,14 @@ static int batch_compute(hapi_batcher *b, struct batch_buffers *bb, int n, int *
     if (rc < 0)
         return rc;
     batch_gather(b, bb, n);
-    /* the node's cores, divided among the mounts busy computing */
-    int tokens = hapi_node_cores_take(b->cfg.node, b->cfg.node_cores, 0, &b->node_stop);
-    if (tokens > 0 && tokens != *threads_now) {
-        hapi_model_set_threads(tokens); /* as many threads as cores granted */
-        *threads_now = tokens;
+    /* the node's cores, divided among the mounts busy computing, and this mount's share among
+       its workers */
+    int want = b->cfg.node_cores / b->workers > 0 ? b->cfg.node_cores / b->workers : 1;
+    int tokens = hapi_node_cores_take(b->cfg.node, want, 0, &b->node_stop);
+    int threads = tokens > 0 ? tokens : b->workers > 1 && !b->cfg.node ? want : 0;
+    if (threads > 0 && threads != *threads_now) {
+        hapi_model_set_threads(threads); /* as many threads as cores granted */
+        *threads_now = threads;
     }
     *t0 = hapi_now_ns();
     rc = tokens < 0 ? hapi_error_set(err, -ECANCELED, "shutting down")
@@ -629,7 +634,8 @@ int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_ba
 
     *out = NULL;
     if (!ex || !cfg || cfg->batch < 1 || cfg->batch > HAPI_BATCH_MAX || cfg->decode_threads < 1 ||
-        cfg->decode_threads > 256 || cfg->max_wait_us < 0 || cfg->tag_size > HAPI_BATCHER_TAG_MAX ||
+        cfg->decode_threads > 256 || cfg->workers < 0 || cfg->workers > HAPI_BATCHER_WORKERS_MAX ||
+        cfg->max_wait_us < 0 || cfg->tag_size > HAPI_BATCHER_TAG_MAX ||
         !cfg->load || !cfg->sink || cfg->split < 0 ||
         cfg->split > hapi_model_num_stages(hapi_extractor_model(ex)))
         return hapi_error_set(err, HAPI_EINVAL, "bad batcher configuration");
@@ -638,6 +644,7 @@ int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_ba
         return hapi_error_set(err, -ENOMEM, "out of memory");
     b->ex = ex;
     b->cfg = *cfg;
+    b->workers = cfg->workers > 0 ? cfg->workers : 1;
     b->batch = cfg->batch;
     b->split = cfg->split > 0 ? cfg->split : hapi_extractor_split(ex);
     b->dtype = hapi_extractor_dtype(ex);
@@ -648,9 +655,11 @@ int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_ba
     b->table_size = 4096;
     b->table = calloc(b->table_size, sizeof(*b->table));
     b->decoders = calloc((size_t)cfg->decode_threads, sizeof(*b->decoders));
-    if (!b->table || !b->decoders) {
+    b->inference = calloc((size_t)b->workers, sizeof(*b->inference));
+    if (!b->table || !b->decoders || !b->inference) {
         free(b->table);
         free(b->decoders);
+        free(b->inference);
         free(b);
         return hapi_error_set(err, -ENOMEM, "out of memory");
     }
@@ -661,12 +670,14 @@ int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_ba
     pthread_cond_init(&b->throttle_cond, NULL);
     pthread_cond_init(&b->start_cond, NULL);
 
-    if ((rc = pthread_create(&b->inference, NULL, inference_main, b)) != 0) {
-        hapi_error_set(err, -rc, "cannot start the inference thread: %s", hapi_strerror(-rc));
-        hapi_batcher_free(b);
-        return -rc;
+    for (int i = 0; i < b->workers; i++) {
+        if ((rc = pthread_create(&b->inference[i], NULL, inference_main, b)) != 0) {
+            hapi_error_set(err, -rc, "cannot start an inference thread: %s", hapi_strerror(-rc));
+            hapi_batcher_free(b);
+            return -rc;
+        }
+        b->ninference++;
     }
-    b->inference_started = 1;
     for (int i = 0; i < cfg->decode_threads; i++) {
         if ((rc = pthread_create(&b->decoders[i], NULL, decode_main, b)) != 0) {
             hapi_error_set(err, -rc, "cannot start decode threads: %s", hapi_strerror(-rc));
@@ -708,8 +719,8 @@ void hapi_batcher_free(hapi_batcher *b)
     hapi_batcher_stop(b);
     for (int i = 0; i < b->ndecoders; i++)
         pthread_join(b->decoders[i], NULL);
-    if (b->inference_started)
-        pthread_join(b->inference, NULL);
+    for (int i = 0; i < b->ninference; i++)
+        pthread_join(b->inference[i], NULL);
     /* Whatever did not finish fails; no ticket may outlive the batcher. */
     pthread_mutex_lock(&b->lock);
     for (int p = 0; p < HAPI_PRIORITY_COUNT; p++) {
@@ -728,6 +739,7 @@ void hapi_batcher_free(hapi_batcher *b)
     pthread_cond_destroy(&b->start_cond);
     free(b->table);
     free(b->decoders);
+    free(b->inference);
     free(b);
 }
 

@@ -548,11 +548,16 @@ typedef void (*hapi_batcher_sink_fn)(void *ctx, const hapi_batch_result *results
 
 #define HAPI_BATCH_MAX 4096
 
+#define HAPI_BATCHER_WORKERS_MAX 64
+
 typedef struct hapi_batcher_config {
     int batch;               /* samples per inference, 1..HAPI_BATCH_MAX */
     int split;               /* stages [0, split) run; 0 = the extractor's split */
     int max_wait_us;         /* how long a partial batch waits for more demand */
     int decode_threads;      /* >= 1 */
+    int workers;             /* inference threads, each running its own batches with its
+                                share of node_cores (at least 1 thread); 0 = 1, at most
+                                HAPI_BATCHER_WORKERS_MAX */
     uint64_t mem_budget;     /* bytes of in-flight source bytes, images and tensors; 0 = none */
     size_t tag_size;         /* <= HAPI_BATCHER_TAG_MAX */
     hapi_batcher_load_fn load;
@@ -567,7 +572,7 @@ typedef struct hapi_batcher_config {
 } hapi_batcher_config;
 
 /*
- * Starts the decode threads and the inference thread over ex (borrowed: it
+ * Starts the decode threads and the inference threads over ex (borrowed: it
  * must outlive the batcher), and returns once every decode thread has made
  * its decoder or failed to: the batcher runs with those that did (stats
  * say how many). Returns 0, HAPI_EINVAL, -ENOMEM (no decode thread has a

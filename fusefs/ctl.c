@@ -148,7 +148,7 @@ static json_t *render_config(hapi_ctl *c)
     json_t *config = json_pack(
         "{s:s, s:o, s:o, s:{s:o, s:s, s:s, s:s?, s:s?, s:s, s:o}, s:o, "
         "s:{s:s, s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:o, s:s, s:I}, "
-        "s:{s:s, s:f, s:s, s:f, s:o, s:f, s:b, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:I, s:s}}",
+        "s:{s:s, s:f, s:s, s:f, s:o, s:f, s:b, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
         /* paths as a person reads them, whatever their bytes: see hapi_json_text() */
         "source", hapi_json_text(o->source),
@@ -180,7 +180,8 @@ static json_t *render_config(hapi_ctl *c)
           "watch", o->watch, "no_open", c->cfg.no_open, "uring", uring_active(c), "device", o->device, "blas", hapi_model_blas(), "batch", ts.batch,
           "batch_auto", ts.batch_auto,
           "batch_wait_ms", o->batch_wait_us / 1000,
-          "decode_threads", o->decode_threads, "mem_budget", (json_int_t)o->mem_budget,
+          "decode_threads", o->decode_threads, "inference_workers", o->inference_workers,
+          "mem_budget", (json_int_t)o->mem_budget,
           "prefetch", o->prefetch == HAPI_PREFETCH_DIR ? "dir" : "off");
     /* precision=auto: what was measured (or read back) to choose */
     const hapi_precision_choice *pa = c->cfg.precision_auto;

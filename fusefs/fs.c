@@ -339,6 +339,7 @@ static int init_serving(hapi_fs *fs, const hapi_fs_options *opt, hapi_error *err
         .errors = fs->errors, .batch_wait_us = stretched_batch_wait(opt),
         .decode_threads = opt->decode_threads, .mem_budget = opt->mem_budget,
         .node = fs->node_share, .torch_threads = opt->torch_threads,
+        .inference_workers = opt->inference_workers,
     };
     if ((rc = hapi_serve_new(&scfg, &fs->serve, err)) < 0)
         return rc;

@@ -35,7 +35,7 @@
 struct raw_options {
     char *model, *split, *freeze, *dtype, *preprocess, *precision, *cache, *cache_size;
     char *threads, *torch_threads, *show_raw, *watch, *no_open, *uring, *max_pixels, *device, *log;
-    char *batch, *batch_wait, *decode_threads, *mem, *warm, *cache_reset;
+    char *batch, *batch_wait, *decode_threads, *inference_workers, *mem, *warm, *cache_reset;
     char *link, *client_speed, *compute_file_ms, *epochs, *profile, *prefetch;
     char *refresh, *fetch_threads, *features, *rtt, *transport, *ctl_group;
     char *node, *node_mem, *node_cores;
@@ -74,6 +74,7 @@ static const struct fuse_opt option_table[] = {
     RAW("batch=%s", batch),
     RAW("batch_wait=%s", batch_wait),
     RAW("decode_threads=%s", decode_threads),
+    RAW("inference_workers=%s", inference_workers),
     RAW("mem=%s", mem),
     RAW("warm=%s", warm),
     RAW("prefetch=%s", prefetch),
@@ -260,6 +261,8 @@ void hapi_fs_usage(const char *prog)
            "                         per sample measured that fits mem)\n"
            "    batch_wait=MS        how long a partial batch waits for more reads (default 5)\n"
            "    decode_threads=N     JPEG/PNG decode threads (default 1)\n"
+           "    inference_workers=N  inference threads, each running its own batches with\n"
+           "                         torch_threads/N threads (default 1)\n"
            "    mem=SIZE             storage-side memory budget: weights, inference, images in\n"
            "                         flight; a size above 0, e.g. 512M or 2G (default 1G)\n"
            "    node=PATH|none       the file the mounts of this node share their budget and\n"
@@ -704,7 +707,8 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
         { "model", raw->model }, { "split", raw->split }, { "freeze", raw->freeze },
         { "dtype", raw->dtype }, { "preprocess", raw->preprocess },
         { "batch", raw->batch }, { "batch_wait", raw->batch_wait },
-        { "decode_threads", raw->decode_threads }, { "mem", raw->mem }, { "warm", raw->warm },
+        { "decode_threads", raw->decode_threads },
+        { "inference_workers", raw->inference_workers }, { "mem", raw->mem }, { "warm", raw->warm },
         { "node", raw->node }, { "node_mem", raw->node_mem }, { "node_cores", raw->node_cores },
         { "prefetch", raw->prefetch }, { "link", raw->link },
         { "client_speed", raw->client_speed }, { "compute_file_ms", raw->compute_file_ms },
@@ -871,6 +875,10 @@ static int validate_resources(struct raw_options *raw, hapi_fs_options *o, hapi_
     o->decode_threads = 1;
     if ((rc = parse_int_option("decode_threads", raw->decode_threads, 1, 256, NULL,
                                &o->decode_threads, err)) < 0)
+        return rc;
+    o->inference_workers = 1;
+    if ((rc = parse_int_option("inference_workers", raw->inference_workers, 1,
+                               HAPI_BATCHER_WORKERS_MAX, NULL, &o->inference_workers, err)) < 0)
         return rc;
     o->mem_budget = 1ull << 30;
     if (raw->mem && (hapi_fs_parse_size(raw->mem, &o->mem_budget) < 0 || o->mem_budget == 0))
@@ -1103,6 +1111,7 @@ out:
     free(raw.batch);
     free(raw.batch_wait);
     free(raw.decode_threads);
+    free(raw.inference_workers);
     free(raw.mem);
     free(raw.warm);
     free(raw.prefetch);

@@ -34,6 +34,7 @@ typedef struct hapi_fs_options {
     int batch;             /* storage-side batch; 0 = auto (the policy's) */
     int batch_wait_us;     /* how long a partial batch waits for more demand */
     int decode_threads;
+    int inference_workers; /* inference threads, each with torch_threads / N threads */
     uint64_t mem_budget;   /* bytes of in-flight images and tensors */
     char *node_path;       /* the node file shared with the node's other mounts; NULL: none */
     int node_required;     /* node options were given: failing to join fails the mount */

@@ -183,6 +183,7 @@ int hapi_serve_view_new(hapi_serve *s, int split, int batch, uint64_t model_byte
         .fault_oom_above = s->fault_oom_above,
         .node = s->cfg.node,
         .node_cores = s->cfg.torch_threads,
+        .workers = s->cfg.inference_workers,
     };
     if ((rc = hapi_batcher_new(s->cfg.ex, &cfg, &v->batcher, err)) < 0) {
         hapi_view_put(v);

@@ -43,7 +43,8 @@ typedef struct hapi_serve_config {
     int decode_threads;
     uint64_t mem_budget;       /* in-flight images and tensors, model included */
     hapi_node *node;           /* the node's budget and cores, which batchers draw from */
-    int torch_threads;         /* core tokens an inference holds */
+    int torch_threads;         /* core tokens the inferences of a batcher hold */
+    int inference_workers;     /* inference threads of a batcher, sharing torch_threads */
 } hapi_serve_config;
 
 typedef struct hapi_serve hapi_serve;

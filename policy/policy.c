@@ -187,11 +187,13 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
     size_t feat = (size_t)s->out_elems * (in->dtype == HAPI_DTYPE_FP16 ? 2 : 4);
     c->file_bytes = (uint64_t)(in->header_bytes + feat);
 
-    /* Decode overlaps inference only when there are cores for both. */
-    double infer = hapi_profile_ms(p, 0, split, c->batch);
+    /* Workers run batches side by side, each with the profile's threads. Decode overlaps
+       inference only when there are cores for both. */
+    int workers = in->inference_workers > 0 ? in->inference_workers : 1;
+    double infer = hapi_profile_ms(p, 0, split, c->batch) / workers;
     double decode = in->decode_ms / (in->decode_threads > 0 ? in->decode_threads : 1);
-    c->storage_ms = p->cores >= p->threads + in->decode_threads ? fmax(infer, decode)
-                                                                : infer + in->decode_ms;
+    c->storage_ms = p->cores >= p->threads * workers + in->decode_threads
+                        ? fmax(infer, decode) : infer + in->decode_ms;
     double received;
     c->reader_ms = reader_cost(in, (double)c->file_bytes, &received);
     struct link_cost l = link_terms(in, (double)c->file_bytes, (double)in->header_bytes,
@@ -477,7 +479,9 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
     for (int s = 1; s <= in->freeze && s <= HAPI_PROFILE_MAX_STAGES; s++)
         json_array_append_new(entries, json_real(in->cache_entry_bytes[s]));
     /* the rest of the inputs, so that hapi_policy_input_from_json() gives them all back */
-    json_t *rest = json_pack("{s:i, s:I, s:I}", "decode_threads", in->decode_threads,
+    json_t *rest = json_pack("{s:i, s:i, s:I, s:I}", "decode_threads", in->decode_threads,
+                             "inference_workers", in->inference_workers > 0
+                                                      ? in->inference_workers : 1,
                              "header_bytes", (json_int_t)in->header_bytes, "input_bytes",
                              (json_int_t)in->input_bytes);
     if (more && rest && json_object_update(more, rest) == 0) {
@@ -552,6 +556,8 @@ int hapi_policy_input_from_json(const char *text, const hapi_profile *profile,
     out->request_ms = num_of(in, "request_ms", &bad);
     out->decode_threads = json_object_get(in, "decode_threads")
                               ? (int)num_of(in, "decode_threads", &bad) : 1;
+    out->inference_workers = json_object_get(in, "inference_workers")
+                                 ? (int)num_of(in, "inference_workers", &bad) : 1;
     out->header_bytes = (size_t)num_of(in, "header_bytes", &bad);
     out->input_bytes = (size_t)num_of(in, "input_bytes", &bad);
     const char *dtype = json_string_value(json_object_get(in, "dtype"));

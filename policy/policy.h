@@ -235,6 +235,7 @@ typedef struct hapi_policy_input {
     int epochs;               /* expected epochs (>= 1) */
     int dtype;                /* enum hapi_dtype */
     int decode_threads;
+    int inference_workers;    /* inference threads, each running the profile's threads (0: 1) */
     size_t header_bytes;      /* .npy header of a .feat */
     size_t input_bytes;       /* one preprocessed sample, fp32 */
     double decode_ms;         /* decode + preprocess per sample on this node (measured) */
@@ -313,8 +314,9 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
 /*
  * The inputs back from hapi_policy_to_json()'s text (or from its "inputs" object alone) with
  * profile (borrowed: out->profile points to it): what an operator fixed from "choice", what was
- * cached from "candidates". Inputs written before header_bytes, input_bytes, decode_threads and
- * cache_entry_bytes were get the daemon's header for the profile's output, 0, 1 and 0. With
+ * cached from "candidates". Inputs written before header_bytes, input_bytes, decode_threads,
+ * inference_workers and cache_entry_bytes were get the daemon's header for the profile's
+ * output, 0, 1, 1 and 0. With
  * the same code, hapi_policy_choose() then gives the same choice: a choice can be replayed
  * after the model changes (bench/policy-eval). Returns 0 or HAPI_EINVAL (says what).
  */

@@ -114,17 +114,24 @@ static void reset_records(void)
     pthread_mutex_unlock(&rec_lock);
 }
 
-static hapi_batcher *start(int batch, int wait_us, int decoders, uint64_t budget)
+static hapi_batcher *start_workers(int batch, int wait_us, int decoders, uint64_t budget,
+                                   int workers)
 {
     hapi_batcher_config cfg = {
         .batch = batch, .max_wait_us = wait_us, .decode_threads = decoders,
         .mem_budget = budget, .tag_size = sizeof(int), .load = load, .sink = sink,
+        .workers = workers,
     };
     hapi_batcher *b = NULL;
     hapi_error err = { 0 };
     reset_records();
     ck_assert_msg(hapi_batcher_new(ex, &cfg, &b, &err) == 0, "%s", err.message);
     return b;
+}
+
+static hapi_batcher *start(int batch, int wait_us, int decoders, uint64_t budget)
+{
+    return start_workers(batch, wait_us, decoders, budget, 1);
 }
 
 static void finish_batcher(hapi_batcher *b)
@@ -294,6 +301,42 @@ START_TEST(batches_equal_singles)
     ck_assert_int_le(st.batches, 8); /* batched, not one by one */
     ck_assert_int_eq(sink_ok, 16);
     finish_batcher(b);
+}
+END_TEST
+
+/* Two inference workers, each taking its own batches: every sample is right and comes once;
+   a batcher of more workers than HAPI_BATCHER_WORKERS_MAX is refused. */
+START_TEST(workers_run_batches_side_by_side)
+{
+    hapi_batcher *b = start_workers(4, 1000, 2, 0, 2);
+    struct fetcher f[NKEYS];
+    pthread_t th[NKEYS];
+    char keys[NKEYS][16];
+    for (int i = 0; i < NKEYS; i++) {
+        key_name(keys[i], i);
+        f[i] = (struct fetcher){ .b = b, .key = keys[i] };
+        pthread_create(&th[i], NULL, fetch_thread, &f[i]);
+    }
+    for (int i = 0; i < NKEYS; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < NKEYS; i++) {
+        float ref[512];
+        reference(i, ref);
+        ck_assert_int_eq(f[i].rc, 0);
+        ck_assert_msg(close_enough(f[i].out, ref, 512), "key %d", i);
+    }
+    hapi_batcher_stats st;
+    hapi_batcher_stats_get(b, &st);
+    ck_assert_int_eq(st.samples, NKEYS);
+    ck_assert_int_eq(sink_ok, NKEYS);
+    finish_batcher(b);
+
+    hapi_batcher_config cfg = { .batch = 4, .decode_threads = 1, .tag_size = sizeof(int),
+                                .load = load, .sink = sink,
+                                .workers = HAPI_BATCHER_WORKERS_MAX + 1 };
+    hapi_error err = { 0 };
+    ck_assert_int_eq(hapi_batcher_new(ex, &cfg, &b, &err), HAPI_EINVAL);
+    ck_assert_ptr_null(b);
 }
 END_TEST
 
@@ -571,6 +614,7 @@ int main(void)
     } cases[] = {
         { "single_flight", single_flight },
         { "batches_equal_singles", batches_equal_singles },
+        { "workers_run_batches_side_by_side", workers_run_batches_side_by_side },
         { "demand_promotes_warm", demand_promotes_warm },
         { "requests_are_counted_once", requests_are_counted_once },
         { "failure_is_alone", failure_is_alone },

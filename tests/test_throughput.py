@@ -153,6 +153,48 @@ def test_bf16_parity_and_namespace(tmp_path, models, mounter):
     assert any(re.search(r"-cpu-(?!bf16-)[\w-]+-t\d+\.json$", n) for n in profiles), profiles
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_inference_workers_share_the_threads(tmp_path, models, mounter, precision):
+    """inference_workers=2: two inference threads run their own batches of one model at once,
+    each with torch_threads / 2 threads (the profile measured so), every image computed once
+    and right, in each precision."""
+    src = tmp_path / "src"
+    paths = make_tree(src, classes=2, per_class=12)
+    m = mounter(src, model=models(), batch=4, split=6, torch_threads=2, inference_workers=2,
+                prefetch="off", precision=precision, cache=str(tmp_path / "cache"))
+    assert m.ctl("config")["runtime"]["inference_workers"] == 2
+    feats = [p + ".feat" for p in paths]
+    got = read_concurrently(m, feats + feats, readers=16)
+    names = [(t / "comm").read_text().strip() for t in Path(f"/proc/{m.pid}/task").iterdir()]
+    assert names.count("hapifs-infer") >= 2, names
+    st = m.ctl("stats")
+    assert st["feat"]["computed"] == len(paths), st
+    assert st["batcher"]["samples"] == len(paths)
+    archive = models()
+    for p in paths:
+        ref = reference_features(archive, src / p, 6)
+        feat = np.load(m.path / (p + ".feat")).astype(np.float32)
+        assert isinstance(got[p + ".feat"], bytes)
+        if precision == "fp32":
+            np.testing.assert_allclose(feat, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
+        else:
+            g, w = feat.ravel().astype(np.float64), ref.ravel().astype(np.float64)
+            assert g @ w / np.linalg.norm(g) / np.linalg.norm(w) >= 0.99, (precision, p)
+    m.unmount()
+    profiles = [p.name for p in (tmp_path / "cache").glob("profile-*.json")]
+    assert any(n.endswith("-t1.json") for n in profiles), profiles  # one worker's threads
+
+
+@pytest.mark.parametrize("opts,why", [
+    ({"inference_workers": "0"}, "inference_workers=0"),
+    ({"inference_workers": "65"}, "inference_workers=65"),
+])
+def test_bad_inference_workers_are_refused(tmp_path, models, mounter, opts, why):
+    (tmp_path / "src").mkdir()
+    with pytest.raises(RuntimeError, match=why):
+        mounter(tmp_path / "src", model=models(), **opts)
+
+
 @pytest.mark.parametrize("opts,why", [
     ({"precision": "fp8"}, "precision=fp8: expected fp32, bf16, int8 or auto"),
     ({"precision": "bf16", "device": "cuda"}, "precision=bf16 runs on the CPU only"),
