@@ -541,7 +541,7 @@ static int batch_compute(hapi_batcher *b, struct batch_buffers *bb, int n, int *
     batch_gather(b, bb, n);
     /* the node's cores, divided among the mounts busy computing, and this mount's share among
        its workers */
-    int want = b->cfg.node_cores / b->workers > 0 ? b->cfg.node_cores / b->workers : 1;
+    int want = hapi_batcher_worker_threads(b->cfg.node_cores, b->workers);
     int tokens = hapi_node_cores_take(b->cfg.node, want, 0, &b->node_stop);
     int threads = tokens > 0 ? tokens : b->workers > 1 && !b->cfg.node ? want : 0;
     if (threads > 0 && threads != *threads_now) {
@@ -626,6 +626,27 @@ static void *inference_main(void *arg)
 
 /* ------------------------------------------------------------------ API */
 
+int hapi_batcher_worker_threads(int threads, int workers)
+{
+    int n = threads / (workers > 0 ? workers : 1);
+    return n > 0 ? n : 1;
+}
+
+/* Starts n threads running fn(b) into t, counting those started in *started (what
+   hapi_batcher_free() joins). 0 or -errno, with err saying which threads. */
+static int start_threads(hapi_batcher *b, pthread_t *t, int n, int *started,
+                         void *(*fn)(void *), const char *what, hapi_error *err)
+{
+    for (int i = 0; i < n; i++) {
+        int rc = pthread_create(&t[i], NULL, fn, b);
+        if (rc != 0)
+            return hapi_error_set(err, -rc, "cannot start %s threads: %s", what,
+                                  hapi_strerror(-rc));
+        (*started)++;
+    }
+    return 0;
+}
+
 int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_batcher **out,
                      hapi_error *err)
 {
@@ -670,21 +691,12 @@ int hapi_batcher_new(hapi_extractor *ex, const hapi_batcher_config *cfg, hapi_ba
     pthread_cond_init(&b->throttle_cond, NULL);
     pthread_cond_init(&b->start_cond, NULL);
 
-    for (int i = 0; i < b->workers; i++) {
-        if ((rc = pthread_create(&b->inference[i], NULL, inference_main, b)) != 0) {
-            hapi_error_set(err, -rc, "cannot start an inference thread: %s", hapi_strerror(-rc));
-            hapi_batcher_free(b);
-            return -rc;
-        }
-        b->ninference++;
-    }
-    for (int i = 0; i < cfg->decode_threads; i++) {
-        if ((rc = pthread_create(&b->decoders[i], NULL, decode_main, b)) != 0) {
-            hapi_error_set(err, -rc, "cannot start decode threads: %s", hapi_strerror(-rc));
-            hapi_batcher_free(b);
-            return -rc;
-        }
-        b->ndecoders++;
+    if ((rc = start_threads(b, b->inference, b->workers, &b->ninference, inference_main,
+                            "inference", err)) < 0 ||
+        (rc = start_threads(b, b->decoders, cfg->decode_threads, &b->ndecoders, decode_main,
+                            "decode", err)) < 0) {
+        hapi_batcher_free(b);
+        return rc;
     }
     pthread_mutex_lock(&b->lock);
     while (b->decoders_reported < b->ndecoders)

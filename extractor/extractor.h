@@ -660,6 +660,9 @@ int hapi_batcher_set_batch(hapi_batcher *b, int batch);
 /* Fills *st. Thread-safe. */
 void hapi_batcher_stats_get(hapi_batcher *b, hapi_batcher_stats *st);
 
+/* The torch threads of one of `workers` inference workers sharing `threads`: at least 1. */
+int hapi_batcher_worker_threads(int threads, int workers);
+
 /* ------------------------------------------------------------------ .npy */
 
 #define HAPI_NPY_HEADER_MAX 256

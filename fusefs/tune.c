@@ -137,13 +137,6 @@ static int count_image(const hapi_source_entry *e, void *arg)
 /* ------------------------------------------------------------- profile */
 
 /* A stored profile is used only if it describes this very model. */
-/* The torch threads of one inference worker: what the profile measures with. */
-static int worker_threads(const hapi_fs_options *o)
-{
-    int n = o->torch_threads / (o->inference_workers > 0 ? o->inference_workers : 1);
-    return n > 0 ? n : 1;
-}
-
 static int profile_matches(hapi_tune *t, const hapi_profile *p)
 {
     hapi_model *m = hapi_extractor_model(t->cfg.ex);
@@ -172,7 +165,10 @@ static int get_profile(hapi_tune *t, hapi_profile *prof, int *reused, hapi_error
     snprintf(device, sizeof(device), "%s%s%s%s%s", t->cfg.opt->device, fp32 ? "" : "-",
              fp32 ? "" : hapi_precision_name(t->cfg.opt->precision), cpu ? "-" : "",
              cpu ? hapi_model_blas() : "");
-    hapi_profile_file_name(digest, device, worker_threads(t->cfg.opt), name, sizeof(name));
+    /* one inference worker's threads: what each batch runs with */
+    int threads = hapi_batcher_worker_threads(t->cfg.opt->torch_threads,
+                                              t->cfg.opt->inference_workers);
+    hapi_profile_file_name(digest, device, threads, name, sizeof(name));
     snprintf(path, sizeof(path), "%s/%s", t->cfg.opt->cache_dir, name);
     *reused = 0;
     if (!t->cfg.opt->profile_redo) {
@@ -194,7 +190,7 @@ static int get_profile(hapi_tune *t, hapi_profile *prof, int *reused, hapi_error
     if (tokens < 0)
         return hapi_error_set(err, -ECANCELED, "unmounting");
     int rc = hapi_profile_measure(hapi_extractor_model(t->cfg.ex), digest, device,
-                                  worker_threads(t->cfg.opt), t->cfg.opt->mem_budget,
+                                  threads, t->cfg.opt->mem_budget,
                                   &t->stop, prof, err);
     hapi_node_cores_give(t->cfg.node, tokens);
     if (rc < 0)

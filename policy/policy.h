@@ -316,9 +316,8 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
  * profile (borrowed: out->profile points to it): what an operator fixed from "choice", what was
  * cached from "candidates". Inputs written before header_bytes, input_bytes, decode_threads,
  * inference_workers and cache_entry_bytes were get the daemon's header for the profile's
- * output, 0, 1, 1 and 0. With
- * the same code, hapi_policy_choose() then gives the same choice: a choice can be replayed
- * after the model changes (bench/policy-eval). Returns 0 or HAPI_EINVAL (says what).
+ * output, 0, 1, 1 and 0. With the same code, hapi_policy_choose() then gives the same choice:
+ * a choice can be replayed after the model changes (bench/policy-eval). Returns 0 or HAPI_EINVAL (says what).
  */
 int hapi_policy_input_from_json(const char *text, const hapi_profile *profile,
                                 hapi_policy_input *out, hapi_error *err);
