@@ -148,7 +148,7 @@ static json_t *render_config(hapi_ctl *c)
     json_t *config = json_pack(
         "{s:s, s:o, s:o, s:{s:o, s:s, s:s, s:s?, s:s?, s:s, s:o}, s:o, "
         "s:{s:s, s:s, s:i, s:i, s:[f,f,f], s:[f,f,f], s:I}, s:{s:o, s:s, s:I}, "
-        "s:{s:s, s:f, s:s, s:f, s:o, s:f, s:b, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:i, s:I, s:s}}",
+        "s:{s:s, s:f, s:f, s:s, s:f, s:o, s:f, s:b, s:i}, s:{s:i, s:i, s:b, s:b, s:b, s:b, s:s, s:s, s:i, s:b, s:i, s:i, s:i, s:I, s:s}}",
         "version", HAPI_VERSION,
         /* paths as a person reads them, whatever their bytes: see hapi_json_text() */
         "source", hapi_json_text(o->source),
@@ -170,7 +170,7 @@ static json_t *render_config(hapi_ctl *c)
               json_string_value(json_object_get(split, "namespace")) : "",
           "size_limit", (json_int_t)o->cache_size,
         "policy",
-          "link", rate, "rtt_ms", ts.rtt_s * 1e3,
+          "link", rate, "link_bytes", ts.link_bytes, "rtt_ms", ts.rtt_s * 1e3,
           "transport", ts.transport == HAPI_TRANSPORT_PACK ? "pack" : "file",
           "client_speed", ts.client_speed, "compute_stages_ms", compute_stages,
           "compute_file_ms", ts.compute_file_ms, "compute_file_ms_given", ts.compute_file_given,
@@ -700,6 +700,8 @@ static const char ctl_help[] =
     "#                 open files keep theirs, the next open sees the new shape\n"
     "#   batch N|auto  the storage-side batch\n"
     "#   link RATE     tell the policy the link's rate (e.g. 1Gbit); see .hapifs/policy\n"
+    "#   link_bytes X|any   the most a split's .feat may put on the link, in source\n"
+    "#                 images' bytes (1: never more than the images; any: no bound)\n"
     "#   client_speed X, epochs N, rtt TIME, transport file|pack, compute_cache SIZE,\n"
     "#   readers N     the policy's other inputs\n"
     "#   compute_stages MS,MS,...|none   the compute tier's ms per sample of the frozen\n"
@@ -985,8 +987,10 @@ static int cmd_input(hapi_ctl *c, int n, char **words, hapi_error *err)
                 : strcmp(words[0], "compute_cache") == 0 ? HAPI_TUNE_COMPUTE_CACHE
                 : strcmp(words[0], "readers") == 0      ? HAPI_TUNE_READERS
                 : strcmp(words[0], "compute_file_ms") == 0 ? HAPI_TUNE_COMPUTE_FILE_MS
+                : strcmp(words[0], "link_bytes") == 0   ? HAPI_TUNE_LINK_BYTES
                                                         : HAPI_TUNE_EPOCHS;
-    /* compute_file_ms default is -1: tune's "back to the policy's constant" */
+    /* compute_file_ms default and link_bytes any are -1: tune's "back to the policy's
+       constant" and "no bound" */
     hapi_tune_set_input(c->cfg.tune, which, in.number);
     hapi_log(HAPI_LOG_INFO, "policy input %s = %s", words[0], words[1]);
     return 0;
@@ -1004,6 +1008,7 @@ static const struct command {
     { "split", 1, 1, "split N|NAME|auto", cmd_split },
     { "batch", 1, 1, "batch N|auto", cmd_batch },
     { "link", 1, 1, "link RATE", cmd_input },
+    { "link_bytes", 1, 1, "link_bytes X|any", cmd_input },
     { "client_speed", 1, 1, "client_speed VALUE", cmd_input },
     { "epochs", 1, 1, "epochs VALUE", cmd_input },
     { "rtt", 1, 1, "rtt TIME", cmd_input },
@@ -1040,7 +1045,7 @@ static int run_line(hapi_ctl *c, int remote, char *line, hapi_error *err)
     }
     return hapi_error_set(err, -EINVAL,
                           "unknown command '%s' (known: warm, evict, split, batch, link, "
-                          "client_speed, epochs, rtt, transport, compute_cache, readers, "
+                          "link_bytes, client_speed, epochs, rtt, transport, compute_cache, readers, "
                           "compute_stages, compute_file_ms)",
                           words[0]);
 }

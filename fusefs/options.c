@@ -36,7 +36,7 @@ struct raw_options {
     char *model, *split, *freeze, *dtype, *preprocess, *precision, *cache, *cache_size;
     char *threads, *torch_threads, *show_raw, *watch, *no_open, *uring, *max_pixels, *device, *log;
     char *batch, *batch_wait, *decode_threads, *inference_workers, *mem, *warm, *cache_reset;
-    char *link, *client_speed, *compute_file_ms, *epochs, *profile, *prefetch;
+    char *link, *link_bytes, *client_speed, *compute_file_ms, *epochs, *profile, *prefetch;
     char *refresh, *fetch_threads, *features, *rtt, *transport, *ctl_group;
     char *node, *node_mem, *node_cores;
     int remote;
@@ -80,6 +80,7 @@ static const struct fuse_opt option_table[] = {
     RAW("prefetch=%s", prefetch),
     RAW("cache_reset=%s", cache_reset),
     RAW("link=%s", link),
+    RAW("link_bytes=%s", link_bytes),
     RAW("client_speed=%s", client_speed),
     RAW("compute_file_ms=%s", compute_file_ms),
     RAW("epochs=%s", epochs),
@@ -710,7 +711,7 @@ static int validate_remote(struct raw_options *raw, hapi_fs_options *o, hapi_err
         { "decode_threads", raw->decode_threads },
         { "inference_workers", raw->inference_workers }, { "mem", raw->mem }, { "warm", raw->warm },
         { "node", raw->node }, { "node_mem", raw->node_mem }, { "node_cores", raw->node_cores },
-        { "prefetch", raw->prefetch }, { "link", raw->link },
+        { "prefetch", raw->prefetch }, { "link", raw->link }, { "link_bytes", raw->link_bytes },
         { "client_speed", raw->client_speed }, { "compute_file_ms", raw->compute_file_ms },
         { "epochs", raw->epochs },
         { "profile", raw->profile }, { "device", raw->device }, { "max_pixels", raw->max_pixels },
@@ -909,9 +910,11 @@ static int validate_policy_inputs(struct raw_options *raw, hapi_fs_options *o, h
     o->transport = HAPI_TRANSPORT_FILE;
     o->client_speed = 1.0;
     o->compute_file_ms = -1; /* the policy's default, as compute_file_ms=default */
+    o->link_bytes = HAPI_POLICY_LINK_BYTES_DEFAULT;
     o->epochs = HAPI_POLICY_EPOCHS_DEFAULT;
     const struct { const char *name, *text; double *number; int *whole; } inputs[] = {
         { "link", raw->link, &o->link_bps, NULL },
+        { "link_bytes", raw->link_bytes, &o->link_bytes, NULL },
         { "rtt", raw->rtt, &o->rtt_s, NULL },
         { "transport", raw->transport, NULL, &o->transport },
         { "client_speed", raw->client_speed, &o->client_speed, NULL },
@@ -1116,6 +1119,7 @@ out:
     free(raw.warm);
     free(raw.prefetch);
     free(raw.link);
+    free(raw.link_bytes);
     free(raw.client_speed);
     free(raw.compute_file_ms);
     free(raw.epochs);

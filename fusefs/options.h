@@ -43,6 +43,8 @@ typedef struct hapi_fs_options {
     int warm;              /* warm the whole tree at mount */
     int prefetch;          /* enum hapi_prefetch_mode */
     double link_bps;       /* the link to the compute tier, bits/s */
+    double link_bytes;     /* the most a split's .feat may put on it, in source images' bytes
+                              (-1: link_bytes=any, no bound) */
     double rtt_s;          /* its round-trip time, seconds (0: not counted) */
     int transport;         /* enum hapi_policy_transport: how the compute tier reads */
     double client_speed;   /* the compute tier's speed relative to this node */

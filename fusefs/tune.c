@@ -297,6 +297,7 @@ int hapi_tune_start(const hapi_tune_config *cfg, hapi_tune **out, hapi_error *er
     pthread_mutex_init(&t->switch_lock, NULL);
     t->in = (hapi_policy_input){
         .link_bps = o->link_bps,
+        .link_bytes = o->link_bytes > 0 ? o->link_bytes : 0, /* any: no bound */
         .rtt_s = o->rtt_s,
         .transport = o->transport,
         .client_speed = o->client_speed,
@@ -503,6 +504,8 @@ void hapi_tune_set_input(hapi_tune *t, int which, double value)
         t->in.transport = (int)value;
     else if (which == HAPI_TUNE_COMPUTE_CACHE)
         t->in.compute_cache = value;
+    else if (which == HAPI_TUNE_LINK_BYTES)
+        t->in.link_bytes = value > 0 ? value : 0; /* any (-1): no bound */
     else if (which == HAPI_TUNE_READERS)
         t->in.readers = (int)value;
     else if (which == HAPI_TUNE_COMPUTE_FILE_MS) {
@@ -528,6 +531,7 @@ void hapi_tune_status_get(hapi_tune *t, hapi_tune_status *st)
         .batch = t->batch,
         .batch_auto = t->batch_auto,
         .link_bps = t->in.link_bps,
+        .link_bytes = t->in.link_bytes,
         .client_speed = t->in.client_speed,
         .compute_file_ms = t->in.compute_file_ms,
         .compute_file_given = t->compute_file_given,

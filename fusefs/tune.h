@@ -65,7 +65,8 @@ enum hapi_tune_input {
     HAPI_TUNE_TRANSPORT,    /* enum hapi_policy_transport */
     HAPI_TUNE_COMPUTE_CACHE, /* bytes */
     HAPI_TUNE_READERS,      /* concurrent per-file readers on the compute tier */
-    HAPI_TUNE_COMPUTE_FILE_MS /* ms; < 0: back to HAPI_POLICY_COMPUTE_FILE_MS */
+    HAPI_TUNE_COMPUTE_FILE_MS, /* ms; < 0: back to HAPI_POLICY_COMPUTE_FILE_MS */
+    HAPI_TUNE_LINK_BYTES    /* in source images' bytes; < 0 (any): no bound */
 };
 /* Sets one of the policy's inputs (bits/s, a ratio, a count); the caller validated it. */
 void hapi_tune_set_input(hapi_tune *t, int which, double value);
@@ -88,7 +89,7 @@ int hapi_tune_choose(hapi_tune *t, int split, hapi_policy_input *in_out,
 typedef struct hapi_tune_status {
     int split_by_operator;
     int batch, batch_auto;
-    double link_bps, client_speed, rtt_s;
+    double link_bps, link_bytes, client_speed, rtt_s;
     double compute_file_ms;    /* the policy's input */
     int compute_file_given;    /* ... measured and given (mount option, ctl), not the default */
     int epochs, transport;

@@ -30,6 +30,13 @@ static const hapi_policy_input_spec specs[] = {
       .min = 1e3, .max = 1e13, .range = "1kbit/s..10Tbit/s",
       .why = "below 1 kbit/s one feature file takes minutes to cross; 10 Tbit/s is beyond any "
              "NIC (Ethernet's fastest is 800 Gbit/s): room to say the link costs nothing" },
+    { .name = "link_bytes", .kind = HAPI_INPUT_FLOAT, .unit = "times", .mount_option = 1,
+      .value = "X", .fallback = "1",
+      .meaning = "the most a split's .feat may put on the link, in source images' bytes",
+      .min = 0.001, .max = 1000, .range = "0.001..1000", .words = "any",
+      .why = "1: never more than the images themselves (HAPI_POLICY_LINK_BYTES_DEFAULT); a "
+             "thousandth is below any feature (a ResNet's pooled 4 KB against a 100 KB JPEG is "
+             "0.04), and past 1000x any split is within; any: no bound" },
     { .name = "rtt", .kind = HAPI_INPUT_TIME, .unit = "s", .mount_option = 1,
       .value = "TIME", .fallback = "0",
       .meaning = "the link's round-trip time",

@@ -186,6 +186,8 @@ static void estimate(const hapi_policy_input *in, int split, hapi_policy_candida
 
     size_t feat = (size_t)s->out_elems * (in->dtype == HAPI_DTYPE_FP16 ? 2 : 4);
     c->file_bytes = (uint64_t)(in->header_bytes + feat);
+    c->within_bytes = !(in->link_bytes > 0) || !(in->source_bytes > 0) ||
+                      (double)c->file_bytes <= in->link_bytes * in->source_bytes;
 
     /* Workers run batches side by side, each with the profile's threads. Decode overlaps
        inference only when there are cores for both. */
@@ -267,6 +269,7 @@ static void estimate_raw(const hapi_policy_input *in, hapi_policy_candidate *c, 
     snprintf(c->name, sizeof(c->name), "raw");
     c->file_bytes = (uint64_t)in->source_bytes;
     c->fits = 1;
+    c->within_bytes = 1;
     c->storage_ms = (in->hit_ms + in->storage_file_ms) * storage_slowdown(p); /* serving a file */
     /* raw images are read one file at a time whatever serves the features; the reader decodes
        them too */
@@ -298,6 +301,11 @@ static int better(const hapi_policy_candidate *a, const hapi_policy_candidate *b
 {
     if (a->fits != b->fits)
         return a->fits;
+    /* within link_bytes first; of two over it, the fewer bytes */
+    if (a->within_bytes != b->within_bytes)
+        return a->within_bytes;
+    if (!a->within_bytes && a->file_bytes != b->file_bytes)
+        return a->file_bytes < b->file_bytes;
     /* within half a percent, fewer bytes on the link wins */
     if (fabs(a->total_s - b->total_s) <= 0.005 * fmax(a->total_s, b->total_s))
         return a->file_bytes < b->file_bytes;
@@ -393,6 +401,26 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
         n += snprintf(out->why + n, sz - (size_t)n,
                       "Its first epoch is bound by the %s tier, later ones by the %s tier. ",
                       w->cold_bound, w->warm_bound);
+    /* what link_bytes cost: the fastest split that fits, when the bound kept it out */
+    int fastest = -1;
+    for (int i = 0; i < out->ncand; i++)
+        if (out->cand[i].fits == w->fits &&
+            (fastest < 0 || out->cand[i].total_s < out->cand[fastest].total_s))
+            fastest = i;
+    if (n < (int)sz && !w->within_bytes)
+        n += snprintf(out->why + n, sz - (size_t)n,
+                      "No split's .feat is within link_bytes=%g of a source image (%.0f bytes): "
+                      "the fewest bytes won. ", in->link_bytes, in->source_bytes);
+    else if (n < (int)sz && fastest >= 0 && fastest != best &&
+             out->cand[fastest].total_s < w->total_s && !out->cand[fastest].within_bytes) {
+        const hapi_policy_candidate *f = &out->cand[fastest];
+        fmt_time(f->total_s, t2, sizeof(t2));
+        n += snprintf(out->why + n, sz - (size_t)n,
+                      "%s would take %s (-%.0f%%) but put %.1fx a source image's bytes on the "
+                      "link, over link_bytes=%g. ",
+                      f->name, t2, (1 - f->total_s / w->total_s) * 100,
+                      (double)f->file_bytes / in->source_bytes, in->link_bytes);
+    }
     if (n < (int)sz && out->raw.total_s > 0 && w->total_s > 0)
         n += snprintf(out->why + n, sz - (size_t)n,
                       "Raw images would take %.1fx as long and move %.1fx the bytes.",
@@ -411,7 +439,7 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
 static json_t *candidate_json(const hapi_policy_candidate *c, double cached, int chosen)
 {
     json_t *j = json_pack("{s:i, s:s, s:i, s:I, s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, "
-                     "s:f, s:s, s:s, s:f, s:b, s:b}",
+                     "s:f, s:s, s:s, s:f, s:b, s:b, s:b}",
                      "split", c->split, "stage", c->name, "batch", c->batch, "memory",
                      (json_int_t)c->mem_bytes, "file_bytes", (json_int_t)c->file_bytes,
                      "storage_ms", c->storage_ms, "link_ms", c->link_ms, "link_file_ms",
@@ -419,7 +447,8 @@ static json_t *candidate_json(const hapi_policy_candidate *c, double cached, int
                      c->compute_ms, "cold_epoch_s", c->cold_s, "warm_epoch_s", c->warm_s,
                      "total_s", c->total_s, "total_file_s", c->total_file_s, "total_pack_s",
                      c->total_pack_s, "cold_bound", c->cold_bound, "warm_bound",
-                     c->warm_bound, "cached", cached, "fits", c->fits, "chosen", chosen);
+                     c->warm_bound, "cached", cached, "fits", c->fits, "chosen", chosen,
+                     "within_link_bytes", c->within_bytes);
     /* the link's terms and the caches of both tiers, as hapifs-ctl policy explains them */
     json_t *terms = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f}", "link_bytes_ms", c->link_bytes_ms,
                               "link_trips_ms", c->link_trips_ms, "reader_ms", c->reader_ms,
@@ -464,14 +493,14 @@ char *hapi_policy_to_json(const hapi_policy_input *in, const hapi_policy_choice 
         "raw", candidate_json(&c->raw, 0, 0));
     if (!root)
         return NULL;
-    json_t *more = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:i, s:f}", "compute_cache",
-                             in->compute_cache, "storage_file_ms", in->storage_file_ms,
-                             "storage_serve_ms", in->storage_serve_ms, "compute_byte_ns",
-                             in->compute_byte_ns, "compute_load_ns", in->compute_load_ns,
-                             "compute_file_ms", in->compute_file_ms, "request_ms",
-                             in->request_ms, "file_overhead_bytes",
-                             HAPI_POLICY_FILE_OVERHEAD, "file_round_trips",
-                             HAPI_POLICY_FILE_ROUND_TRIPS, "cold_norm",
+    json_t *more = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:i, s:f}",
+                             "compute_cache", in->compute_cache, "link_bytes", in->link_bytes,
+                             "storage_file_ms", in->storage_file_ms, "storage_serve_ms",
+                             in->storage_serve_ms, "compute_byte_ns", in->compute_byte_ns,
+                             "compute_load_ns", in->compute_load_ns, "compute_file_ms",
+                             in->compute_file_ms, "request_ms", in->request_ms,
+                             "file_overhead_bytes", HAPI_POLICY_FILE_OVERHEAD,
+                             "file_round_trips", HAPI_POLICY_FILE_ROUND_TRIPS, "cold_norm",
                              HAPI_POLICY_COLD_NORM);
     json_t *stages = json_array(), *entries = json_array();
     for (int i = 0; i < in->compute_nstages; i++)
@@ -548,6 +577,7 @@ int hapi_policy_input_from_json(const char *text, const hapi_profile *profile,
     out->samples = (uint64_t)num_of(in, "samples", &bad);
     out->cache_room = (uint64_t)num_of(in, "cache_room", &bad);
     out->compute_cache = num_of(in, "compute_cache", &bad);
+    out->link_bytes = num_of(in, "link_bytes", &bad); /* absent: no bound, as chosen then */
     out->storage_file_ms = num_of(in, "storage_file_ms", &bad);
     out->storage_serve_ms = num_of(in, "storage_serve_ms", &bad);
     out->compute_byte_ns = num_of(in, "compute_byte_ns", &bad);

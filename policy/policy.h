@@ -133,6 +133,13 @@ double hapi_profile_memory(const hapi_profile *p, int split, int batch);
 
 #define HAPI_POLICY_EPOCHS_DEFAULT 5
 #define HAPI_POLICY_LINK_DEFAULT 1e9         /* bits/s when link= is not given */
+/* link_bytes= when not given: a split never puts more on the link than the images would.
+   The link is what this system exists to relieve, and it is shared: the policy costs one
+   job's time, not what its bytes cost the link's other users. Without a bound, a storage node
+   4x slower than the compute tier picks ResNet-50's stem (401 KB a sample in fp16 against a
+   ~100 KB JPEG): 4.35x faster than the usual pipeline over 5 epochs at 100 Mbit, but 3.75x
+   its bytes (bench/bench-e2e, docs/deployment.md). */
+#define HAPI_POLICY_LINK_BYTES_DEFAULT 1.0
 #define HAPI_POLICY_BATCH_CAP 32             /* batch=auto never goes beyond: larger batches
                                                 gained nothing per sample on CPUs measured */
 #define HAPI_POLICY_FILE_OVERHEAD 512        /* bytes on the link per file beyond its content:
@@ -240,6 +247,11 @@ typedef struct hapi_policy_input {
     size_t input_bytes;       /* one preprocessed sample, fp32 */
     double decode_ms;         /* decode + preprocess per sample on this node (measured) */
     double source_bytes;      /* mean size of a source image (for the raw reference) */
+    double link_bytes;        /* the most bytes a split's .feat may put on the link per sample,
+                                 as a multiple of source_bytes: a split over it wins only when
+                                 no split is within it, and then the one with the fewest bytes
+                                 (HAPI_POLICY_LINK_BYTES_DEFAULT, 1: never more than the images
+                                 themselves); 0: no bound, as while source_bytes is unknown */
     double hit_ms;            /* serving one cached .feat on this node */
     uint64_t samples;         /* images in the tree (0: unknown; times per 1000 samples) */
     double cached[HAPI_PROFILE_MAX_STAGES + 1]; /* [split]: fraction already in the cache */
@@ -281,6 +293,7 @@ typedef struct hapi_policy_candidate {
     const char *cold_bound;   /* "storage", "link" or "compute": what limits the cold epoch */
     const char *warm_bound;
     int fits;                 /* batch 1 fits the memory budget */
+    int within_bytes;         /* file_bytes is within link_bytes x source_bytes (or no bound) */
 } hapi_policy_candidate;
 
 typedef struct hapi_policy_choice {
@@ -291,7 +304,7 @@ typedef struct hapi_policy_choice {
     hapi_policy_candidate cand[HAPI_PROFILE_MAX_STAGES];
     hapi_policy_candidate raw; /* the usual pipeline: images over the link, all on the compute tier */
     double samples;           /* what the epoch times count (samples, or 1000 when unknown) */
-    char why[512];            /* one paragraph: why the winner won */
+    char why[768];            /* one paragraph: why the winner won */
 } hapi_policy_choice;
 
 /*
@@ -301,7 +314,9 @@ typedef struct hapi_policy_choice {
  * client_speed where those were not measured: every epoch per file, once with
  * packs); an epoch
  * takes as long as its slowest tier. A cached sample costs the storage tier
- * only a hit. The winner has the least time over epochs (ties: fewer bytes).
+ * only a hit. The winner has the least time over epochs (ties: fewer bytes) of the
+ * splits whose .feat is within link_bytes of a source image; when none is, the one
+ * with the fewest bytes.
  * batch=auto is the batch (a power of two <= HAPI_POLICY_BATCH_CAP whose
  * memory estimate fits mem_budget) with the least time per sample; of those
  * within 3% of it, the smallest. Returns 0 or HAPI_EINVAL (bad input: says what).

@@ -121,6 +121,56 @@ START_TEST(fast_link_slow_storage_early_split)
 }
 END_TEST
 
+/* link_bytes: a split whose .feat outweighs that many source images does not win while one is
+   within it; when none is, the fewest bytes win; without a source size there is no bound. */
+START_TEST(link_bytes_bounds_the_split)
+{
+    resnet_like(&prof);
+    hapi_policy_choice c, free_choice;
+    /* 100 Mbit, a compute tier 10x faster, one epoch: unbounded, an early split wins */
+    hapi_policy_input in = input(100e6, 10);
+    in.epochs = 1;
+    int unbounded = choose(&in, &free_choice);
+    ck_assert_int_lt(unbounded, 5);
+    ck_assert(free_choice.cand[free_choice.index].within_bytes);
+    ck_assert_uint_gt(free_choice.cand[free_choice.index].file_bytes, 110000);
+
+    /* never more than the images: of the frozen splits only pool (4 KB) is within 110 KB */
+    in.link_bytes = 1;
+    ck_assert_int_eq(choose(&in, &c), 6);
+    for (int i = 0; i < c.ncand; i++)
+        ck_assert_int_eq(c.cand[i].within_bytes, c.cand[i].file_bytes <= 110000);
+    ck_assert(c.raw.within_bytes);
+    /* the estimates do not move, only the winner; why says what the bound cost */
+    ck_assert_double_eq(c.cand[unbounded - 1].total_s, free_choice.cand[unbounded - 1].total_s);
+    ck_assert_double_gt(c.cand[c.index].total_s, c.cand[unbounded - 1].total_s);
+    ck_assert_msg(strstr(c.why, "over link_bytes=1") && strstr(c.why,
+                  free_choice.cand[free_choice.index].name), "why: %s", c.why);
+
+    /* a bound the fastest split is within changes nothing */
+    in.link_bytes = (double)free_choice.cand[free_choice.index].file_bytes / 110000 + 0.01;
+    ck_assert_int_eq(choose(&in, &c), unbounded);
+    ck_assert_ptr_null(strstr(c.why, "link_bytes"));
+
+    /* no split within: the fewest bytes (pool), and why says so */
+    in.link_bytes = 0.001;
+    ck_assert_int_eq(choose(&in, &c), 6);
+    ck_assert(!c.cand[c.index].within_bytes);
+    ck_assert_msg(strstr(c.why, "No split's .feat is within link_bytes=0.001"), "why: %s", c.why);
+
+    /* the images' size unknown: no bound */
+    in.link_bytes = 1;
+    in.source_bytes = 0;
+    ck_assert_int_eq(choose(&in, &c), unbounded);
+
+    /* an operator's split is served whatever the bound */
+    in.source_bytes = 110000;
+    in.split = 1;
+    ck_assert_int_eq(choose(&in, &c), 1);
+    ck_assert(!c.cand[c.index].within_bytes);
+}
+END_TEST
+
 START_TEST(cached_split_preferred)
 {
     resnet_like(&prof);
@@ -422,6 +472,7 @@ START_TEST(inputs_json_round_trip)
     in.readers = 2;
     in.decode_threads = 2;
     in.compute_cache = 5e6;
+    in.link_bytes = 2.0;
     in.storage_file_ms = 0.25;
     in.storage_serve_ms = 1.5;
     in.compute_file_ms = 1.5;
@@ -784,6 +835,7 @@ START_TEST(inputs_fallbacks_and_help)
         { "compute_file_ms", HAPI_POLICY_COMPUTE_FILE_MS },
         { "epochs", HAPI_POLICY_EPOCHS_DEFAULT }, { "compute_cache", 0 },
         { "readers", HAPI_POLICY_READERS_DEFAULT },
+        { "link_bytes", HAPI_POLICY_LINK_BYTES_DEFAULT },
     };
     size_t n;
     const hapi_policy_input_spec *specs = hapi_policy_input_specs(&n);
@@ -992,6 +1044,7 @@ int main(void)
     TCase *tc = tcase_create("choice");
     tcase_add_test(tc, slow_link_late_split);
     tcase_add_test(tc, fast_link_slow_storage_early_split);
+    tcase_add_test(tc, link_bytes_bounds_the_split);
     tcase_add_test(tc, cached_split_preferred);
     tcase_add_test(tc, never_past_freeze);
     tcase_add_test(tc, memory_caps_batch);

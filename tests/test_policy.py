@@ -94,7 +94,8 @@ def test_the_link_moves_the_split(tree, mounter, models):
     slow.unmount()
     # a fast link, a far faster compute tier, one epoch: leave the work to the compute tier,
     # short of the earliest splits, whose bytes cost its CPU to receive (compute_byte_ns)
-    fast = mounter(src, model=models(), link="1000Gbit", client_speed=1000, epochs=1)
+    fast = mounter(src, model=models(), link="1000Gbit", client_speed=1000, epochs=1,
+                   link_bytes="any")
     policy = fast.ctl("policy")
     choice = policy["choice"]["split"]
     assert choice < freeze - 1, policy["why"]
@@ -314,6 +315,49 @@ def test_probe_speed_takes_the_trunk_out_of_the_loop(tree, mounter, models):
     assert float(loop[0].split("beside the trunk's ")[1].rstrip(";")) > 0, loop
 
 
+def test_link_bytes_keeps_splits_larger_than_the_images_out(tree, mounter, models):
+    """link_bytes=: by default no split whose .feat outweighs the images wins; any lifts the
+    bound, live; the candidates over it are marked, and why says what the bound cost."""
+    src, _ = tree
+    # the setting that picks an early split without a bound (test_the_link_moves_the_split)
+    m = mounter(src, model=models(), link="1000Gbit", client_speed=1000, epochs=1)
+    policy = m.ctl("policy")
+    source = policy["inputs"]["source_bytes"]
+    assert source > 0 and policy["inputs"]["link_bytes"] == 1
+    assert m.ctl("config")["policy"]["link_bytes"] == 1
+    for c in policy["candidates"]:
+        assert c["within_link_bytes"] == (c["file_bytes"] <= source), c
+    within = [c for c in policy["candidates"] if c["within_link_bytes"]]
+    assert within, policy["candidates"]  # the pooled features are smaller than a 64x80 image
+    chosen = next(c for c in policy["candidates"] if c["chosen"])
+    assert chosen["within_link_bytes"]
+    assert chosen["total_s"] == min(c["total_s"] for c in within)
+    fastest = min(policy["candidates"], key=lambda c: c["total_s"])
+    assert not fastest["within_link_bytes"], policy["candidates"]
+    assert f"{fastest['stage']} would take" in policy["why"], policy["why"]
+    assert "over link_bytes=1" in policy["why"], policy["why"]
+    text = ctl("policy", m.path).stdout
+    assert "(over link_bytes)" in text and "at most 1x a source image's bytes" in text, text
+    # any: the least time wins; split auto serves it
+    r = ctl("set-link-bytes", "any", m.path)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    policy = m.ctl("policy")
+    assert policy["inputs"]["link_bytes"] == 0
+    assert all(c["within_link_bytes"] for c in policy["candidates"])
+    assert policy["choice"]["split"] == fastest["split"], policy["why"]
+    (m.path / ".hapifs" / "ctl").write_text("split auto\n")
+    assert m.ctl("config")["split"]["index"] == fastest["split"]
+    # refused whole, nothing changes
+    for bad in ["0", "-1", "x", "1001", "nan", ""]:
+        with pytest.raises(OSError) as e:
+            with open(m.path / ".hapifs" / "ctl", "w") as f:
+                f.write(f"link_bytes {bad}\n")
+        assert e.value.errno == 22, bad
+    assert m.ctl("policy")["inputs"]["link_bytes"] == 0
+    (m.path / ".hapifs" / "ctl").write_text("link_bytes 1\n")
+    assert m.ctl("policy")["choice"]["split"] == chosen["split"]
+
+
 def test_compute_file_ms_reaches_the_policy(tree, mounter, models, tmp_path):
     """The compute tier's loop per file: a mount option, a control command (hapifs-ctl
     set-compute-file-ms), back to the default; the policy charges it to every reader."""
@@ -370,6 +414,8 @@ def test_injected_oom_halves_the_batch_and_every_read_succeeds(tree, mounter, mo
     ("link=100", "no unit"),
     ("link=fast", "link rate"),
     ("client_speed=0", "client_speed"),
+    ("link_bytes=0", "link_bytes"),
+    ("link_bytes=none", "link_bytes"),
     ("compute_file_ms=-1", "compute_file_ms"),
     ("epochs=0", "epochs"),
     ("profile=again", "profile"),

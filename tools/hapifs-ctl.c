@@ -32,6 +32,8 @@ static const char usage_text[] =
     "    set-batch N|auto   the storage-side batch\n"
     "    set-link RATE      tell the policy the link's rate (e.g. 1Gbit, 100Mbit, 125MB/s)\n"
     "    set-rtt TIME       ... the link's round-trip time (e.g. 1ms, 0)\n"
+    "    set-link-bytes X|any  ... the most a split's .feat may put on the link, in source\n"
+    "                       images' bytes (1: never more than the images; any: no bound)\n"
     "    set-client-speed X ... the compute tier's speed relative to this node, as measured\n"
     "                       there (examples/probe-speed.py prints it)\n"
     "    set-compute-stages MS,MS,...|none  ... the compute tier's ms per sample of each frozen\n"
@@ -712,6 +714,14 @@ static int cmd_policy(const char *mnt)
     printf("transport %s, rtt %.3g ms, %.0f readers, compute tier keeps %s of .feat files\n",
            str(p, "inputs.transport"), num(p, "inputs.rtt_ms"), num(p, "inputs.readers"),
            human_size(num(p, "inputs.compute_cache"), a, sizeof(a)));
+    if (num(p, "inputs.link_bytes") > 0 && num(p, "inputs.source_bytes") > 0)
+        printf("a .feat may put at most %.3gx a source image's bytes on the link (%s)\n",
+               num(p, "inputs.link_bytes"),
+               human_size(num(p, "inputs.link_bytes") * num(p, "inputs.source_bytes"), a,
+                          sizeof(a)));
+    else
+        printf("a .feat may put any number of bytes on the link%s\n",
+               num(p, "inputs.link_bytes") > 0 ? " (the images' size is not measured yet)" : "");
     printf("epochs of %.0f samples%s\n\n", samples,
            num(p, "inputs.samples") > 0 ? "" : " (the tree is not counted yet: per 1000)");
     printf("  %-3s %-10s %5s %10s %9s %9s %9s %10s %10s %10s %7s  %s\n", "#", "stage", "batch",
@@ -735,7 +745,9 @@ static int cmd_policy(const char *mnt)
                human_time(num(c, "total_s"), t3, sizeof(t3)), 100 * num(c, "cached"),
                str(c, "cold_bound"), str(c, "warm_bound"),
                raw ? "  (raw images: the usual pipeline)"
-                   : json_is_true(json_object_get(c, "fits")) ? "" : "  (does not fit mem)");
+               : !json_is_true(json_object_get(c, "fits")) ? "  (does not fit mem)"
+               : json_is_false(json_object_get(c, "within_link_bytes")) ? "  (over link_bytes)"
+                                                                         : "");
     }
     json_decref(all);
     printf("\n* %s\n", str(p, "why"));
@@ -752,13 +764,14 @@ static int cmd_policy(const char *mnt)
     return 0;
 }
 
-/* set-split, set-batch, set-link, set-rtt, set-client-speed, set-compute-cache,
+/* set-split, set-batch, set-link, set-link-bytes, set-rtt, set-client-speed, set-compute-cache,
    set-compute-stages, set-compute-file-ms: one control command, then what the mount says now. */
 static int cmd_set(const char *mnt, const char *cmd, const char *value)
 {
     const char *command = strcmp(cmd, "set-split") == 0          ? "split"
                           : strcmp(cmd, "set-batch") == 0        ? "batch"
                           : strcmp(cmd, "set-rtt") == 0          ? "rtt"
+                          : strcmp(cmd, "set-link-bytes") == 0   ? "link_bytes"
                           : strcmp(cmd, "set-client-speed") == 0 ? "client_speed"
                           : strcmp(cmd, "set-compute-cache") == 0 ? "compute_cache"
                           : strcmp(cmd, "set-compute-stages") == 0 ? "compute_stages"
@@ -829,6 +842,7 @@ int main(int argc, char *argv[])
                 strcmp(cmd, "profile") == 0 || strcmp(cmd, "policy") == 0 ||
                 strcmp(cmd, "set-split") == 0 || strcmp(cmd, "set-batch") == 0 ||
                 strcmp(cmd, "set-link") == 0 || strcmp(cmd, "set-rtt") == 0 ||
+                strcmp(cmd, "set-link-bytes") == 0 ||
                 strcmp(cmd, "set-client-speed") == 0 || strcmp(cmd, "set-compute-cache") == 0 ||
                 strcmp(cmd, "set-compute-stages") == 0 || strcmp(cmd, "set-compute-file-ms") == 0;
     if (!known)
