@@ -373,7 +373,8 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
     const hapi_policy_candidate *w = &out->cand[best], *c = &out->cand[chosen];
     int second = -1;
     for (int i = 0; i < out->ncand; i++)
-        if (i != best && (second < 0 || better(&out->cand[i], &out->cand[second])))
+        if (i != best && out->cand[i].within_bytes == w->within_bytes &&
+            (second < 0 || better(&out->cand[i], &out->cand[second])))
             second = i;
     char t1[32], t2[32], t3[32];
     fmt_time(w->total_s, t1, sizeof(t1));
@@ -385,14 +386,20 @@ int hapi_policy_choose(const hapi_policy_input *in, hapi_policy_choice *out, hap
                       "split %d (%s) was set by the operator (estimated %s over %d epochs); "
                       "the policy would pick %s (split %d): ",
                       c->split, c->name, t3, in->epochs, w->name, w->split);
-    if (second >= 0) {
+    if (!w->within_bytes) {
+        n += snprintf(out->why + n, sz - (size_t)n, "%s puts the fewest bytes on the link: %s "
+                      "over %d epochs. ", w->name, t1, in->epochs);
+    } else if (second >= 0) {
         const hapi_policy_candidate *r = &out->cand[second];
         fmt_time(r->total_s, t2, sizeof(t2));
         n += snprintf(out->why + n, sz - (size_t)n,
                       "%s has the least estimated time over %d epochs, %s, against %s for %s "
                       "(+%.0f%%). ",
                       w->name, in->epochs, t1, t2, r->name,
-                      w->total_s > 0 ? (r->total_s / w->total_s - 1) * 100 : 0.0);
+                      w->total_s > 0 ? fmax(0, r->total_s / w->total_s - 1) * 100 : 0.0);
+    } else if (out->ncand > 1) {
+        n += snprintf(out->why + n, sz - (size_t)n, "%s is the only split within link_bytes=%g: "
+                      "%s over %d epochs. ", w->name, in->link_bytes, t1, in->epochs);
     } else {
         n += snprintf(out->why + n, sz - (size_t)n, "%s is the only frozen split: %s over %d "
                       "epochs. ", w->name, t1, in->epochs);

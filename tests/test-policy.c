@@ -146,6 +146,7 @@ START_TEST(link_bytes_bounds_the_split)
     ck_assert_double_gt(c.cand[c.index].total_s, c.cand[unbounded - 1].total_s);
     ck_assert_msg(strstr(c.why, "over link_bytes=1") && strstr(c.why,
                   free_choice.cand[free_choice.index].name), "why: %s", c.why);
+    ck_assert_msg(strstr(c.why, "pool is the only split within link_bytes=1"), "why: %s", c.why);
 
     /* a bound the fastest split is within changes nothing */
     in.link_bytes = (double)free_choice.cand[free_choice.index].file_bytes / 110000 + 0.01;
@@ -156,7 +157,8 @@ START_TEST(link_bytes_bounds_the_split)
     in.link_bytes = 0.001;
     ck_assert_int_eq(choose(&in, &c), 6);
     ck_assert(!c.cand[c.index].within_bytes);
-    ck_assert_msg(strstr(c.why, "No split's .feat is within link_bytes=0.001"), "why: %s", c.why);
+    ck_assert_msg(strstr(c.why, "No split's .feat is within link_bytes=0.001") &&
+                  strstr(c.why, "pool puts the fewest bytes on the link"), "why: %s", c.why);
 
     /* the images' size unknown: no bound */
     in.link_bytes = 1;

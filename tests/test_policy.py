@@ -321,10 +321,10 @@ def test_link_bytes_keeps_splits_larger_than_the_images_out(tree, mounter, model
     src, _ = tree
     # the setting that picks an early split without a bound (test_the_link_moves_the_split)
     m = mounter(src, model=models(), link="1000Gbit", client_speed=1000, epochs=1)
+    assert m.ctl("config")["policy"]["link_bytes"] == 1  # waits for the first split
     policy = m.ctl("policy")
     source = policy["inputs"]["source_bytes"]
     assert source > 0 and policy["inputs"]["link_bytes"] == 1
-    assert m.ctl("config")["policy"]["link_bytes"] == 1
     for c in policy["candidates"]:
         assert c["within_link_bytes"] == (c["file_bytes"] <= source), c
     within = [c for c in policy["candidates"] if c["within_link_bytes"]]
@@ -344,9 +344,12 @@ def test_link_bytes_keeps_splits_larger_than_the_images_out(tree, mounter, model
     policy = m.ctl("policy")
     assert policy["inputs"]["link_bytes"] == 0
     assert all(c["within_link_bytes"] for c in policy["candidates"])
-    assert policy["choice"]["split"] == fastest["split"], policy["why"]
+    free = next(c for c in policy["candidates"] if c["chosen"])
+    # the least time, or within half a percent of it with fewer bytes (the policy's ties)
+    assert free["total_s"] <= fastest["total_s"] * 1.005, policy["why"]
+    assert free["file_bytes"] > source, policy["why"]
     (m.path / ".hapifs" / "ctl").write_text("split auto\n")
-    assert m.ctl("config")["split"]["index"] == fastest["split"]
+    assert m.ctl("config")["split"]["index"] == free["split"]
     # refused whole, nothing changes
     for bad in ["0", "-1", "x", "1001", "nan", ""]:
         with pytest.raises(OSError) as e:
