@@ -334,7 +334,7 @@ static void calib_synthetic(float *out, int count, int channels, int side)
 }
 
 /* An int8 model's calibration: the first images under cfg->calibrate_dir, or seeded samples. */
-static int calibrate(hapi_extractor *ex, const char *dir, hapi_error *err)
+static int calibrate(hapi_extractor *ex, const char *dir, double min_cosine, hapi_error *err)
 {
     hapi_calibration *c = &ex->calibration;
     size_t side = (size_t)ex->meta.input_size, sample = 3 * side * side;
@@ -357,7 +357,8 @@ static int calibrate(hapi_extractor *ex, const char *dir, hapi_error *err)
     XXH128_canonicalFromHash(&canon, XXH3_128bits(samples, (size_t)n * sample * sizeof(float)));
     memcpy(c->digest, canon.digest, sizeof(c->digest));
     uint64_t t0 = hapi_now_ns();
-    int rc = hapi_model_calibrate(ex->model, samples, n, err);
+    c->min_cosine = min_cosine > 0 ? min_cosine : HAPI_INT8_MIN_COSINE;
+    int rc = hapi_model_calibrate(ex->model, samples, n, c->min_cosine, err);
     c->seconds = (double)(hapi_now_ns() - t0) / 1e9;
     free(samples);
     /* the calibration's activations and the fp32 copy of the weights are free now: give them
@@ -487,7 +488,7 @@ int hapi_extractor_open(const hapi_extractor_config *cfg, hapi_extractor **out, 
     memcpy(ex->preprocess.mean, ex->meta.mean, sizeof(ex->meta.mean));
     memcpy(ex->preprocess.std, ex->meta.std, sizeof(ex->meta.std));
     if (cfg->precision == HAPI_PRECISION_INT8 &&
-        (rc = calibrate(ex, cfg->calibrate_dir, err)) < 0)
+        (rc = calibrate(ex, cfg->calibrate_dir, cfg->int8_min_cosine, err)) < 0)
         goto fail;
     hapi_model_stage(ex->model, ex->split - 1, &ex->output);
     ex->dtype = cfg->dtype;

@@ -203,7 +203,7 @@ static json_t *render_config(hapi_ctl *c)
                             json_pack("{s:i, s:s, s:s, s:f, s:f}", "images", cal->images,
                                       "samples", cal->images ? "source" : "seeded",
                                       "digest", hex, "seconds", cal->seconds,
-                                      "min_cosine", HAPI_INT8_MIN_COSINE));
+                                      "min_cosine", cal->min_cosine));
     }
     return config;
 }

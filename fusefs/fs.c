@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <malloc.h> /* malloc_trim() */
 #include <linux/fuse.h> /* struct fuse_out_header: a notice libfuse 3.14 cannot send */
 #include <math.h>
 #include <pthread.h>
@@ -129,7 +130,7 @@ static void log_bf16_check(hapi_model *m)
                  "%.6f or more of fp32's on the check's inputs", lowest);
 }
 
-/* How an int8 model was calibrated (HAPI_INT8_MIN_COSINE): on what, which stages run in int8,
+/* How an int8 model was calibrated: on what, which stages run in int8,
    how close to fp32. */
 static void log_int8_calibration(const hapi_extractor *ex, const char *source)
 {
@@ -142,15 +143,17 @@ static void log_int8_calibration(const hapi_extractor *ex, const char *source)
     else
         snprintf(on, sizeof(on), "%d seeded image-like samples (no image in %s)",
                  HAPI_INT8_CALIBRATION_IMAGES, source);
-    hapi_log(HAPI_LOG_INFO, "precision=int8: calibrated on %s in %.1f s; int8: %s; fp32: %s; "
-             "features at cosine %.6f or more of fp32's there", on, c->seconds,
-             int8[0] ? int8 : "none", fp32[0] ? fp32 : "none", lowest);
+    hapi_log(HAPI_LOG_INFO, "precision=int8: calibrated on %s in %.1f s, a stage int8 where "
+             "within cosine %g of fp32; int8: %s; fp32: %s; features at cosine %.6f or more of "
+             "fp32's there", on, c->seconds, c->min_cosine, int8[0] ? int8 : "none",
+             fp32[0] ? fp32 : "none", lowest);
 }
 
 /* The model at precision, as the mount's options say; a bf16 one's check logged, an int8
-   one calibrated on the source's first images. */
-static int open_extractor(const hapi_fs_options *opt, int precision, hapi_extractor **out,
-                          hapi_error *err)
+   one calibrated on the source's first images, its stages kept int8 within int8_min_cosine
+   of fp32 (0: HAPI_INT8_MIN_COSINE). */
+static int open_extractor(const hapi_fs_options *opt, int precision, double int8_min_cosine,
+                          hapi_extractor **out, hapi_error *err)
 {
     hapi_extractor_config cfg = {
         .model_path = opt->model,
@@ -163,6 +166,7 @@ static int open_extractor(const hapi_fs_options *opt, int precision, hapi_extrac
         .device = opt->device,
         .precision = precision,
         .calibrate_dir = opt->source,
+        .int8_min_cosine = int8_min_cosine,
     };
     int rc = hapi_extractor_open(&cfg, out, err);
     if (rc == 0 && precision == HAPI_PRECISION_BF16)
@@ -184,9 +188,11 @@ static void choice_path(const hapi_fs_options *opt, const uint8_t digest[16], ch
 
 /*
  * precision=auto (policy.h): the choice kept in the cache directory for this model if there
- * is one (and profile_redo does not ask again), else fp32 and bf16 both loaded and timed, the
- * faster kept. A device other than the CPU runs fp32 (bf16 is the CPU's). Sets
- * opt->precision to the one chosen and fs->ex to its extractor.
+ * is one (and profile_redo does not ask again), else fp32, bf16 and int8 loaded (each with its
+ * check; int8 calibrated on the source, its stages kept int8 within the bound of auto,
+ * HAPI_PRECISION_MIN_COSINE) and timed, the fastest kept. A
+ * device other than the CPU runs fp32 (bf16 and int8 are the CPU's). Sets opt->precision to
+ * the one chosen and fs->ex to its extractor.
  */
 static int open_auto(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
 {
@@ -196,9 +202,9 @@ static int open_auto(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
     char path[PATH_MAX + 300];
     opt->precision = HAPI_PRECISION_FP32;
     if (strcmp(opt->device, "cpu") != 0) {
-        hapi_log(HAPI_LOG_INFO, "precision=auto on %s: fp32 (bf16 runs on the CPU only)",
+        hapi_log(HAPI_LOG_INFO, "precision=auto on %s: fp32 (bf16 and int8 run on the CPU only)",
                  opt->device);
-        return open_extractor(opt, HAPI_PRECISION_FP32, &fs->ex, err);
+        return open_extractor(opt, HAPI_PRECISION_FP32, 0, &fs->ex, err);
     }
     if ((rc = hapi_file_digest(opt->model, digest, err)) < 0)
         return rc;
@@ -208,35 +214,38 @@ static int open_auto(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         opt->precision = c->precision;
         hapi_log(HAPI_LOG_INFO, "precision=auto: %s, as chosen before (%s): %s",
                  hapi_precision_name(c->precision), path, c->why);
-        return open_extractor(opt, c->precision, &fs->ex, err);
+        return open_extractor(opt, c->precision, HAPI_PRECISION_MIN_COSINE, &fs->ex, err);
     }
     if (!opt->profile_redo && rc != -ENOENT)
         hapi_log(HAPI_LOG_WARNING, "precision=auto: %s; choosing again", lerr.message);
-    hapi_extractor *ex[2] = { NULL, NULL };
-    if ((rc = open_extractor(opt, HAPI_PRECISION_FP32, &ex[0], err)) < 0)
-        return rc;
-    if ((rc = open_extractor(opt, HAPI_PRECISION_BF16, &ex[1], &lerr)) < 0) {
-        /* bf16 cannot load here (libtorch without it): fp32, said once, nothing stored */
-        hapi_log(HAPI_LOG_WARNING, "precision=auto: fp32, as bf16 does not load: %s",
-                 lerr.message);
-        memset(c, 0, sizeof(*c));
-        fs->ex = ex[0];
-        return 0;
+    hapi_extractor *ex[HAPI_PRECISION_CANDIDATES] = { NULL };
+    hapi_model *m[HAPI_PRECISION_CANDIDATES] = { NULL };
+    double setup[HAPI_PRECISION_CANDIDATES] = { 0 };
+    for (int p = 0; p < HAPI_PRECISION_CANDIDATES; p++) {
+        uint64_t t0 = hapi_now_ns();
+        rc = open_extractor(opt, p, HAPI_PRECISION_MIN_COSINE, &ex[p],
+                            p == HAPI_PRECISION_FP32 ? err : &lerr);
+        setup[p] = (double)(hapi_now_ns() - t0) / 1e9;
+        if (rc < 0 && p == HAPI_PRECISION_FP32)
+            return rc;
+        if (rc < 0) /* libtorch without it here: not a candidate */
+            hapi_log(HAPI_LOG_WARNING, "precision=auto: %s does not load: %s",
+                     hapi_precision_name(p), lerr.message);
+        m[p] = ex[p] ? hapi_extractor_model(ex[p]) : NULL;
     }
-    rc = hapi_precision_choose(hapi_extractor_model(ex[0]), hapi_extractor_model(ex[1]),
-                               hapi_extractor_meta(ex[0])->input_size,
+    rc = hapi_precision_choose(m, setup, hapi_extractor_meta(ex[0])->input_size,
                                hapi_extractor_freeze(ex[0]), c, err);
-    if (rc < 0) {
-        hapi_extractor_close(ex[0]);
-        hapi_extractor_close(ex[1]);
+    for (int p = 0; p < HAPI_PRECISION_CANDIDATES; p++)
+        if (ex[p] && (rc < 0 || p != c->precision))
+            hapi_extractor_close(ex[p]);
+    if (rc < 0)
         return rc;
-    }
     opt->precision = c->precision;
-    fs->ex = ex[c->precision == HAPI_PRECISION_BF16];
-    hapi_extractor_close(ex[c->precision != HAPI_PRECISION_BF16]);
+    fs->ex = ex[c->precision];
+    /* the losers' memory back to the system, as after a calibration */
+    malloc_trim(0);
     hapi_log(HAPI_LOG_INFO, "precision=auto: %s, measured in %.1f s (%.1f s on the pruned): %s",
-             hapi_precision_name(c->precision), c->seconds,
-             c->pruned_seconds, c->why);
+             hapi_precision_name(c->precision), c->seconds, c->pruned_seconds, c->why);
     return 0;
 }
 
@@ -266,8 +275,9 @@ static int init_lower(hapi_fs *fs, hapi_fs_options *opt, hapi_error *err)
         return rc;
     /* A batch's tensors reuse the last one's memory, up to the budget (extractor.h). */
     hapi_extractor_keep_heap(opt->mem_budget);
-    rc = opt->precision == HAPI_PRECISION_AUTO ? open_auto(fs, opt, err)
-                                               : open_extractor(opt, opt->precision, &fs->ex, err);
+    rc = opt->precision == HAPI_PRECISION_AUTO
+             ? open_auto(fs, opt, err)
+             : open_extractor(opt, opt->precision, 0, &fs->ex, err);
     if (rc < 0)
         return rc;
     hapi_cache_options copt = { .max_bytes = opt->cache_size, .reset = opt->cache_reset };

@@ -413,56 +413,76 @@ int hapi_policy_input_help(const hapi_policy_input_spec *s, char *buf, size_t si
 /* ------------------------------------------------------------ precision=auto */
 
 /*
- * precision=auto: the arithmetic a mount's model runs in, chosen by measuring both
- * candidates on this node. bf16 is loaded with its check (HAPI_BF16_MIN_COSINE), so it meets
- * the fidelity bound by construction (stages it cannot carry run in fp32); what is measured
- * is speed: stages [0, to) on HAPI_PRECISION_BATCH random samples of the probed shape, each
- * candidate once to warm up, then HAPI_PRECISION_ROUNDS rounds taking turns. A candidate is
- * pruned as soon as it is clearly slower than the other: its warm-up over
- * HAPI_PRECISION_PRUNE_WARMUP times the other's (one-time costs are in both), or its best
- * timed batch over HAPI_PRECISION_PRUNE times the other's best. Of two survivors, bf16 is
- * chosen when its median is at most HAPI_PRECISION_MARGIN of fp32's: fp32 is the reference,
- * and bf16 must pay for its rounding.
+ * precision=auto: the arithmetic a mount's model runs in, chosen by measuring the candidates
+ * on this node: fp32, bf16 and int8 (enum hapi_precision), each loaded as its precision= would
+ * load it (bf16 with its check, int8 calibrated and checked). A candidate whose features fall
+ * below HAPI_PRECISION_MIN_COSINE of fp32's at some stage of [0, to) at its check is not timed.
+ * The others run stages [0, to) on HAPI_PRECISION_BATCH random samples of the probed shape,
+ * once each to warm up, then HAPI_PRECISION_ROUNDS rounds taking turns. A candidate is pruned
+ * as soon as it is clearly slower than the fastest left: its warm-up over
+ * HAPI_PRECISION_PRUNE_WARMUP times the fastest warm-up (one-time costs are in each), or its
+ * best timed batch over HAPI_PRECISION_PRUNE times the fastest best. Of those left, the
+ * choice starts at the most exact (fp32, then bf16, then int8) and moves to a less exact one
+ * whose median is at most HAPI_PRECISION_MARGIN of the choice's: fp32 is the reference, and a
+ * coarser arithmetic must pay for its rounding.
  */
+#define HAPI_PRECISION_CANDIDATES 3 /* fp32, bf16, int8: enum hapi_precision's values */
 #define HAPI_PRECISION_BATCH 8
 #define HAPI_PRECISION_ROUNDS 3
 #define HAPI_PRECISION_PRUNE_WARMUP 2.0
 #define HAPI_PRECISION_PRUNE 1.5
 #define HAPI_PRECISION_MARGIN 0.95
+#define HAPI_PRECISION_MIN_COSINE 0.999
+
+/* What became of a candidate. */
+enum hapi_candidate_state {
+    HAPI_CANDIDATE_ABSENT = 0,  /* not loaded (does not load on this node or device) */
+    HAPI_CANDIDATE_TIMED = 1,   /* timed to the end */
+    HAPI_CANDIDATE_PRUNED = 2,  /* clearly slower than another: pruned */
+    HAPI_CANDIDATE_BELOW = 3    /* below HAPI_PRECISION_MIN_COSINE at its check: not timed */
+};
+
+typedef struct hapi_precision_candidate {
+    int state;            /* enum hapi_candidate_state */
+    double ms;            /* per sample, median of the timed runs; 0: none timed */
+    double warmup_ms;     /* per sample, the first run; 0: not run */
+    int runs;             /* timed runs */
+    double seconds;       /* spent running it here, warm-up included */
+    double setup_seconds; /* spent loading it, with its check or calibration (the caller's) */
+    int moved;            /* stages of [0, to) its check moved to fp32 */
+    double min_cosine;    /* the lowest check cosine of [0, to) against fp32 (1 for fp32) */
+} hapi_precision_candidate;
 
 typedef struct hapi_precision_choice {
     int precision;        /* enum hapi_precision chosen */
     int stored;           /* read from the cache directory, not measured this mount */
     int batch;            /* samples a timed run */
     int to;               /* stages [0, to) timed */
-    double ms[2];         /* per sample, median of the timed runs, by enum hapi_precision; 0:
-                             none timed (pruned at the warm-up) */
-    double warmup_ms[2];  /* per sample, the first run of each */
-    int runs[2];          /* timed runs of each */
-    int pruned;           /* the precision pruned, or -1 */
-    double seconds;       /* spent running both, warm-ups included */
-    double pruned_seconds; /* of which on the pruned one */
-    int bf16_moved;       /* stages of [0, to) bf16's check moved to fp32 */
-    double bf16_min_cosine; /* the lowest check_cosine of [0, to) in bf16 */
+    hapi_precision_candidate c[HAPI_PRECISION_CANDIDATES]; /* by enum hapi_precision */
+    double seconds;       /* spent on every candidate, loading and running */
+    double pruned_seconds; /* of which on the pruned and those below the bound */
     char cpu[96];         /* the CPU measured on (/proc/cpuinfo's model name): a choice
                              read back on another is made again */
-    char why[256];        /* one sentence */
+    char why[384];        /* what was done with each candidate, and why the choice */
 } hapi_precision_choice;
 
 /*
- * Times fp32 and bf16 (two models of one archive, loaded with the same threads and probed at
- * 3 x size x size) over stages [0, to) as described above and fills *out. Runs on the calling
- * thread. Returns 0, HAPI_EINVAL, -ENOMEM, or a model error (HAPI_EOOM, HAPI_EMODEL).
+ * Chooses among the models m (by enum hapi_precision; NULL: absent; m[fp32] is required),
+ * loaded from one archive with the same threads and probed at 3 x size x size, over stages
+ * [0, to), as described above, and fills *out; setup_seconds (may be NULL) gives what loading
+ * each took. Runs on the calling thread. Returns 0, HAPI_EINVAL, -ENOMEM, or a model error
+ * (HAPI_EOOM, HAPI_EMODEL).
  */
-int hapi_precision_choose(hapi_model *fp32, hapi_model *bf16, int size, int to,
+int hapi_precision_choose(hapi_model *const m[HAPI_PRECISION_CANDIDATES],
+                          const double *setup_seconds, int size, int to,
                           hapi_precision_choice *out, hapi_error *err);
 
 /* The choice as JSON text (malloc'd, caller frees), or NULL when out of memory. */
 char *hapi_precision_choice_to_json(const hapi_precision_choice *c);
 
 /* Reads a choice stored with hapi_policy_save_text(hapi_precision_choice_to_json()); sets
-   stored. Returns 0, -ENOENT (none), or HAPI_EINVAL (unreadable, or measured on another
-   CPU: says which). */
+   stored. Returns 0, -ENOENT (none), or HAPI_EINVAL (unreadable, of an older version, or
+   measured on another CPU: says which). */
 int hapi_precision_choice_load(const char *path, hapi_precision_choice *out, hapi_error *err);
 
 /*

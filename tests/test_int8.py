@@ -37,7 +37,7 @@ def test_int8_is_calibrated_on_the_source_and_stays_near_fp32(tmp_path, models, 
     assert all(MIN_COSINE <= s["check_cosine"] <= 1 + 1e-9 for s in stages.values()), stages
     cal = config["model"]["int8_calibration"]
     assert cal["images"] == CALIBRATION_IMAGES and cal["samples"] == "source", cal
-    assert len(cal["digest"]) == 32 and cal["seconds"] > 0, cal
+    assert len(cal["digest"]) == 32 and cal["seconds"] > 0 and cal["min_cosine"] == 0.995, cal
     assert f"precision=int8: calibrated on the first {CALIBRATION_IMAGES} images of " \
         f"{src}" in m.log_text()
     ns = config["cache"]["namespace"]

@@ -1,37 +1,69 @@
-"""precision=auto on a real mount: fp32 and bf16 both timed at mount, a clearly slower one
-pruned, the faster kept (and read back at the next mount), served as an explicit
-precision= of the same value serves it.
+"""precision=auto on a real mount: fp32, bf16 and int8 loaded at mount (each with its check,
+int8 calibrated on the source), those within the fidelity bound timed, a clearly slower one
+pruned, the fastest kept (and read back at the next mount), served as an explicit precision=
+of the same value serves it.
 
 What is checked is that the choice follows its rule from the figures it reports, never which
 precision wins: that depends on the CPU (bf16 is several times faster with AMX, slower without
-any bf16 instructions)."""
+any bf16 instructions; int8 pays with AMX or VNNI)."""
 import json
+
+import pytest
 
 from test_throughput import make_tree
 
-FACTOR_WARMUP, FACTOR, MARGIN = 2.0, 1.5, 0.95  # policy.h, HAPI_PRECISION_*
+# policy.h, HAPI_PRECISION_*
+FACTOR_WARMUP, MARGIN, MIN_COSINE = 2.0, 0.95, 0.999
+NAMES = ("fp32", "bf16", "int8")  # the finest first
 
 
 def check_rule(pa):
     """The choice follows from the figures it gives."""
-    other = {"fp32": "bf16", "bf16": "fp32"}
-    assert pa["batch"] == 8 and pa["cpu"] and pa["seconds"] >= pa["pruned_seconds"] >= 0, pa
-    assert pa["bf16_min_cosine"] >= 0.9995 and pa["bf16_moved"] == 0, pa
-    if pa["pruned"]:
-        p, kept = pa["pruned"], other[pa["pruned"]]
-        assert pa["chosen"] == kept and pa["pruned_seconds"] > 0, pa
-        if pa["runs"][p] == 0:  # at the warm-up
-            assert pa["warmup_ms"][p] > FACTOR_WARMUP * pa["warmup_ms"][kept], pa
-            assert pa["runs"][kept] == 0, pa
-        else:
-            assert pa["runs"][p] >= 1 and pa["ms"][p] > 0, pa
-    else:
-        assert pa["runs"] == {"fp32": 3, "bf16": 3} and pa["pruned_seconds"] == 0, pa
-        want = "bf16" if pa["ms"]["bf16"] <= MARGIN * pa["ms"]["fp32"] else "fp32"
-        assert pa["chosen"] == want, pa
+    cs = pa["candidates"]
+    assert sorted(cs) == sorted(NAMES), pa
+    assert pa["batch"] == 8 and pa["cpu"] and pa["min_cosine"] == MIN_COSINE, pa
+    assert cs["fp32"]["min_cosine"] == 1.0 and cs["fp32"]["moved"] == 0, pa
+    assert cs["bf16"]["min_cosine"] >= 0.9995 and cs["bf16"]["moved"] == 0, pa
+    # int8 is calibrated with auto's bound: within it by construction, as bf16 is
+    assert cs["int8"]["state"] == "absent" or cs["int8"]["min_cosine"] >= MIN_COSINE, pa
+    run = [n for n in NAMES if cs[n]["state"] in ("timed", "pruned")]
+    assert "fp32" in run, pa
+    spent = pruned = 0.0
+    for n in NAMES:
+        c = cs[n]
+        assert c["state"] in ("timed", "pruned", "below_bound", "absent"), pa
+        assert 0 <= c["runs"] <= 3, pa
+        if c["state"] != "absent":
+            assert c["setup_seconds"] > 0, pa
+        if c["state"] == "below_bound":
+            assert c["min_cosine"] < MIN_COSINE and c["warmup_ms"] == 0 and c["runs"] == 0, pa
+        if n in run:
+            assert c["min_cosine"] >= MIN_COSINE and c["warmup_ms"] > 0 and c["seconds"] > 0, pa
+        spent += c["seconds"] + c["setup_seconds"]
+        if c["state"] in ("pruned", "below_bound"):
+            pruned += c["seconds"] + c["setup_seconds"]
+    assert pa["seconds"] == pytest.approx(spent) and pa["pruned_seconds"] == \
+        pytest.approx(pruned), pa
+    least = min(cs[n]["warmup_ms"] for n in run)
+    for n in run:  # pruned at the warm-up: clearly slower than the fastest warm-up
+        if cs[n]["state"] == "pruned" and cs[n]["runs"] == 0:
+            assert cs[n]["warmup_ms"] > FACTOR_WARMUP * least, pa
+    left = [n for n in NAMES if cs[n]["state"] == "timed"]
+    if len(left) > 1:
+        assert all(cs[n]["runs"] == 3 for n in left), pa
+
+    def figure(n):
+        return cs[n]["ms"] if cs[n]["runs"] else cs[n]["warmup_ms"]
+
+    want = left[0]
+    for n in left[1:]:
+        if figure(n) <= MARGIN * figure(want):
+            want = n
+    assert pa["chosen"] == want, pa
+    assert pa["why"].startswith(want + ": "), pa
 
 
-def test_auto_times_both_keeps_the_faster_and_remembers(tmp_path, models, mounter):
+def test_auto_times_each_keeps_the_fastest_and_remembers(tmp_path, models, mounter):
     src = tmp_path / "src"
     paths = make_tree(src, classes=1, per_class=3, size=(64, 80))
     model = models("resnet18", 64)
@@ -43,6 +75,9 @@ def test_auto_times_both_keeps_the_faster_and_remembers(tmp_path, models, mounte
         config["split"]["freeze"], pa
     check_rule(pa)
     assert f"precision=auto: {chosen}, measured in" in m.log_text()
+    assert "a stage int8 where within cosine 0.999 of fp32" in m.log_text()
+    if chosen == "int8":
+        assert config["model"]["int8_calibration"]["min_cosine"] == MIN_COSINE
     feats = {p: (m.path / (p + ".feat")).read_bytes() for p in paths}
     namespace = config["split"]["namespace"]
     m.unmount()
@@ -72,10 +107,11 @@ def test_auto_times_both_keeps_the_faster_and_remembers(tmp_path, models, mounte
     assert "measured on another CPU (Another CPU); choosing again" in m.log_text()
     m.unmount()
 
-    # a choice where neither was pruned ("pruned": null) is read back too
-    text = json.loads(stored.read_text())
-    stored.write_text(json.dumps(dict(text, pruned=None, pruned_seconds=0.0)))
+    # a choice stored before int8 was a candidate is made again
+    stored.write_text(json.dumps({"version": 1, "cpu": pa["cpu"], "chosen": "bf16"}))
     m = mounter(src, model=model, split="layer2", precision="auto", cache=str(tmp_path / "a"))
-    back = m.ctl("config")["model"]["precision_auto"]
-    assert back["stored"] is True and back["pruned"] is None, back
+    fresh = m.ctl("config")["model"]["precision_auto"]
+    assert fresh["stored"] is False, fresh
+    check_rule(fresh)
+    assert "version 1, from before int8 was a candidate; choosing again" in m.log_text()
     m.unmount()
