@@ -113,6 +113,18 @@ static int uring_active(hapi_ctl *c)
     return u.active;
 }
 
+/* precision=auto: what was measured (or read back) to choose; NULL without it. */
+static json_t *render_precision_auto(hapi_ctl *c)
+{
+    const hapi_precision_choice *pa = c->cfg.precision_auto;
+    char *text = pa ? hapi_precision_choice_to_json(pa) : NULL;
+    json_t *choice = text ? json_loads(text, 0, NULL) : NULL;
+    free(text);
+    if (choice)
+        json_object_set_new(choice, "stored", json_boolean(pa->stored));
+    return choice;
+}
+
 static json_t *render_config(hapi_ctl *c)
 {
     const hapi_fs_options *o = c->cfg.opt;
@@ -183,17 +195,11 @@ static json_t *render_config(hapi_ctl *c)
           "decode_threads", o->decode_threads, "inference_workers", o->inference_workers,
           "mem_budget", (json_int_t)o->mem_budget,
           "prefetch", o->prefetch == HAPI_PREFETCH_DIR ? "dir" : "off");
-    /* precision=auto: what was measured (or read back) to choose */
-    const hapi_precision_choice *pa = c->cfg.precision_auto;
-    char *text = pa ? hapi_precision_choice_to_json(pa) : NULL;
-    json_t *choice = text ? json_loads(text, 0, NULL) : NULL;
-    free(text);
-    if (choice && config) {
-        json_object_set_new(choice, "stored", json_boolean(pa->stored));
+    json_t *choice = render_precision_auto(c);
+    if (choice && config)
         json_object_set_new(json_object_get(config, "model"), "precision_auto", choice);
-    } else {
+    else
         json_decref(choice);
-    }
     /* precision=int8: what calibrated it */
     if (config && o->precision == HAPI_PRECISION_INT8) {
         const hapi_calibration *cal = hapi_extractor_calibration(c->cfg.ex);
@@ -463,6 +469,12 @@ static json_t *render_policy(hapi_ctl *c)
                                           ts.split_by_operator ? "operator" : "policy",
                                           "differs", v->split != choice->split));
         hapi_view_put(v);
+        /* the arithmetic the splits are timed in, and with precision=auto how it was chosen */
+        if (j)
+            json_object_set_new(j, "precision",
+                                json_pack("{s:s, s:o*}", "name",
+                                          hapi_precision_name(c->cfg.opt->precision), "auto",
+                                          render_precision_auto(c)));
         if (j)
             json_object_set_new(j, "state", json_string("ready"));
     }

@@ -7,10 +7,14 @@ What is checked is that the choice follows its rule from the figures it reports,
 precision wins: that depends on the CPU (bf16 is several times faster with AMX, slower without
 any bf16 instructions; int8 pays with AMX or VNNI)."""
 import json
+import subprocess
 
 import pytest
 
+from conftest import BUILD_ROOT
 from test_throughput import make_tree
+
+CTL = BUILD_ROOT / "tools" / "hapifs-ctl"
 
 # policy.h, HAPI_PRECISION_*
 FACTOR_WARMUP, MARGIN, MIN_COSINE = 2.0, 0.95, 0.999
@@ -63,6 +67,15 @@ def check_rule(pa):
     assert pa["why"].startswith(want + ": "), pa
 
 
+def shown(m, chosen, pa, when):
+    """.hapifs/policy and hapifs-ctl policy say the precision and how auto chose it."""
+    policy = m.ctl("policy")
+    assert policy["precision"] == {"name": chosen, "auto": pa}, policy["precision"]
+    out = subprocess.run([str(CTL), "policy", str(m.path)], capture_output=True, text=True,
+                         check=True).stdout
+    assert f"precision {chosen}, chosen by precision=auto {when}: {pa['why']}\n" in out, out
+
+
 def test_auto_times_each_keeps_the_fastest_and_remembers(tmp_path, models, mounter):
     src = tmp_path / "src"
     paths = make_tree(src, classes=1, per_class=3, size=(64, 80))
@@ -78,6 +91,7 @@ def test_auto_times_each_keeps_the_fastest_and_remembers(tmp_path, models, mount
     assert "a stage int8 where within cosine 0.999 of fp32" in m.log_text()
     if chosen == "int8":
         assert config["model"]["int8_calibration"]["min_cosine"] == MIN_COSINE
+    shown(m, chosen, pa, "at this mount")
     feats = {p: (m.path / (p + ".feat")).read_bytes() for p in paths}
     namespace = config["split"]["namespace"]
     m.unmount()
@@ -86,6 +100,7 @@ def test_auto_times_each_keeps_the_fastest_and_remembers(tmp_path, models, mount
     e = mounter(src, model=model, split="layer2", precision=chosen, cache=str(tmp_path / "e"))
     assert e.ctl("config")["split"]["namespace"] == namespace
     assert "precision_auto" not in e.ctl("config")["model"]
+    assert e.ctl("policy")["precision"] == {"name": chosen}
     assert all((e.path / (p + ".feat")).read_bytes() == feats[p] for p in paths)
     e.unmount()
 
@@ -94,6 +109,7 @@ def test_auto_times_each_keeps_the_fastest_and_remembers(tmp_path, models, mount
     again = m.ctl("config")["model"]["precision_auto"]
     assert again == dict(pa, stored=True), (again, pa)
     assert f"precision=auto: {chosen}, as chosen before" in m.log_text()
+    shown(m, chosen, again, "at an earlier mount")
     m.unmount()
 
     # a choice measured on another CPU is made again

@@ -754,6 +754,13 @@ static int cmd_policy(const char *mnt)
     json_t *config = load(mnt, "config");
     explain_terms(p, config && json_is_true(get(config, "policy.compute_file_ms_given")));
     json_decref(config);
+    if (get(p, "precision.auto"))
+        printf("\nprecision %s, chosen by precision=auto %s: %s\n", str(p, "precision.name"),
+               json_is_true(get(p, "precision.auto.stored")) ? "at an earlier mount"
+                                                             : "at this mount",
+               str(p, "precision.auto.why"));
+    else if (get(p, "precision"))
+        printf("\nprecision %s\n", str(p, "precision.name"));
     if (get(p, "current"))
         printf("\nserving split %.0f (%s), batch %.0f, set by the %s%s\n", num(p, "current.split"),
                str(p, "current.stage"), num(p, "current.batch"), str(p, "current.by"),
