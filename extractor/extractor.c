@@ -358,7 +358,7 @@ static int calibrate(hapi_extractor *ex, const char *dir, double min_cosine, hap
     memcpy(c->digest, canon.digest, sizeof(c->digest));
     uint64_t t0 = hapi_now_ns();
     c->min_cosine = min_cosine > 0 ? min_cosine : HAPI_INT8_MIN_COSINE;
-    int rc = hapi_model_calibrate(ex->model, samples, n, c->min_cosine, err);
+    int rc = hapi_model_calibrate(ex->model, samples, n, c->min_cosine, ex->freeze - 1, err);
     c->seconds = (double)(hapi_now_ns() - t0) / 1e9;
     free(samples);
     /* the calibration's activations and the fp32 copy of the weights are free now: give them

@@ -226,15 +226,16 @@ int hapi_model_probe(hapi_model *m, int channels, int height, int width,
 
 /*
  * Quantizes an int8 model: n samples of the probed input shape (CHW fp32, batch-major) run
- * through each stage in fp32 and quantized; stages that would not stay within min_cosine of
- * fp32 (0: HAPI_INT8_MIN_COSINE), or hold nothing to quantize, stay fp32. After hapi_model_probe(), before
+ * through each stage in fp32 and quantized; stages that would not keep every stage's features
+ * within HAPI_INT8_MIN_COSINE of fp32's, and stage at's (when at >= 0) within min_cosine too,
+ * or that hold nothing to quantize, stay fp32. After hapi_model_probe(), before
  * hapi_model_run(), once, not while another thread uses m; until then an int8 model runs in
  * fp32. The fp32 copy of the weights kept since the load is freed after. Returns 0,
  * HAPI_EINVAL (not an int8 model, not probed, calibrated already, n < 1, min_cosine outside
- * 0..1), HAPI_EMODEL,
+ * 0..1, at past the last stage), HAPI_EMODEL,
  * HAPI_EOOM.
  */
-int hapi_model_calibrate(hapi_model *m, const float *samples, int n, double min_cosine,
+int hapi_model_calibrate(hapi_model *m, const float *samples, int n, double min_cosine, int at,
                          hapi_error *err) HAPI_NOEXCEPT;
 
 /*
@@ -325,7 +326,8 @@ typedef struct hapi_extractor_config {
     int precision;          /* enum hapi_precision */
     const char *calibrate_dir; /* int8: its first images calibrate (NULL/"" or none there:
                                   seeded image-like samples) */
-    double int8_min_cosine; /* int8: the calibration's bound; 0: HAPI_INT8_MIN_COSINE */
+    double int8_min_cosine; /* int8: the calibration's bound at the freeze point (every stage
+                               keeps HAPI_INT8_MIN_COSINE); 0: HAPI_INT8_MIN_COSINE */
 } hapi_extractor_config;
 
 /* How an int8 model was calibrated. */
@@ -333,7 +335,8 @@ typedef struct hapi_calibration {
     int images;             /* of calibrate_dir; 0: HAPI_INT8_CALIBRATION_IMAGES seeded samples */
     uint8_t digest[16];     /* XXH3-128 of the preprocessed samples: part of the namespace */
     double seconds;         /* the quantization's time */
-    double min_cosine;      /* the bound a stage's features kept to stay int8 */
+    double min_cosine;      /* the bound the freeze point's features kept (every stage's:
+                               HAPI_INT8_MIN_COSINE) */
 } hapi_calibration;
 
 typedef struct hapi_extractor hapi_extractor;

@@ -674,12 +674,13 @@ bool chain_stages(torch::jit::Module &a, torch::jit::Module &b, const torch::Ten
 // The calibration of an int8 model (hapi_model_calibrate): every stage quantized on fp32's
 // inputs to it for all the samples (a stage the passes cannot quantize, or with nothing to
 // quantize, stays fp32); then, on the first kCheckSamples of them, the model as it will run
-// against fp32 stage by stage, and while some stage's features are below bound,
+// against fp32 stage by stage, and while some stage's features are below HAPI_INT8_MIN_COSINE
+// (stage at's below bound_at too),
 // a stage moves to fp32: that one if it runs in int8, else the last int8 stage before it (a
 // later stage may magnify an earlier one's rounding: ViT's final norm and class token do), and
 // the model runs again from it. Fills info's precision and check_cosine; commits only when it
 // succeeds.
-int model_calibrate_int8(hapi_model *m, const torch::Tensor &samples, double bound,
+int model_calibrate_int8(hapi_model *m, const torch::Tensor &samples, double bound_at, int at,
                          hapi_error *err)
 {
     const int64_t kCheckSamples = 8;
@@ -731,6 +732,8 @@ int model_calibrate_int8(hapi_model *m, const torch::Tensor &samples, double bou
             bool exact = !int8[i] && std::find(int8.begin(), int8.begin() + i, true) ==
                                          int8.begin() + i;
             info[i].check_cosine = exact ? 0.0 : min_cosine(in[i + 1], want[i]);
+            double bound = (int)i == at ? std::max(bound_at, HAPI_INT8_MIN_COSINE)
+                                        : HAPI_INT8_MIN_COSINE;
             if (!exact && info[i].check_cosine < bound)
                 low = i;
         }
@@ -986,23 +989,24 @@ int hapi_model_probe(hapi_model *m, int channels, int height, int width, hapi_er
     HAPI_MODEL_CATCH("probe")
 }
 
-int hapi_model_calibrate(hapi_model *m, const float *samples, int n, double min_cosine,
+int hapi_model_calibrate(hapi_model *m, const float *samples, int n, double min_cosine, int at,
                          hapi_error *err) noexcept
 {
     if (!m || !m->int8 || !m->probed || m->calibrated || !samples || n < 1 ||
-        !(min_cosine >= 0 && min_cosine <= 1))
+        !(min_cosine >= 0 && min_cosine <= 1) || at >= (int)m->stages.size())
         return hapi_error_set(err, HAPI_EINVAL, "calibrate: %s",
                               !m || !m->int8 ? "not an int8 model"
                               : !m->probed   ? "before hapi_model_probe()"
                               : m->calibrated ? "calibrated already"
-                              : n < 1 || !samples ? "no samples" : "a bound outside 0..1");
+                              : n < 1 || !samples ? "no samples"
+                              : at >= (int)m->stages.size() ? "no such stage"
+                                                            : "a bound outside 0..1");
     try {
         c10::InferenceMode off(false);  // the quantized weights are ordinary tensors
         torch::Tensor x = torch::from_blob(const_cast<float *>(samples),
                                            {n, m->channels, m->height, m->width}, torch::kFloat)
                               .clone();
-        return model_calibrate_int8(m, x, min_cosine > 0 ? min_cosine : HAPI_INT8_MIN_COSINE,
-                                    err);
+        return model_calibrate_int8(m, x, min_cosine, at, err);
     }
     HAPI_MODEL_CATCH("calibrate")
 }

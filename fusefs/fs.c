@@ -143,9 +143,10 @@ static void log_int8_calibration(const hapi_extractor *ex, const char *source)
     else
         snprintf(on, sizeof(on), "%d seeded image-like samples (no image in %s)",
                  HAPI_INT8_CALIBRATION_IMAGES, source);
-    hapi_log(HAPI_LOG_INFO, "precision=int8: calibrated on %s in %.1f s, a stage int8 where "
-             "within cosine %g of fp32; int8: %s; fp32: %s; features at cosine %.6f or more of "
-             "fp32's there", on, c->seconds, c->min_cosine, int8[0] ? int8 : "none",
+    hapi_log(HAPI_LOG_INFO, "precision=int8: calibrated on %s in %.1f s, a stage int8 while "
+             "every stage stays within cosine %g of fp32 and the freeze point within %g; int8: "
+             "%s; fp32: %s; features at cosine %.6f or more of fp32's there", on, c->seconds,
+             HAPI_INT8_MIN_COSINE, c->min_cosine, int8[0] ? int8 : "none",
              fp32[0] ? fp32 : "none", lowest);
 }
 
@@ -189,8 +190,8 @@ static void choice_path(const hapi_fs_options *opt, const uint8_t digest[16], ch
 /*
  * precision=auto (policy.h): the choice kept in the cache directory for this model if there
  * is one (and profile_redo does not ask again), else fp32, bf16 and int8 loaded (each with its
- * check; int8 calibrated on the source, its stages kept int8 within the bound of auto,
- * HAPI_PRECISION_MIN_COSINE) and timed, the fastest kept. A
+ * check; int8 calibrated on the source, its stages kept int8 while the freeze point's features
+ * stay within auto's bound, HAPI_PRECISION_MIN_COSINE) and timed, the fastest kept. A
  * device other than the CPU runs fp32 (bf16 and int8 are the CPU's). Sets opt->precision to
  * the one chosen and fs->ex to its extractor.
  */

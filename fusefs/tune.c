@@ -157,13 +157,24 @@ static int get_profile(hapi_tune *t, hapi_profile *prof, int *reused, hapi_error
     const uint8_t *digest = hapi_extractor_model_digest(t->cfg.ex);
     /*
      * A bf16 or int8 model is another machine as far as timing goes, and so is
-     * another BLAS on a CPU (linear layers 22x apart): each has its own profile.
+     * another BLAS on a CPU (linear layers 22x apart): each has its own profile. So is
+     * each set of stages such a model runs in fp32 (its check's, or its calibration's: an
+     * int8 model calibrated on another source or with another bound may keep others), named
+     * "-fN_M" after the precision.
      */
-    char device[128];
+    char device[128], moved[64] = "";
     int cpu = strncmp(t->cfg.opt->device, "cuda", 4) != 0;
     int fp32 = t->cfg.opt->precision == HAPI_PRECISION_FP32;
-    snprintf(device, sizeof(device), "%s%s%s%s%s", t->cfg.opt->device, fp32 ? "" : "-",
-             fp32 ? "" : hapi_precision_name(t->cfg.opt->precision), cpu ? "-" : "",
+    hapi_model *m = hapi_extractor_model(t->cfg.ex);
+    for (int i = 0, n = hapi_model_num_stages(m); !fp32 && i < n; i++) {
+        hapi_stage_info info;
+        size_t len = strlen(moved);
+        if (hapi_model_stage(m, i, &info) == 0 && info.precision == HAPI_PRECISION_FP32 &&
+            info.check_cosine != 0.0 && len < sizeof(moved))
+            snprintf(moved + len, sizeof(moved) - len, "%s%d", len ? "_" : "-f", i);
+    }
+    snprintf(device, sizeof(device), "%s%s%s%s%s%s", t->cfg.opt->device, fp32 ? "" : "-",
+             fp32 ? "" : hapi_precision_name(t->cfg.opt->precision), moved, cpu ? "-" : "",
              cpu ? hapi_model_blas() : "");
     /* one inference worker's threads: what each batch runs with */
     int threads = hapi_batcher_worker_threads(t->cfg.opt->torch_threads,

@@ -415,21 +415,25 @@ int hapi_policy_input_help(const hapi_policy_input_spec *s, char *buf, size_t si
 /*
  * precision=auto: the arithmetic a mount's model runs in, chosen by measuring the candidates
  * on this node: fp32, bf16 and int8 (enum hapi_precision), each loaded as its precision= would
- * load it (bf16 with its check, int8 calibrated and checked). A candidate whose features fall
- * below HAPI_PRECISION_MIN_COSINE of fp32's at some stage of [0, to) at its check is not timed.
+ * load it (bf16 with its check, int8 calibrated and checked, with HAPI_PRECISION_MIN_COSINE
+ * as the bound at the freeze point). A candidate whose features at the freeze point (stage
+ * to - 1: what training reads) fall below HAPI_PRECISION_MIN_COSINE of fp32's at its check is
+ * not timed.
  * The others run stages [0, to) on HAPI_PRECISION_BATCH random samples of the probed shape,
- * once each to warm up, then HAPI_PRECISION_ROUNDS rounds taking turns. A candidate is pruned
- * as soon as it is clearly slower than the fastest left: its warm-up over
- * HAPI_PRECISION_PRUNE_WARMUP times the fastest warm-up (one-time costs are in each), or its
- * best timed batch over HAPI_PRECISION_PRUNE times the fastest best. Of those left, the
+ * HAPI_PRECISION_WARMUPS times each to warm up (TorchScript's executor specialises a graph on
+ * its first runs), then HAPI_PRECISION_ROUNDS rounds taking turns. A candidate is pruned as
+ * soon as it is clearly slower than the fastest left: its last warm-up over
+ * HAPI_PRECISION_PRUNE_WARMUP times the fastest (what is left of one-time costs differs by
+ * precision), or its best timed batch over HAPI_PRECISION_PRUNE times the fastest best. Of those left, the
  * choice starts at the most exact (fp32, then bf16, then int8) and moves to a less exact one
  * whose median is at most HAPI_PRECISION_MARGIN of the choice's: fp32 is the reference, and a
  * coarser arithmetic must pay for its rounding.
  */
 #define HAPI_PRECISION_CANDIDATES 3 /* fp32, bf16, int8: enum hapi_precision's values */
 #define HAPI_PRECISION_BATCH 8
+#define HAPI_PRECISION_WARMUPS 2
 #define HAPI_PRECISION_ROUNDS 3
-#define HAPI_PRECISION_PRUNE_WARMUP 2.0
+#define HAPI_PRECISION_PRUNE_WARMUP 3.0 /* one-time costs differ: bf16 56, int8 19.7 ms */
 #define HAPI_PRECISION_PRUNE 1.5
 #define HAPI_PRECISION_MARGIN 0.95
 #define HAPI_PRECISION_MIN_COSINE 0.999
@@ -445,12 +449,14 @@ enum hapi_candidate_state {
 typedef struct hapi_precision_candidate {
     int state;            /* enum hapi_candidate_state */
     double ms;            /* per sample, median of the timed runs; 0: none timed */
-    double warmup_ms;     /* per sample, the first run; 0: not run */
+    double warmup_ms;     /* per sample, the last warm-up run; 0: not run */
     int runs;             /* timed runs */
     double seconds;       /* spent running it here, warm-up included */
     double setup_seconds; /* spent loading it, with its check or calibration (the caller's) */
-    int moved;            /* stages of [0, to) its check moved to fp32 */
+    int moved;            /* stages of [0, to) it runs in fp32 (moved by its check, or with
+                             nothing to quantize) */
     double min_cosine;    /* the lowest check cosine of [0, to) against fp32 (1 for fp32) */
+    double cosine;        /* the check cosine at stage to - 1, the freeze point (1 for fp32) */
 } hapi_precision_candidate;
 
 typedef struct hapi_precision_choice {

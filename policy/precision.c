@@ -88,12 +88,12 @@ static int prune(hapi_precision_choice *out, const double v[N], double factor)
     return left;
 }
 
-/* Each candidate's check: the stages of [0, to) moved to fp32, the lowest cosine (a stage's
-   0 is fp32 on fp32's inputs: exact), and whether it is within the bound. */
+/* Each candidate's check: the stages of [0, to) in fp32, the lowest cosine and the freeze
+   point's (a stage's 0 is fp32 on fp32's inputs: exact), and whether it is within the bound. */
 static void fill_check(hapi_model *m, int p, int to, hapi_precision_choice *out)
 {
     hapi_precision_candidate *c = &out->c[p];
-    c->min_cosine = 1.0;
+    c->min_cosine = c->cosine = 1.0;
     c->state = HAPI_CANDIDATE_TIMED;
     for (int i = 0; p != HAPI_PRECISION_FP32 && i < to; i++) {
         hapi_stage_info info;
@@ -102,8 +102,10 @@ static void fill_check(hapi_model *m, int p, int to, hapi_precision_choice *out)
         c->moved += info.precision == HAPI_PRECISION_FP32;
         if (info.check_cosine != 0.0)
             c->min_cosine = fmin(c->min_cosine, info.check_cosine);
+        if (info.check_cosine != 0.0 && i == to - 1)
+            c->cosine = info.check_cosine;
     }
-    if (c->min_cosine < HAPI_PRECISION_MIN_COSINE)
+    if (c->cosine < HAPI_PRECISION_MIN_COSINE)
         c->state = HAPI_CANDIDATE_BELOW;
 }
 
@@ -116,8 +118,9 @@ static int measure(struct bench *b, hapi_precision_choice *out, hapi_error *err)
         if (out->c[p].state != HAPI_CANDIDATE_TIMED)
             continue;
         order[n++] = p;
-        if ((rc = run_once(b, &out->c[p], p, &out->c[p].warmup_ms, err)) < 0)
-            return rc;
+        for (int w = 0; w < HAPI_PRECISION_WARMUPS; w++)
+            if ((rc = run_once(b, &out->c[p], p, &out->c[p].warmup_ms, err)) < 0)
+                return rc;
         warm[p] = out->c[p].warmup_ms;
     }
     int left = prune(out, warm, HAPI_PRECISION_PRUNE_WARMUP);
@@ -172,7 +175,7 @@ static void choose(hapi_precision_choice *out)
                                     figure(c), c->runs ? "" : " at the warm-up");
         else if (c->state == HAPI_CANDIDATE_BELOW)
             len += (size_t)snprintf(at, room, "%s%s not timed, cosine %.4f to fp32 under %g",
-                                    sep, name, c->min_cosine, HAPI_PRECISION_MIN_COSINE);
+                                    sep, name, c->cosine, HAPI_PRECISION_MIN_COSINE);
         else
             len += (size_t)snprintf(at, room, "%s%s does not load", sep, name);
     }
@@ -237,10 +240,10 @@ out:
 
 static json_t *candidate_to_json(const hapi_precision_candidate *c)
 {
-    return json_pack("{s:s, s:f, s:f, s:i, s:f, s:f, s:i, s:f}", "state", state_name(c->state),
-                     "ms", c->ms, "warmup_ms", c->warmup_ms, "runs", c->runs, "seconds",
-                     c->seconds, "setup_seconds", c->setup_seconds, "moved", c->moved,
-                     "min_cosine", c->min_cosine);
+    return json_pack("{s:s, s:f, s:f, s:i, s:f, s:f, s:i, s:f, s:f}", "state",
+                     state_name(c->state), "ms", c->ms, "warmup_ms", c->warmup_ms, "runs",
+                     c->runs, "seconds", c->seconds, "setup_seconds", c->setup_seconds, "moved",
+                     c->moved, "min_cosine", c->min_cosine, "cosine", c->cosine);
 }
 
 char *hapi_precision_choice_to_json(const hapi_precision_choice *c)
@@ -272,10 +275,10 @@ static int candidate_from_json(json_t *cands, int p, hapi_precision_candidate *c
 {
     const char *state = NULL;
     if (json_unpack_ex(json_object_get(cands, hapi_precision_name(p)), jerr, 0,
-                       "{s:s, s:F, s:F, s:i, s:F, s:F, s:i, s:F}", "state", &state, "ms",
+                       "{s:s, s:F, s:F, s:i, s:F, s:F, s:i, s:F, s:F}", "state", &state, "ms",
                        &c->ms, "warmup_ms", &c->warmup_ms, "runs", &c->runs, "seconds",
                        &c->seconds, "setup_seconds", &c->setup_seconds, "moved", &c->moved,
-                       "min_cosine", &c->min_cosine) < 0)
+                       "min_cosine", &c->min_cosine, "cosine", &c->cosine) < 0)
         return -1;
     if ((c->state = lookup(state, 4, state_name)) < 0) {
         snprintf(jerr->text, sizeof(jerr->text), "%s: state %s", hapi_precision_name(p), state);

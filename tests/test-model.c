@@ -471,16 +471,16 @@ START_TEST(test_run_range_finishes_a_split)
         float *in = det_input((size_t)2 * models[k].input);
         if (int8) {
             float *samples = det_input((size_t)8 * models[k].input);
-            ck_assert_int_eq(hapi_model_calibrate(m, samples, 8, 1.5, &err), HAPI_EINVAL);
-            rc = hapi_model_calibrate(m, samples, 8, 0, &err);
+            ck_assert_int_eq(hapi_model_calibrate(m, samples, 8, 1.5, -1, &err), HAPI_EINVAL);
+            rc = hapi_model_calibrate(m, samples, 8, 0, -1, &err);
             ck_assert_msg(rc == 0, "calibrate: %d %s", rc, err.message);
-            ck_assert_int_eq(hapi_model_calibrate(m, samples, 8, 0, &err), HAPI_EINVAL);
+            ck_assert_int_eq(hapi_model_calibrate(m, samples, 8, 0, -1, &err), HAPI_EINVAL);
             free(samples);
             hapi_stage_info info;
             ck_assert_int_eq(hapi_model_stage(m, 1, &info), 0);
             ck_assert_int_eq(info.precision, HAPI_PRECISION_INT8);
         } else {
-            ck_assert_int_eq(hapi_model_calibrate(m, in, 1, 0, &err), HAPI_EINVAL);
+            ck_assert_int_eq(hapi_model_calibrate(m, in, 1, 0, -1, &err), HAPI_EINVAL);
         }
         float *whole = run_fp32(m, to, in, 2);
         size_t n = 2 * stage_elements(m, to);
